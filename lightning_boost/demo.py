@@ -1,0 +1,130 @@
+"""`lightning-boost demo`: the doctor, then a short fit on FakeData with the settings it implies.
+
+A CIFAR-sized image task (torchvision ``FakeData`` with the usual CPU augmentation pipeline,
+since nothing is downloaded) and a small CNN with torchmetrics accuracy, trained with the
+DataLoader workers, pinned memory and precision that `HardwareInfo` calls for. It is the
+project's main job until the side-by-side demo (plain vs boosted) replaces it.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torchmetrics
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from torchvision import datasets, transforms
+from typing_extensions import override
+
+from lightning_boost.doctor import run_checks
+from lightning_boost.hardware import HardwareInfo
+from lightning_boost.precision import auto_precision
+from lightning_boost.report import BoostReport
+
+CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR_STD = (0.2470, 0.2435, 0.2616)
+
+
+class SmallCNN(L.LightningModule):
+    """Three conv blocks and a linear head for 32x32 RGB images; logs loss and accuracy."""
+
+    def __init__(self, num_classes: int = 10, lr: float = 0.05) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(
+            _block(3, 32), _block(32, 64), _block(64, 128),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, num_classes),
+        )
+        self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
+
+    @override
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x)
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        images, labels = batch
+        logits = self(images)
+        loss = nn.functional.cross_entropy(logits, labels)
+        self.train_acc(logits, labels)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_acc", self.train_acc, on_step=False, on_epoch=True)
+        return loss
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=0.9)
+
+
+def _block(cin: int, cout: int) -> nn.Sequential:
+    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
+                         nn.ReLU(inplace=True), nn.MaxPool2d(2))
+
+
+def train_transform() -> transforms.Compose:
+    """The usual CIFAR augmentation: random crop with padding, flip, tensor, normalize."""
+    return transforms.Compose([
+        transforms.RandomCrop(32, padding=4),
+        transforms.RandomHorizontalFlip(),
+        transforms.ToTensor(),
+        transforms.Normalize(CIFAR_MEAN, CIFAR_STD),
+    ])
+
+
+def loader_settings(hardware: HardwareInfo) -> dict[str, Any]:
+    """DataLoader settings the hardware calls for: a worker per spare CPU, pinned memory on CUDA."""
+    workers = max(hardware.cpus_per_process - 1, 0)
+    return {"num_workers": workers, "pin_memory": hardware.is_cuda, "persistent_workers": workers > 0}
+
+
+class _Throughput(L.Callback):
+    """Training samples per second, from the first batch to the end of the last epoch."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self.started: float | None = None
+        self.seconds = 0.0
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if self.started is None:
+            self.started = time.perf_counter()
+        self.samples += len(batch[1])
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.started is not None:
+            self.seconds = time.perf_counter() - self.started
+
+
+def run_demo(samples: int = 2048, epochs: int = 2, root: str = "lightning_logs_demo",
+             batch_size: int = 64) -> tuple[BoostReport, dict[str, Any]]:
+    """Check the machine, train `SmallCNN` on FakeData, return the report and a run summary."""
+    if samples < batch_size:
+        raise ValueError(f"`samples` expected at least batch_size={batch_size}, got {samples}.")
+    hardware = HardwareInfo.detect()
+    report = run_checks(hardware)
+    settings = loader_settings(hardware)
+    precision = auto_precision(hardware)
+    dataset = datasets.FakeData(size=samples, image_size=(3, 32, 32), num_classes=10,
+                                transform=train_transform())
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, **settings)
+    throughput = _Throughput()
+    L.seed_everything(0, verbose=False)
+    trainer = L.Trainer(max_epochs=epochs, precision=precision, default_root_dir=root,  # type: ignore[arg-type]
+                        callbacks=[throughput], enable_model_summary=False, log_every_n_steps=10)
+    trainer.fit(SmallCNN(), train_dataloaders=loader)
+    report.tuned.update(settings, precision=precision, batch_size=batch_size)
+    paths = report.write(trainer.log_dir or root)
+    summary = {
+        "accelerator": hardware.accelerator,
+        **report.tuned,
+        "samples/s": round(throughput.samples / throughput.seconds, 1) if throughput.seconds else None,
+        "report": str(paths[0]),
+    }
+    return report, summary

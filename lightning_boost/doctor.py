@@ -1,0 +1,149 @@
+"""`lightning-boost doctor`: the environment checks fast-training guides start with, as a tool.
+
+Each check is a plain function ``HardwareInfo -> list[Finding]``, so every branch is tested on
+made-up hardware. `run_checks` runs them all; a finding of severity ``error`` is a FAIL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from lightning_boost.hardware import GIB, MIB, HardwareInfo
+from lightning_boost.precision import auto_precision
+from lightning_boost.report import BoostReport, Finding, Severity
+
+#: DataLoader workers hand batches over in /dev/shm; below this, a few workers fill it.
+MIN_SHM_BYTES = 1 * GIB
+#: Each batch a worker shares holds file descriptors; Linux's common default (1024) runs out.
+MIN_OPEN_FILES = 4096
+
+_INSTALL_HINT = (
+    "reinstall torch as a CUDA build matching your driver: `pip install --force-reinstall torch`"
+    " with the CUDA index URL the PyTorch install selector gives for your CUDA version"
+)
+
+Check = Callable[[HardwareInfo], list[Finding]]
+
+
+def _finding(area: str, severity: str, title: str, detail: str = "", fix: str = "", **data: object) -> Finding:
+    return Finding("doctor", area, Severity(severity), title, detail, fix, data=data)
+
+
+def check_gpu(hw: HardwareInfo) -> list[Finding]:
+    """FAIL when an NVIDIA GPU is visible but this torch cannot use it."""
+    if hw.is_cuda:
+        return [_finding("environment", "info", f"CUDA in use: {hw.device_count} GPU(s)",
+                         f"torch {hw.torch_version}, CUDA {hw.cuda_version}, cuDNN {hw.cudnn_version}")]
+    if hw.nvidia_driver_present and hw.cpu_only_build:
+        return [_finding("environment", "error", "An NVIDIA GPU is visible but torch is a CPU-only build",
+                         f"torch {hw.torch_version} was built without CUDA, so training runs on the CPU.",
+                         _INSTALL_HINT)]
+    if hw.nvidia_driver_present:
+        return [_finding("environment", "error", "An NVIDIA GPU is visible but CUDA is unusable",
+                         hw.cuda_error or f"torch {hw.torch_version} (CUDA {hw.cuda_version}) sees no device.",
+                         "check `nvidia-smi` and CUDA_VISIBLE_DEVICES; a driver older than the CUDA"
+                         f" {hw.cuda_version} that torch was built with needs a driver update or "
+                         + _INSTALL_HINT.replace("matching your driver", "for an older CUDA"))]
+    if hw.accelerator == "mps":
+        return [_finding("environment", "info", "Apple GPU (MPS) in use", f"torch {hw.torch_version}")]
+    build = "CPU-only build" if hw.cpu_only_build else f"CUDA {hw.cuda_version} build"
+    return [_finding("environment", "info", "No GPU visible: training runs on the CPU",
+                     f"torch {hw.torch_version} ({build}); no NVIDIA driver found.")]
+
+
+def check_devices(hw: HardwareInfo) -> list[Finding]:
+    """Each CUDA device's name, capability and memory; which precision fits; TF32."""
+    precision = auto_precision(hw)
+    if not hw.is_cuda:
+        return [_finding("precision and strategy", "info", f"precision {precision!r} fits this machine",
+                         "no CUDA device: mixed precision would not speed up training here.",
+                         precision=precision)]
+    findings = []
+    for index, (name, cap, memory) in enumerate(
+        zip(hw.device_names, hw.compute_capabilities, hw.device_memory_bytes)
+    ):
+        findings.append(_finding("environment", "info", f"cuda:{index} {name}",
+                                 f"compute capability {cap[0]}.{cap[1]}, {memory / GIB:.1f} GiB"))
+    why = ("bf16 has fp32's range: no loss scaling, no overflow NaNs" if hw.supports_bf16
+           else "no fast bf16 before compute capability 8.0: fp16 with Lightning's gradient scaler")
+    tf32 = "TF32 matmuls available" if hw.supports_tf32 else "no TF32 (capability < 8.0)"
+    findings.append(_finding("precision and strategy", "info", f"precision {precision!r} fits these GPUs",
+                             f"{why}; {tf32}.", f"Trainer(precision={precision!r})",
+                             precision=precision, tf32=hw.supports_tf32))
+    return findings
+
+
+def check_shm(hw: HardwareInfo) -> list[Finding]:
+    """WARN when /dev/shm is too small for DataLoader workers (Docker's default is 64 MB)."""
+    if hw.shm_bytes is None:
+        return [_finding("data", "info", "/dev/shm not found", "not Linux: workers share memory another way.")]
+    size = f"{hw.shm_bytes / MIB:.0f} MiB" if hw.shm_bytes < GIB else f"{hw.shm_bytes / GIB:.1f} GiB"
+    if hw.shm_bytes >= MIN_SHM_BYTES:
+        return [_finding("data", "info", f"/dev/shm is {size}", shm_bytes=hw.shm_bytes)]
+    return [_finding("data", "warn", f"/dev/shm is only {size}",
+                     "DataLoader workers pass batches through shared memory; when it fills they die"
+                     " with 'bus error' or 'unable to write to file </torch_...>'.",
+                     "give the container more: `docker run --shm-size=8g` or `--ipc=host`"
+                     " (Kubernetes: an emptyDir with `medium: Memory` mounted at /dev/shm)",
+                     shm_bytes=hw.shm_bytes)]
+
+
+def check_open_files(hw: HardwareInfo) -> list[Finding]:
+    """WARN when the open-file limit is low enough for workers to hit 'Too many open files'."""
+    limit = hw.open_files_limit
+    if limit is None or limit >= MIN_OPEN_FILES:
+        shown = "unlimited" if limit is None else str(limit)
+        return [_finding("data", "info", f"open-file limit {shown}", open_files_limit=limit)]
+    hard = hw.open_files_hard_limit
+    if hard is None or hard > limit:
+        how = f"`ulimit -n {hard or 65536}` before training (no root needed up to the hard limit)"
+    else:
+        how = ("raise the hard limit (/etc/security/limits.conf, or `docker run --ulimit"
+               " nofile=65536:65536`), then `ulimit -n 65536`")
+    return [_finding("data", "warn", f"open-file limit is only {limit}",
+                     "DataLoader workers share each batch through file descriptors; many workers or"
+                     " large batches fail with 'Too many open files'.",
+                     f"{how}, or `torch.multiprocessing.set_sharing_strategy('file_system')`",
+                     open_files_limit=limit)]
+
+
+def check_cpus(hw: HardwareInfo) -> list[Finding]:
+    """CPUs per training process and the DataLoader worker count that implies."""
+    per_process = hw.cpus_per_process
+    workers = max(per_process - 1, 0)  # the training process keeps one CPU
+    detail = (f"{hw.cpus_available} CPUs available to this process ({hw.cpu_count} in the machine),"
+              f" {hw.processes_per_node} training process(es) per node: {per_process} CPU(s) each,"
+              f" so at most {workers} DataLoader worker(s) per process.")
+    data = {"cpus_per_process": per_process, "max_workers": workers}
+    if hw.is_cuda and per_process < 2:
+        return [_finding("data", "warn", f"only {per_process} CPU per GPU process", detail,
+                         "data loading will likely starve the GPU: give the job more CPUs, move"
+                         " augmentation to the GPU (BoostedDataModule device_transforms), or run"
+                         " fewer processes per node", **data)]
+    return [_finding("data", "info", f"{per_process} CPU(s) per process, up to {workers} worker(s)",
+                     detail, **data)]
+
+
+def check_distributed(hw: HardwareInfo) -> list[Finding]:
+    """Multi-GPU or multi-node: NCCL must be there for fast DDP on CUDA."""
+    multi = hw.device_count > 1 or hw.local_world_size > 1 or hw.is_multi_node
+    if not (hw.is_cuda and multi):
+        return []
+    layout = f"{hw.processes_per_node} process(es) per node x {hw.node_count} node(s)"
+    if hw.nccl_available:
+        return [_finding("precision and strategy", "info", f"NCCL {hw.nccl_version} available", layout)]
+    return [_finding("precision and strategy", "error", "multi-GPU but NCCL is not available",
+                     f"{layout}; DDP on CUDA tensors needs NCCL (gloo is many times slower).",
+                     "use a Linux CUDA build of torch (NCCL ships with it)")]
+
+
+CHECKS: tuple[Check, ...] = (check_gpu, check_devices, check_cpus, check_shm, check_open_files,
+                             check_distributed)
+
+
+def run_checks(hw: HardwareInfo) -> BoostReport:
+    """Run every check on `hw` and collect the findings in a report."""
+    report = BoostReport()
+    for check in CHECKS:
+        report.add(check(hw))
+    return report

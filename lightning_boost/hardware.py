@@ -1,0 +1,380 @@
+"""What the machine is, as plain data: every tuning decision is a function of a `HardwareInfo`.
+
+`HardwareInfo.detect()` reads the real machine once; decisions and tests take a `HardwareInfo`
+built by hand (see `EXAMPLES` for a CPU box, a T4, a V100, an 8×A100 node and an H100).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+from lightning_boost._validation import unknown_choice_error
+
+GIB = 1024**3
+MIB = 1024**2
+
+# Environment variables that launchers set, in the order they are trusted.
+_LOCAL_WORLD_SIZE_VARS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE")
+_NODE_COUNT_VARS = ("GROUP_WORLD_SIZE", "SLURM_NNODES", "NUM_NODES", "PET_NNODES")
+
+
+@dataclass(frozen=True)
+class HardwareInfo:
+    """Everything lightning-boost's decisions depend on, as immutable plain data.
+
+    Args:
+        accelerator: ``"cuda"``, ``"mps"`` or ``"cpu"``: the device training would run on.
+        device_names: one name per visible accelerator device (empty on CPU).
+        compute_capabilities: CUDA compute capability per device, e.g. ``(8, 0)`` for an A100.
+        device_memory_bytes: total memory per device.
+        supports_bf16: the device computes in bfloat16 at full speed (CUDA capability >= 8.0).
+        supports_tf32: TensorFloat-32 matmuls are available (CUDA capability >= 8.0).
+        cpus_available: CPUs this process may run on (affinity and cgroup quota).
+        cpu_count: CPUs in the machine (``os.cpu_count()``), for reference only.
+        ram_total_bytes: physical memory, ``None`` where unknown.
+        ram_available_bytes: memory available for new allocations, ``None`` where unknown.
+        local_world_size: training processes on this node when launched distributed, else 1.
+        node_count: nodes in the run when launched distributed, else 1.
+        shm_bytes: size of ``/dev/shm`` (DataLoader workers share batches through it).
+        open_files_limit: the soft ``RLIMIT_NOFILE`` of this process.
+        open_files_hard_limit: the hard ``RLIMIT_NOFILE``, which the soft one may be raised to.
+        torch_version: ``torch.__version__``.
+        cuda_version: the CUDA version torch was built with, ``None`` for a CPU-only build.
+        cudnn_version: cuDNN version as an int (e.g. ``90100``), ``None`` when unavailable.
+        nccl_version: NCCL version string, ``None`` when unavailable.
+        nccl_available: ``torch.distributed`` has the NCCL backend.
+        cpu_only_build: torch was built without CUDA or ROCm.
+        nvidia_driver_present: an NVIDIA driver is visible (``nvidia-smi`` or
+            ``/proc/driver/nvidia``), whatever torch thinks.
+        cuda_error: why CUDA is unusable when torch has CUDA and a driver is present but
+            ``torch.cuda.is_available()`` is false.
+
+    Example:
+        >>> from lightning_boost.hardware import EXAMPLES
+        >>> EXAMPLES["a100x8"].supports_bf16, EXAMPLES["t4"].supports_bf16
+        (True, False)
+    """
+
+    accelerator: str
+    device_names: tuple[str, ...] = ()
+    compute_capabilities: tuple[tuple[int, int], ...] = ()
+    device_memory_bytes: tuple[int, ...] = ()
+    supports_bf16: bool = False
+    supports_tf32: bool = False
+    cpus_available: int = 1
+    cpu_count: int = 1
+    ram_total_bytes: int | None = None
+    ram_available_bytes: int | None = None
+    local_world_size: int = 1
+    node_count: int = 1
+    shm_bytes: int | None = None
+    open_files_limit: int | None = None
+    open_files_hard_limit: int | None = None
+    torch_version: str = ""
+    cuda_version: str | None = None
+    cudnn_version: int | None = None
+    nccl_version: str | None = None
+    nccl_available: bool = False
+    cpu_only_build: bool = True
+    nvidia_driver_present: bool = False
+    cuda_error: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.accelerator not in ("cuda", "mps", "cpu"):
+            raise ValueError(
+                f"`accelerator` expected one of 'cuda', 'mps', 'cpu', got {self.accelerator!r}."
+            )
+        per_device = (len(self.compute_capabilities), len(self.device_memory_bytes))
+        if self.accelerator == "cuda" and per_device != (self.device_count, self.device_count):
+            raise ValueError(
+                "`compute_capabilities` and `device_memory_bytes` expected one entry per device in"
+                f" `device_names` ({self.device_count}), got {per_device[0]} and {per_device[1]}."
+            )
+        for name in ("cpus_available", "local_world_size", "node_count"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"`{name}` expected an int >= 1, got {getattr(self, name)!r}.")
+
+    @property
+    def device_count(self) -> int:
+        """Number of accelerator devices visible to this process (0 on CPU)."""
+        return len(self.device_names)
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.accelerator == "cuda"
+
+    @property
+    def min_compute_capability(self) -> tuple[int, int] | None:
+        """The lowest capability over the devices: what every device can do."""
+        return min(self.compute_capabilities) if self.compute_capabilities else None
+
+    @property
+    def min_device_memory_bytes(self) -> int | None:
+        """The smallest device's memory: what a per-device decision must fit in."""
+        return min(self.device_memory_bytes) if self.device_memory_bytes else None
+
+    @property
+    def processes_per_node(self) -> int:
+        """Training processes sharing this node's CPUs: the launcher's count, else one per device."""
+        if self.local_world_size > 1:
+            return self.local_world_size
+        return max(self.device_count, 1)
+
+    @property
+    def cpus_per_process(self) -> int:
+        """CPUs each training process can count on: available CPUs // processes on this node."""
+        return max(self.cpus_available // self.processes_per_node, 1)
+
+    @property
+    def is_multi_node(self) -> bool:
+        return self.node_count > 1
+
+    def replace(self, **changes: object) -> HardwareInfo:
+        """A copy with some fields changed, e.g. ``hw.replace(local_world_size=2)``."""
+        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain JSON-ready dict (tuples become lists)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def example(cls, name: str) -> HardwareInfo:
+        """A named, made-up machine from `EXAMPLES`, for tests and for trying decisions.
+
+        Raises:
+            ValueError: for an unknown name, listing the close matches and every name.
+        """
+        if name not in EXAMPLES:
+            raise unknown_choice_error("name", name, EXAMPLES)
+        return EXAMPLES[name]
+
+    @classmethod
+    def detect(cls) -> HardwareInfo:
+        """Read the real machine: devices, CPUs, memory, limits and library versions."""
+        import torch
+
+        devices = _cuda_devices() if torch.cuda.is_available() else []
+        if devices:
+            accelerator = "cuda"
+        elif _mps_available():
+            accelerator = "mps"
+        else:
+            accelerator = "cpu"
+        capabilities = tuple(d[1] for d in devices)
+        ampere = bool(capabilities) and min(capabilities) >= (8, 0)
+        soft, hard = _open_files_limits()
+        ram_total, ram_available = _meminfo()
+        return cls(
+            accelerator=accelerator,
+            device_names=tuple(d[0] for d in devices),
+            compute_capabilities=capabilities,
+            device_memory_bytes=tuple(d[2] for d in devices),
+            supports_bf16=ampere,
+            supports_tf32=ampere,
+            cpus_available=available_cpus(),
+            cpu_count=os.cpu_count() or 1,
+            ram_total_bytes=ram_total,
+            ram_available_bytes=ram_available,
+            local_world_size=_first_int_env(_LOCAL_WORLD_SIZE_VARS),
+            node_count=_first_int_env(_NODE_COUNT_VARS),
+            shm_bytes=_disk_size("/dev/shm"),
+            open_files_limit=soft,
+            open_files_hard_limit=hard,
+            torch_version=torch.__version__,
+            cuda_version=torch.version.cuda,
+            cudnn_version=_cudnn_version(),
+            nccl_version=_nccl_version(),
+            nccl_available=_nccl_available(),
+            cpu_only_build=torch.version.cuda is None and torch.version.hip is None,
+            nvidia_driver_present=nvidia_driver_present(),
+            cuda_error=_cuda_error(),
+        )
+
+
+def available_cpus() -> int:
+    """CPUs this process may use: its affinity mask, capped by a cgroup CPU quota (containers)."""
+    try:
+        count = len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS and Windows have no affinity mask
+        count = os.cpu_count() or 1
+    quota = cgroup_cpu_quota(Path("/sys/fs/cgroup"))
+    return max(min(count, quota) if quota else count, 1)
+
+
+def cgroup_cpu_quota(root: Path) -> int | None:
+    """CPUs granted by a cgroup v2 ``cpu.max`` (or v1 cfs quota) under `root`, rounded up."""
+    try:
+        v2 = root / "cpu.max"
+        if v2.exists():
+            quota, period = v2.read_text().split()[:2]
+            return None if quota == "max" else math.ceil(int(quota) / int(period))
+        v1 = root / "cpu" / "cpu.cfs_quota_us"
+        if v1.exists():
+            quota_us = int(v1.read_text())
+            period_us = int((root / "cpu" / "cpu.cfs_period_us").read_text())
+            return None if quota_us <= 0 else math.ceil(quota_us / period_us)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def nvidia_driver_present() -> bool:
+    """An NVIDIA driver is installed, whether or not torch can use it."""
+    return Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi") is not None
+
+
+def _cuda_devices() -> list[tuple[str, tuple[int, int], int]]:
+    import torch
+
+    devices = []
+    for index in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(index)
+        devices.append((props.name, (props.major, props.minor), props.total_memory))
+    return devices
+
+
+def _mps_available() -> bool:
+    import torch
+
+    backend = getattr(torch.backends, "mps", None)
+    return bool(backend is not None and backend.is_available())
+
+
+def _cuda_error() -> str | None:
+    import torch
+
+    if torch.version.cuda is None or not nvidia_driver_present():
+        return None
+    try:
+        torch.cuda.init()
+    except Exception as err:  # torch raises RuntimeError/AssertionError variants here
+        return str(err).strip() or type(err).__name__
+    return None
+
+
+def _cudnn_version() -> int | None:
+    import torch
+
+    try:
+        return torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    except RuntimeError:
+        return None
+
+
+def _nccl_available() -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_nccl_available())
+
+
+def _nccl_version() -> str | None:
+    import torch
+
+    if not _nccl_available():
+        return None
+    try:
+        version = torch.cuda.nccl.version()
+    except (RuntimeError, AttributeError):
+        return None
+    return ".".join(str(part) for part in version) if isinstance(version, tuple) else str(version)
+
+
+def _open_files_limits() -> tuple[int | None, int | None]:
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None, None
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    infinite = resource.RLIM_INFINITY
+    return (None if soft == infinite else soft), (None if hard == infinite else hard)
+
+
+def _disk_size(path: str) -> int | None:
+    try:
+        return shutil.disk_usage(path).total
+    except OSError:
+        return None
+
+
+def _meminfo(path: Path = Path("/proc/meminfo")) -> tuple[int | None, int | None]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError:
+        return None, None
+    values = {}
+    for line in lines:
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            values[key] = int(parts[0]) * 1024  # /proc/meminfo reports kB
+    return values.get("MemTotal"), values.get("MemAvailable")
+
+
+def _first_int_env(names: tuple[str, ...], environ: Mapping[str, str] | None = None) -> int:
+    environ = os.environ if environ is None else environ
+    for name in names:
+        value = environ.get(name, "")
+        if value.isdigit() and int(value) >= 1:
+            return int(value)
+    return 1
+
+
+def _cuda_box(
+    name: str, capability: tuple[int, int], memory: int, count: int, cpus: int, **extra: object
+) -> HardwareInfo:
+    ampere = capability >= (8, 0)
+    fields: dict[str, object] = dict(
+        accelerator="cuda",
+        device_names=(name,) * count,
+        compute_capabilities=(capability,) * count,
+        device_memory_bytes=(memory,) * count,
+        supports_bf16=ampere,
+        supports_tf32=ampere,
+        cpus_available=cpus,
+        cpu_count=cpus,
+        ram_total_bytes=max(64, 16 * count) * GIB,
+        ram_available_bytes=max(56, 14 * count) * GIB,
+        shm_bytes=max(16, 8 * count) * GIB,
+        open_files_limit=65536,
+        open_files_hard_limit=65536,
+        torch_version="2.14.1",
+        cuda_version="13.0",
+        cudnn_version=91300,
+        nccl_version="2.27.7",
+        nccl_available=True,
+        cpu_only_build=False,
+        nvidia_driver_present=True,
+    )
+    fields.update(extra)
+    return HardwareInfo(**fields)  # type: ignore[arg-type]
+
+
+#: Named made-up machines, for tests and for trying a decision without the hardware.
+EXAMPLES: dict[str, HardwareInfo] = {
+    "cpu": HardwareInfo(
+        accelerator="cpu",
+        cpus_available=8,
+        cpu_count=8,
+        ram_total_bytes=32 * GIB,
+        ram_available_bytes=28 * GIB,
+        shm_bytes=16 * GIB,
+        open_files_limit=65536,
+        open_files_hard_limit=65536,
+        torch_version="2.14.1",
+        nccl_available=False,
+        cpu_only_build=True,
+    ),
+    "t4": _cuda_box("Tesla T4", (7, 5), 15_637_086_208, 1, 4),
+    "v100": _cuda_box("Tesla V100-SXM2-16GB", (7, 0), 16_935_682_048, 1, 8),
+    "a100x8": _cuda_box("NVIDIA A100-SXM4-80GB", (8, 0), 85_097_971_712, 8, 96),
+    "h100": _cuda_box("NVIDIA H100 80GB HBM3", (9, 0), 85_045_379_072, 1, 16),
+    "h100x8-2nodes": _cuda_box(
+        "NVIDIA H100 80GB HBM3", (9, 0), 85_045_379_072, 8, 192, local_world_size=8, node_count=2
+    ),
+}

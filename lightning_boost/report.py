@@ -1,0 +1,202 @@
+"""Findings and the report that renders them: the one place lightning-boost's output goes.
+
+Every boost part returns what it found as `Finding` objects; a `BoostReport` collects them and
+renders them once: a console table, a JSON document with a stable schema, and Markdown.
+Nothing in the package prints on its own.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+from typing import Any
+
+from lightning_boost._files import atomic_write_text
+from lightning_boost._validation import unknown_choice_error
+
+#: Bumped on any incompatible change to the JSON written by `BoostReport.to_dict`.
+SCHEMA_VERSION = 1
+
+#: Report sections, in display order.
+AREAS = (
+    "environment",
+    "data",
+    "batch size",
+    "precision and strategy",
+    "syncs",
+    "retained graphs",
+    "step time",
+)
+
+
+class Severity(str, Enum):
+    """How much a finding matters: ``info`` (all is well, or a fact), ``warn``, ``error``."""
+
+    INFO = "info"
+    WARN = "warn"
+    ERROR = "error"
+
+    @property
+    def label(self) -> str:
+        """The status word shown to users: OK, WARN or FAIL."""
+        return {"info": "OK", "warn": "WARN", "error": "FAIL"}[self.value]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One thing a boost part found, with the fix.
+
+    Args:
+        source: what found it, e.g. ``"doctor"`` or ``"SyncGuard"``.
+        area: the report section, one of `AREAS`.
+        severity: a `Severity` or its value (``"info"``, ``"warn"``, ``"error"``).
+        title: one line saying what was found.
+        detail: the evidence, measured figures included.
+        fix: what to do about it; empty when nothing needs doing.
+        location: ``file:line`` in the user's code, when there is one.
+        data: JSON-ready figures behind the finding.
+
+    Example:
+        >>> f = Finding("doctor", "environment", "warn", "/dev/shm is 64 MiB", fix="--ipc=host")
+        >>> f.severity.label
+        'WARN'
+    """
+
+    source: str
+    area: str
+    severity: Severity
+    title: str
+    detail: str = ""
+    fix: str = ""
+    location: str | None = None
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.area not in AREAS:
+            raise unknown_choice_error("area", self.area, AREAS)
+        if not isinstance(self.severity, Severity):
+            if self.severity not in {s.value for s in Severity}:
+                raise unknown_choice_error("severity", self.severity, [s.value for s in Severity])
+            object.__setattr__(self, "severity", Severity(self.severity))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source,
+            "area": self.area,
+            "severity": self.severity.value,
+            "title": self.title,
+            "detail": self.detail,
+            "fix": self.fix,
+            "location": self.location,
+            "data": dict(self.data),
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Finding:
+        return cls(
+            source=data["source"],
+            area=data["area"],
+            severity=Severity(data["severity"]),
+            title=data["title"],
+            detail=data.get("detail", ""),
+            fix=data.get("fix", ""),
+            location=data.get("location"),
+            data=data.get("data", {}),
+        )
+
+
+@dataclass
+class BoostReport:
+    """Findings from every boost part and the values they tuned, rendered once.
+
+    Example:
+        >>> report = BoostReport()
+        >>> report.add([Finding("doctor", "environment", "info", "CPU only")])
+        >>> report.worst
+        <Severity.INFO: 'info'>
+    """
+
+    findings: list[Finding] = field(default_factory=list)
+    tuned: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, findings: Iterable[Finding]) -> None:
+        """Append findings, dropping exact duplicates (the same cause reported twice)."""
+        for finding in findings:
+            if finding not in self.findings:
+                self.findings.append(finding)
+
+    @property
+    def worst(self) -> Severity | None:
+        order = list(Severity)
+        return max((f.severity for f in self.findings), key=order.index, default=None)
+
+    def by_area(self) -> list[tuple[str, list[Finding]]]:
+        """Findings grouped by area, in `AREAS` order, empty areas left out."""
+        groups = [(area, [f for f in self.findings if f.area == area]) for area in AREAS]
+        return [(area, found) for area, found in groups if found]
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON document: ``schema_version``, ``created`` (UTC ISO 8601), ``tuned``, ``findings``."""
+        from lightning_boost import __version__
+
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "lightning_boost_version": __version__,
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "tuned": dict(self.tuned),
+            "findings": [f.to_dict() for f in self.findings],
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=False, default=str)
+
+    def to_markdown(self) -> str:
+        lines = ["# lightning-boost report", ""]
+        if self.tuned:
+            lines += ["## Tuned values", "", "| setting | value |", "| --- | --- |"]
+            lines += [f"| {key} | {_md(value)} |" for key, value in self.tuned.items()]
+            lines.append("")
+        for area, found in self.by_area():
+            lines += [f"## {area.capitalize()}", "", "| status | finding | fix |", "| --- | --- | --- |"]
+            for f in found:
+                what = f.title + (f" ({f.detail})" if f.detail else "")
+                what += f" at `{f.location}`" if f.location else ""
+                lines.append(f"| {f.severity.label} | {_md(what)} | {_md(f.fix)} |")
+            lines.append("")
+        return "\n".join(lines)
+
+    def table(self, title: str = "lightning-boost") -> Any:
+        """A `rich.table.Table` of the findings, grouped by area (rich ships with Lightning)."""
+        from rich.table import Table
+
+        table = Table(title=title, show_lines=False, expand=False)
+        table.add_column("area", style="bold")
+        table.add_column("status")
+        table.add_column("finding", overflow="fold")
+        with_fix = any(f.fix for f in self.findings)
+        if with_fix:
+            table.add_column("fix", overflow="fold")
+        styles = {Severity.INFO: "green", Severity.WARN: "yellow", Severity.ERROR: "bold red"}
+        for area, found in self.by_area():
+            for index, f in enumerate(found):
+                what = f.title + (f"\n[dim]{f.detail}[/dim]" if f.detail else "")
+                what += f"\n[dim]at {f.location}[/dim]" if f.location else ""
+                label = f"[{styles[f.severity]}]{f.severity.label}[/]"
+                cells = [area if index == 0 else "", label, what] + ([f.fix] if with_fix else [])
+                table.add_row(*cells)
+        return table
+
+    def write(self, directory: str | Path) -> tuple[Path, Path]:
+        """Write ``boost_report.json`` and ``boost_report.md`` atomically into `directory`."""
+        directory = Path(directory)
+        json_path = atomic_write_text(directory / "boost_report.json", self.to_json() + "\n")
+        md_path = atomic_write_text(directory / "boost_report.md", self.to_markdown() + "\n")
+        return json_path, md_path
+
+
+def _md(value: object) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")

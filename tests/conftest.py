@@ -1,0 +1,1 @@
+pytest_plugins = ["lightning_boost.testing.pytest_plugin"]
