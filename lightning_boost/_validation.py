@@ -7,11 +7,11 @@ from collections.abc import Iterable
 
 
 def unknown_choice_error(argument: str, value: object, choices: Iterable[str]) -> ValueError:
-    """A `ValueError` for a name that is not one of `choices`, with close matches first.
+    """A `ValueError` for a name that is not one of `choices`, listing every choice and the close matches.
 
     Example:
         >>> print(unknown_choice_error("name", "fast-dp", ["fast-ddp", "fsdp", "auto"]))
-        `name` expected one of 'auto', 'fast-ddp', 'fsdp', got 'fast-dp'. Did you mean 'fast-ddp'?
+        `name` expected one of 'auto', 'fast-ddp', 'fsdp', got 'fast-dp'. Did you mean 'fast-ddp' or 'fsdp'?
     """
     names = sorted(choices)
     listed = ", ".join(repr(name) for name in names)

@@ -14,6 +14,7 @@ from typing import Any
 import lightning as L
 import torch
 import torchmetrics
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
@@ -36,8 +37,12 @@ class SmallCNN(L.LightningModule):
         super().__init__()
         self.save_hyperparameters()
         self.net = nn.Sequential(
-            _block(3, 32), _block(32, 64), _block(64, 128),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(128, num_classes),
+            _block(3, 32),
+            _block(32, 64),
+            _block(64, 128),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
+            nn.Linear(128, num_classes),
         )
         self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
 
@@ -61,18 +66,24 @@ class SmallCNN(L.LightningModule):
 
 
 def _block(cin: int, cout: int) -> nn.Sequential:
-    return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
-                         nn.ReLU(inplace=True), nn.MaxPool2d(2))
+    return nn.Sequential(
+        nn.Conv2d(cin, cout, 3, padding=1, bias=False),
+        nn.BatchNorm2d(cout),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(2),
+    )
 
 
 def train_transform() -> transforms.Compose:
     """The usual CIFAR augmentation: random crop with padding, flip, tensor, normalize."""
-    return transforms.Compose([
-        transforms.RandomCrop(32, padding=4),
-        transforms.RandomHorizontalFlip(),
-        transforms.ToTensor(),
-        transforms.Normalize(CIFAR_MEAN, CIFAR_STD),
-    ])
+    return transforms.Compose(
+        [
+            transforms.RandomCrop(32, padding=4),
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            transforms.Normalize(CIFAR_MEAN, CIFAR_STD),
+        ]
+    )
 
 
 def loader_settings(hardware: HardwareInfo) -> dict[str, Any]:
@@ -90,8 +101,9 @@ class _Throughput(L.Callback):
         self.seconds = 0.0
 
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                             batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         if self.started is None:
             self.started = time.perf_counter()
         self.samples += len(batch[1])
@@ -102,8 +114,9 @@ class _Throughput(L.Callback):
             self.seconds = time.perf_counter() - self.started
 
 
-def run_demo(samples: int = 2048, epochs: int = 2, root: str = "lightning_logs_demo",
-             batch_size: int = 64) -> tuple[BoostReport, dict[str, Any]]:
+def run_demo(
+    samples: int = 2048, epochs: int = 2, root: str = "lightning_logs_demo", batch_size: int = 64
+) -> tuple[BoostReport, dict[str, Any]]:
     """Check the machine, train `SmallCNN` on FakeData, return the report and a run summary."""
     if samples < batch_size:
         raise ValueError(f"`samples` expected at least batch_size={batch_size}, got {samples}.")
@@ -111,13 +124,21 @@ def run_demo(samples: int = 2048, epochs: int = 2, root: str = "lightning_logs_d
     report = run_checks(hardware)
     settings = loader_settings(hardware)
     precision = auto_precision(hardware)
-    dataset = datasets.FakeData(size=samples, image_size=(3, 32, 32), num_classes=10,
-                                transform=train_transform())
+    dataset = datasets.FakeData(
+        size=samples, image_size=(3, 32, 32), num_classes=10, transform=train_transform()
+    )
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, **settings)
     throughput = _Throughput()
     L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(max_epochs=epochs, precision=precision, default_root_dir=root,  # type: ignore[arg-type]
-                        callbacks=[throughput], enable_model_summary=False, log_every_n_steps=10)
+    trainer = L.Trainer(
+        max_epochs=epochs,
+        precision=precision,  # type: ignore[arg-type]
+        logger=CSVLogger(root, name="demo"),
+        default_root_dir=root,
+        callbacks=[throughput],
+        enable_model_summary=False,
+        log_every_n_steps=min(10, len(loader)),
+    )
     trainer.fit(SmallCNN(), train_dataloaders=loader)
     report.tuned.update(settings, precision=precision, batch_size=batch_size)
     paths = report.write(trainer.log_dir or root)

@@ -25,67 +25,128 @@ _INSTALL_HINT = (
 Check = Callable[[HardwareInfo], list[Finding]]
 
 
-def _finding(area: str, severity: str, title: str, detail: str = "", fix: str = "", **data: object) -> Finding:
-    return Finding("doctor", area, Severity(severity), title, detail, fix, data=data)
+def _finding(
+    area: str,
+    severity: str,
+    title: str,
+    detail: str = "",
+    fix: str = "",
+    data: dict[str, object] | None = None,
+) -> Finding:
+    return Finding("doctor", area, Severity(severity), title, detail, fix, data=data or {})
 
 
 def check_gpu(hw: HardwareInfo) -> list[Finding]:
     """FAIL when an NVIDIA GPU is visible but this torch cannot use it."""
     if hw.is_cuda:
-        return [_finding("environment", "info", f"CUDA in use: {hw.device_count} GPU(s)",
-                         f"torch {hw.torch_version}, CUDA {hw.cuda_version}, cuDNN {hw.cudnn_version}")]
+        return [
+            _finding(
+                "environment",
+                "info",
+                f"CUDA in use: {hw.device_count} GPU(s)",
+                f"torch {hw.torch_version}, CUDA {hw.cuda_version}, cuDNN {hw.cudnn_version}",
+            )
+        ]
     if hw.nvidia_driver_present and hw.cpu_only_build:
-        return [_finding("environment", "error", "An NVIDIA GPU is visible but torch is a CPU-only build",
-                         f"torch {hw.torch_version} was built without CUDA, so training runs on the CPU.",
-                         _INSTALL_HINT)]
+        return [
+            _finding(
+                "environment",
+                "error",
+                "An NVIDIA GPU is visible but torch is a CPU-only build",
+                f"torch {hw.torch_version} was built without CUDA, so training runs on the CPU.",
+                _INSTALL_HINT,
+            )
+        ]
     if hw.nvidia_driver_present:
-        return [_finding("environment", "error", "An NVIDIA GPU is visible but CUDA is unusable",
-                         hw.cuda_error or f"torch {hw.torch_version} (CUDA {hw.cuda_version}) sees no device.",
-                         "check `nvidia-smi` and CUDA_VISIBLE_DEVICES; a driver older than the CUDA"
-                         f" {hw.cuda_version} that torch was built with needs a driver update or "
-                         + _INSTALL_HINT.replace("matching your driver", "for an older CUDA"))]
+        return [
+            _finding(
+                "environment",
+                "error",
+                "An NVIDIA GPU is visible but CUDA is unusable",
+                hw.cuda_error or f"torch {hw.torch_version} (CUDA {hw.cuda_version}) sees no device.",
+                "check `nvidia-smi` and CUDA_VISIBLE_DEVICES; a driver older than the CUDA"
+                f" {hw.cuda_version} that torch was built with needs a driver update or "
+                + _INSTALL_HINT.replace("matching your driver", "for an older CUDA"),
+            )
+        ]
     if hw.accelerator == "mps":
         return [_finding("environment", "info", "Apple GPU (MPS) in use", f"torch {hw.torch_version}")]
     build = "CPU-only build" if hw.cpu_only_build else f"CUDA {hw.cuda_version} build"
-    return [_finding("environment", "info", "No GPU visible: training runs on the CPU",
-                     f"torch {hw.torch_version} ({build}); no NVIDIA driver found.")]
+    return [
+        _finding(
+            "environment",
+            "info",
+            "No GPU visible: training runs on the CPU",
+            f"torch {hw.torch_version} ({build}); no NVIDIA driver found.",
+        )
+    ]
 
 
 def check_devices(hw: HardwareInfo) -> list[Finding]:
     """Each CUDA device's name, capability and memory; which precision fits; TF32."""
     precision = auto_precision(hw)
     if not hw.is_cuda:
-        return [_finding("precision and strategy", "info", f"precision {precision!r} fits this machine",
-                         "no CUDA device: mixed precision would not speed up training here.",
-                         precision=precision)]
+        return [
+            _finding(
+                "precision and strategy",
+                "info",
+                f"precision {precision!r} fits this machine",
+                "no CUDA device: mixed precision would not speed up training here.",
+                data={"precision": precision},
+            )
+        ]
     findings = []
     for index, (name, cap, memory) in enumerate(
-        zip(hw.device_names, hw.compute_capabilities, hw.device_memory_bytes)
+        zip(hw.device_names, hw.compute_capabilities, hw.device_memory_bytes, strict=True)
     ):
-        findings.append(_finding("environment", "info", f"cuda:{index} {name}",
-                                 f"compute capability {cap[0]}.{cap[1]}, {memory / GIB:.1f} GiB"))
-    why = ("bf16 has fp32's range: no loss scaling, no overflow NaNs" if hw.supports_bf16
-           else "no fast bf16 before compute capability 8.0: fp16 with Lightning's gradient scaler")
+        findings.append(
+            _finding(
+                "environment",
+                "info",
+                f"cuda:{index} {name}",
+                f"compute capability {cap[0]}.{cap[1]}, {memory / GIB:.1f} GiB",
+            )
+        )
+    why = (
+        "bf16 has fp32's range: no loss scaling, no overflow NaNs"
+        if hw.supports_bf16
+        else "no fast bf16 before compute capability 8.0: fp16 with Lightning's gradient scaler"
+    )
     tf32 = "TF32 matmuls available" if hw.supports_tf32 else "no TF32 (capability < 8.0)"
-    findings.append(_finding("precision and strategy", "info", f"precision {precision!r} fits these GPUs",
-                             f"{why}; {tf32}.", f"Trainer(precision={precision!r})",
-                             precision=precision, tf32=hw.supports_tf32))
+    findings.append(
+        _finding(
+            "precision and strategy",
+            "info",
+            f"precision {precision!r} fits these GPUs",
+            f"{why}; {tf32}.",
+            f"Trainer(precision={precision!r})",
+            data={"precision": precision, "tf32": hw.supports_tf32},
+        )
+    )
     return findings
 
 
 def check_shm(hw: HardwareInfo) -> list[Finding]:
     """WARN when /dev/shm is too small for DataLoader workers (Docker's default is 64 MB)."""
     if hw.shm_bytes is None:
-        return [_finding("data", "info", "/dev/shm not found", "not Linux: workers share memory another way.")]
+        return [
+            _finding("data", "info", "/dev/shm not found", "not Linux: workers share memory another way.")
+        ]
     size = f"{hw.shm_bytes / MIB:.0f} MiB" if hw.shm_bytes < GIB else f"{hw.shm_bytes / GIB:.1f} GiB"
     if hw.shm_bytes >= MIN_SHM_BYTES:
-        return [_finding("data", "info", f"/dev/shm is {size}", shm_bytes=hw.shm_bytes)]
-    return [_finding("data", "warn", f"/dev/shm is only {size}",
-                     "DataLoader workers pass batches through shared memory; when it fills they die"
-                     " with 'bus error' or 'unable to write to file </torch_...>'.",
-                     "give the container more: `docker run --shm-size=8g` or `--ipc=host`"
-                     " (Kubernetes: an emptyDir with `medium: Memory` mounted at /dev/shm)",
-                     shm_bytes=hw.shm_bytes)]
+        return [_finding("data", "info", f"/dev/shm is {size}", data={"shm_bytes": hw.shm_bytes})]
+    return [
+        _finding(
+            "data",
+            "warn",
+            f"/dev/shm is only {size}",
+            "DataLoader workers pass batches through shared memory; when it fills they die"
+            " with 'bus error' or 'unable to write to file </torch_...>'.",
+            "give the container more: `docker run --shm-size=8g` or `--ipc=host`"
+            " (Kubernetes: an emptyDir with `medium: Memory` mounted at /dev/shm)",
+            data={"shm_bytes": hw.shm_bytes},
+        )
+    ]
 
 
 def check_open_files(hw: HardwareInfo) -> list[Finding]:
@@ -93,35 +154,57 @@ def check_open_files(hw: HardwareInfo) -> list[Finding]:
     limit = hw.open_files_limit
     if limit is None or limit >= MIN_OPEN_FILES:
         shown = "unlimited" if limit is None else str(limit)
-        return [_finding("data", "info", f"open-file limit {shown}", open_files_limit=limit)]
+        return [_finding("data", "info", f"open-file limit {shown}", data={"open_files_limit": limit})]
     hard = hw.open_files_hard_limit
     if hard is None or hard > limit:
         how = f"`ulimit -n {hard or 65536}` before training (no root needed up to the hard limit)"
     else:
-        how = ("raise the hard limit (/etc/security/limits.conf, or `docker run --ulimit"
-               " nofile=65536:65536`), then `ulimit -n 65536`")
-    return [_finding("data", "warn", f"open-file limit is only {limit}",
-                     "DataLoader workers share each batch through file descriptors; many workers or"
-                     " large batches fail with 'Too many open files'.",
-                     f"{how}, or `torch.multiprocessing.set_sharing_strategy('file_system')`",
-                     open_files_limit=limit)]
+        how = (
+            "raise the hard limit (/etc/security/limits.conf, or `docker run --ulimit"
+            " nofile=65536:65536`), then `ulimit -n 65536`"
+        )
+    return [
+        _finding(
+            "data",
+            "warn",
+            f"open-file limit is only {limit}",
+            "DataLoader workers share each batch through file descriptors; many workers or"
+            " large batches fail with 'Too many open files'.",
+            f"{how}, or `torch.multiprocessing.set_sharing_strategy('file_system')`",
+            data={"open_files_limit": limit},
+        )
+    ]
 
 
 def check_cpus(hw: HardwareInfo) -> list[Finding]:
     """CPUs per training process and the DataLoader worker count that implies."""
     per_process = hw.cpus_per_process
     workers = max(per_process - 1, 0)  # the training process keeps one CPU
-    detail = (f"{hw.cpus_available} CPUs available to this process ({hw.cpu_count} in the machine),"
-              f" {hw.processes_per_node} training process(es) per node: {per_process} CPU(s) each,"
-              f" so at most {workers} DataLoader worker(s) per process.")
-    data = {"cpus_per_process": per_process, "max_workers": workers}
+    detail = (
+        f"{hw.cpus_available} CPUs available to this process ({hw.cpu_count} in the machine),"
+        f" {hw.processes_per_node} training process(es) per node: {per_process} CPU(s) each,"
+        f" so at most {workers} DataLoader worker(s) per process."
+    )
+    data: dict[str, object] = {"cpus_per_process": per_process, "max_workers": workers}
     if hw.is_cuda and per_process < 2:
-        return [_finding("data", "warn", f"only {per_process} CPU per GPU process", detail,
-                         "data loading will likely starve the GPU: give the job more CPUs, move"
-                         " augmentation to the GPU (BoostedDataModule device_transforms), or run"
-                         " fewer processes per node", **data)]
-    return [_finding("data", "info", f"{per_process} CPU(s) per process, up to {workers} worker(s)",
-                     detail, **data)]
+        return [
+            _finding(
+                "data",
+                "warn",
+                f"only {per_process} CPU per GPU process",
+                detail,
+                "data loading will likely starve the GPU: give the job more CPUs, move"
+                " augmentation to the GPU (torchvision transforms.v2 on the batch in"
+                " on_after_batch_transfer), or run"
+                " fewer processes per node",
+                data,
+            )
+        ]
+    return [
+        _finding(
+            "data", "info", f"{per_process} CPU(s) per process, up to {workers} worker(s)", detail, "", data
+        )
+    ]
 
 
 def check_distributed(hw: HardwareInfo) -> list[Finding]:
@@ -132,13 +215,25 @@ def check_distributed(hw: HardwareInfo) -> list[Finding]:
     layout = f"{hw.processes_per_node} process(es) per node x {hw.node_count} node(s)"
     if hw.nccl_available:
         return [_finding("precision and strategy", "info", f"NCCL {hw.nccl_version} available", layout)]
-    return [_finding("precision and strategy", "error", "multi-GPU but NCCL is not available",
-                     f"{layout}; DDP on CUDA tensors needs NCCL (gloo is many times slower).",
-                     "use a Linux CUDA build of torch (NCCL ships with it)")]
+    return [
+        _finding(
+            "precision and strategy",
+            "error",
+            "multi-GPU but NCCL is not available",
+            f"{layout}; DDP on CUDA tensors needs NCCL (gloo is many times slower).",
+            "use a Linux CUDA build of torch (NCCL ships with it)",
+        )
+    ]
 
 
-CHECKS: tuple[Check, ...] = (check_gpu, check_devices, check_cpus, check_shm, check_open_files,
-                             check_distributed)
+CHECKS: tuple[Check, ...] = (
+    check_gpu,
+    check_devices,
+    check_cpus,
+    check_shm,
+    check_open_files,
+    check_distributed,
+)
 
 
 def run_checks(hw: HardwareInfo) -> BoostReport:

@@ -87,9 +87,7 @@ class HardwareInfo:
 
     def __post_init__(self) -> None:
         if self.accelerator not in ("cuda", "mps", "cpu"):
-            raise ValueError(
-                f"`accelerator` expected one of 'cuda', 'mps', 'cpu', got {self.accelerator!r}."
-            )
+            raise ValueError(f"`accelerator` expected one of 'cuda', 'mps', 'cpu', got {self.accelerator!r}.")
         per_device = (len(self.compute_capabilities), len(self.device_memory_bytes))
         if self.accelerator == "cuda" and per_device != (self.device_count, self.device_count):
             raise ValueError(

@@ -20,8 +20,12 @@ from lightning_boost.report import Finding, Severity
 
 CPU = EXAMPLES["cpu"]
 # A CUDA build on a GPU machine whose driver is too old for it: torch sees no device.
-BROKEN_CUDA = CPU.replace(cpu_only_build=False, cuda_version="13.0", nvidia_driver_present=True,
-                          cuda_error="The NVIDIA driver on your system is too old (found version 11040).")
+BROKEN_CUDA = CPU.replace(
+    cpu_only_build=False,
+    cuda_version="13.0",
+    nvidia_driver_present=True,
+    cuda_error="The NVIDIA driver on your system is too old (found version 11040).",
+)
 
 
 def only(findings: list[Finding]) -> Finding:
@@ -57,8 +61,12 @@ def test_cpu_box_without_driver_is_ok() -> None:
 
 @pytest.mark.parametrize(
     ("name", "precision", "tf32"),
-    [("t4", "16-mixed", False), ("v100", "16-mixed", False), ("a100x8", "bf16-mixed", True),
-     ("h100", "bf16-mixed", True)],
+    [
+        ("t4", "16-mixed", False),
+        ("v100", "16-mixed", False),
+        ("a100x8", "bf16-mixed", True),
+        ("h100", "bf16-mixed", True),
+    ],
 )
 def test_devices_and_precision(name: str, precision: str, tf32: bool) -> None:
     hw = EXAMPLES[name]
@@ -77,7 +85,12 @@ def test_cpu_precision_is_full() -> None:
 
 @pytest.mark.parametrize(
     ("shm", "severity"),
-    [(64 * MIB, Severity.WARN), (512 * MIB, Severity.WARN), (1024 * MIB, Severity.INFO), (None, Severity.INFO)],
+    [
+        (64 * MIB, Severity.WARN),
+        (512 * MIB, Severity.WARN),
+        (1024 * MIB, Severity.INFO),
+        (None, Severity.INFO),
+    ],
 )
 def test_shm(shm: int | None, severity: Severity) -> None:
     finding = only(check_shm(EXAMPLES["t4"].replace(shm_bytes=shm)))
@@ -115,8 +128,9 @@ def test_open_files(soft: int | None, hard: int | None, severity: Severity, fix:
         ("h100x8-2nodes", {}, 24, 23, Severity.INFO),
     ],
 )
-def test_cpus_per_process(name: str, changes: dict[str, int], per_process: int, workers: int,
-                          severity: Severity) -> None:
+def test_cpus_per_process(
+    name: str, changes: dict[str, int], per_process: int, workers: int, severity: Severity
+) -> None:
     finding = only(check_cpus(EXAMPLES[name].replace(**changes)))
     assert finding.data == {"cpus_per_process": per_process, "max_workers": workers}
     assert finding.severity is severity
@@ -156,7 +170,12 @@ def test_cli_exits_1_on_fail(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
 
 
 def test_python_m_entry_point() -> None:
-    result = subprocess.run([sys.executable, "-m", "lightning_boost", "doctor", "--json"],
-                            capture_output=True, text=True, timeout=120, check=False)
+    result = subprocess.run(
+        [sys.executable, "-m", "lightning_boost", "doctor", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert result.returncode in (0, 1), result.stderr
     assert json.loads(result.stdout)["hardware"]["torch_version"]

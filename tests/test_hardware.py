@@ -31,15 +31,18 @@ def test_examples_are_consistent(name: str) -> None:
         ("h100x8-2nodes", 8, (9, 0), True, 24),
     ],
 )
-def test_example_figures(name: str, devices: int, capability: tuple[int, int] | None, bf16: bool,
-                         per_process: int) -> None:
+def test_example_figures(
+    name: str, devices: int, capability: tuple[int, int] | None, bf16: bool, per_process: int
+) -> None:
     hw = HardwareInfo.example(name)
     assert (hw.device_count, hw.min_compute_capability, hw.supports_bf16) == (devices, capability, bf16)
     assert hw.cpus_per_process == per_process
 
 
 def test_unknown_example_lists_close_matches() -> None:
-    with pytest.raises(ValueError, match=r"`name` expected one of .*'a100x8'.*got 'a100'. Did you mean 'a100x8'"):
+    with pytest.raises(
+        ValueError, match=r"`name` expected one of .*'a100x8'.*got 'a100'. Did you mean 'a100x8'"
+    ):
         HardwareInfo.example("a100")
 
 

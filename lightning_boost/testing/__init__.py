@@ -30,13 +30,13 @@ __all__ = ["BoringDataModule", "BoringModel", "RandomDataset", "tiny_trainer"]
 
 
 class RandomDataset(Dataset[tuple[Tensor, Tensor]]):
-    """`length` samples of `features` Gaussian inputs and a linear target, fixed by `seed`."""
+    """`length` Gaussian inputs drawn with `seed`; targets from one fixed linear map, so every
+    split (one seed each) poses the same regression."""
 
     def __init__(self, features: int = 32, length: int = 64, seed: int = 0) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        self.inputs = torch.randn(length, features, generator=generator)
-        weight = torch.randn(features, 2, generator=generator)
-        self.targets = self.inputs @ weight
+        weight = torch.randn(features, 2, generator=torch.Generator().manual_seed(1234))
+        self.inputs = torch.randn(length, features, generator=torch.Generator().manual_seed(seed))
+        self.targets = self.inputs @ weight / features**0.5
 
     def __len__(self) -> int:
         return len(self.inputs)

@@ -1,0 +1,106 @@
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from lightning_boost.report import AREAS, SCHEMA_VERSION, BoostReport, Finding, Severity
+
+
+def sample() -> BoostReport:
+    report = BoostReport(tuned={"num_workers": 3, "precision": "bf16-mixed"})
+    report.add(
+        [
+            Finding(
+                "SyncGuard",
+                "syncs",
+                "warn",
+                "`.item()` in training_step",
+                "1 sync per step",
+                "log the tensor with self.log",
+                location="model.py:42",
+                data={"count": 10},
+            ),
+            Finding("doctor", "environment", Severity.INFO, "CUDA in use"),
+            Finding("doctor", "data", "error", "a | pipe", fix="line one\nline two"),
+        ]
+    )
+    return report
+
+
+def test_severity_labels_and_coercion() -> None:
+    assert [s.label for s in Severity] == ["OK", "WARN", "FAIL"]
+    assert Finding("x", "data", "warn", "t").severity is Severity.WARN
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"area": "dta"}, r"`area` expected one of .*got 'dta'. Did you mean 'data'"),
+        ({"severity": "warning"}, r"`severity` expected one of 'error', 'info', 'warn', got 'warning'"),
+    ],
+)
+def test_bad_finding_raises(kwargs: dict[str, str], match: str) -> None:
+    fields = {"source": "x", "area": "data", "severity": "info", "title": "t"} | kwargs
+    with pytest.raises(ValueError, match=match):
+        Finding(**fields)  # type: ignore[arg-type]
+
+
+def test_add_drops_duplicates_and_groups_by_area_order() -> None:
+    report = sample()
+    report.add([Finding("doctor", "environment", "info", "CUDA in use")])
+    assert len(report.findings) == 3
+    assert [area for area, _ in report.by_area()] == ["environment", "data", "syncs"]
+    assert report.worst is Severity.ERROR
+    assert BoostReport().worst is None
+    assert set(AREAS) >= {area for area, _ in report.by_area()}
+
+
+def test_json_schema_and_round_trip() -> None:
+    data = json.loads(sample().to_json())
+    assert set(data) == {"schema_version", "lightning_boost_version", "created", "tuned", "findings"}
+    assert data["schema_version"] == SCHEMA_VERSION
+    assert data["tuned"] == {"num_workers": 3, "precision": "bf16-mixed"}
+    first = data["findings"][0]
+    assert set(first) == {"source", "area", "severity", "title", "detail", "fix", "location", "data"}
+    assert [Finding.from_dict(f) for f in data["findings"]] == sample().findings
+
+
+def test_markdown_escapes_and_lists_everything() -> None:
+    text = sample().to_markdown()
+    assert "| num_workers | 3 |" in text
+    assert "## Syncs" in text and "at `model.py:42`" in text
+    assert "a \\| pipe" in text and "line one line two" in text
+
+
+def test_table_renders_every_finding() -> None:
+    console = Console(record=True, width=200)
+    console.print(sample().table(title="t"))
+    text = console.export_text()
+    for word in (
+        "SyncGuard" and "`.item()` in training_step",
+        "CUDA in use",
+        "FAIL",
+        "WARN",
+        "OK",
+        "log the tensor with self.log",
+        "at model.py:42",
+    ):
+        assert word in text
+
+
+def test_table_drops_fix_column_when_nothing_to_fix() -> None:
+    report = BoostReport()
+    report.add([Finding("doctor", "environment", "info", "all good")])
+    console = Console(record=True, width=120)
+    console.print(report.table())
+    assert "fix" not in console.export_text()
+
+
+def test_write_is_atomic_and_leaves_no_temp_files(tmp_path: Path) -> None:
+    target = tmp_path / "logs" / "version_0"
+    json_path, md_path = sample().write(target)
+    assert json.loads(json_path.read_text())["findings"][0]["location"] == "model.py:42"
+    assert md_path.read_text().startswith("# lightning-boost report")
+    sample().write(target)  # overwrite in place
+    assert sorted(p.name for p in target.iterdir()) == ["boost_report.json", "boost_report.md"]
