@@ -7,7 +7,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.lightning-boost-installed
 
-.PHONY: demo test lint typecheck pytest doctor install clean
+.PHONY: demo test lint typecheck pytest doctor bench install clean
 
 demo: $(STAMP)
 	$(BIN)/lightning-boost demo
@@ -26,6 +26,9 @@ pytest: $(STAMP)
 
 doctor: $(STAMP)
 	$(BIN)/lightning-boost doctor
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks
 
 install: $(STAMP)
 

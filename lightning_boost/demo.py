@@ -93,59 +93,84 @@ def loader_settings(hardware: HardwareInfo) -> dict[str, Any]:
 
 
 class _Throughput(L.Callback):
-    """Training samples per second, from the first batch to the end of the last epoch."""
+    """Training samples per second from the start of training (worker start-up included)."""
 
     def __init__(self) -> None:
         self.samples = 0
-        self.started: float | None = None
+        self.started = 0.0
         self.seconds = 0.0
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.started = time.perf_counter()
 
     @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if self.started is None:
-            self.started = time.perf_counter()
         self.samples += len(batch[1])
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self.started is not None:
-            self.seconds = time.perf_counter() - self.started
+        self.seconds = time.perf_counter() - self.started
+
+    @property
+    def samples_per_second(self) -> float:
+        return self.samples / self.seconds if self.seconds else 0.0
+
+
+def fit_fake_cifar(
+    loader_kwargs: dict[str, Any],
+    precision: str,
+    samples: int,
+    epochs: int,
+    batch_size: int,
+    root: str,
+    name: str = "demo",
+    **trainer_kwargs: Any,
+) -> tuple[L.Trainer, float]:
+    """Train `SmallCNN` on a CIFAR-sized FakeData task; return the trainer and samples/s.
+
+    Raises:
+        ValueError: when `samples` is smaller than one batch.
+    """
+    if samples < batch_size:
+        raise ValueError(f"`samples` expected at least batch_size={batch_size}, got {samples}.")
+    dataset = datasets.FakeData(
+        size=samples, image_size=(3, 32, 32), num_classes=10, transform=train_transform()
+    )
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, **loader_kwargs)
+    throughput = _Throughput()
+    L.seed_everything(0, verbose=False)
+    options: dict[str, Any] = dict(
+        max_epochs=epochs,
+        precision=precision,
+        logger=CSVLogger(root, name=name),
+        default_root_dir=root,
+        callbacks=[throughput],
+        enable_model_summary=False,
+        log_every_n_steps=min(10, len(loader)),
+    )
+    trainer = L.Trainer(**(options | trainer_kwargs))
+    trainer.fit(SmallCNN(), train_dataloaders=loader)
+    return trainer, throughput.samples_per_second
 
 
 def run_demo(
     samples: int = 2048, epochs: int = 2, root: str = "lightning_logs_demo", batch_size: int = 64
 ) -> tuple[BoostReport, dict[str, Any]]:
     """Check the machine, train `SmallCNN` on FakeData, return the report and a run summary."""
-    if samples < batch_size:
-        raise ValueError(f"`samples` expected at least batch_size={batch_size}, got {samples}.")
     hardware = HardwareInfo.detect()
     report = run_checks(hardware)
     settings = loader_settings(hardware)
     precision = auto_precision(hardware)
-    dataset = datasets.FakeData(
-        size=samples, image_size=(3, 32, 32), num_classes=10, transform=train_transform()
-    )
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, **settings)
-    throughput = _Throughput()
-    L.seed_everything(0, verbose=False)
-    trainer = L.Trainer(
-        max_epochs=epochs,
-        precision=precision,  # type: ignore[arg-type]
-        logger=CSVLogger(root, name="demo"),
-        default_root_dir=root,
-        callbacks=[throughput],
-        enable_model_summary=False,
-        log_every_n_steps=min(10, len(loader)),
-    )
-    trainer.fit(SmallCNN(), train_dataloaders=loader)
+    trainer, samples_per_second = fit_fake_cifar(settings, precision, samples, epochs, batch_size, root)
     report.tuned.update(settings, precision=precision, batch_size=batch_size)
     paths = report.write(trainer.log_dir or root)
     summary = {
         "accelerator": hardware.accelerator,
         **report.tuned,
-        "samples/s": round(throughput.samples / throughput.seconds, 1) if throughput.seconds else None,
+        "samples/s": round(samples_per_second, 1),
         "report": str(paths[0]),
     }
     return report, summary

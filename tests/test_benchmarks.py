@@ -1,0 +1,19 @@
+from benchmarks.__main__ import BEGIN, END, HEADER, update_results
+from benchmarks.common import median_ratio
+
+TEMPLATE = (
+    f"# Results\n\nintro\n\n{BEGIN}\n{HEADER}\n| old | 1.00x | d | `c` | m | 2026-01-01 |\n{END}\nfooter\n"
+)
+
+
+def test_update_results_replaces_rows_by_name_and_keeps_the_rest() -> None:
+    text = update_results(TEMPLATE, {"new": "| new | 2.00x | d | `c` | m | 2026-11-21 |"})
+    assert text.startswith("# Results\n\nintro") and text.endswith(f"{END}\nfooter\n")
+    assert text.count(HEADER) == 1
+    assert "| old | 1.00x" in text and "| new | 2.00x" in text
+    again = update_results(text, {"old": "| old | 1.50x | d | `c` | m | 2026-11-21 |"})
+    assert "| old | 1.50x" in again and "| old | 1.00x" not in again and "| new | 2.00x" in again
+
+
+def test_median_ratio() -> None:
+    assert median_ratio([3.0, 1.0, 2.0], [1.0, 5.0, 1.0]) == 2.0
