@@ -21,6 +21,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
@@ -69,11 +70,11 @@ class BoringModel(L.LightningModule):
 
     @override
     def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self._loss(batch))
+        self.log("val_loss", self._loss(batch), sync_dist=True)
 
     @override
     def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
-        self.log("test_loss", self._loss(batch))
+        self.log("test_loss", self._loss(batch), sync_dist=True)
 
     @override
     def predict_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
@@ -115,7 +116,7 @@ class BoringDataModule(L.LightningDataModule):
 
 
 def tiny_trainer(root: str | Path, **overrides: Any) -> L.Trainer:
-    """A CPU `Trainer` for tests: a few steps, no progress bar or summary, files under `root`."""
+    """A CPU `Trainer` for tests: a few steps, a CSV logger, no progress bar or summary, under `root`."""
     options: dict[str, Any] = dict(
         accelerator="cpu",
         devices=1,
@@ -126,6 +127,7 @@ def tiny_trainer(root: str | Path, **overrides: Any) -> L.Trainer:
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=str(root),
+        logger=CSVLogger(str(root), name="tiny"),
     )
     options.update(overrides)
     return L.Trainer(**options)

@@ -1,0 +1,80 @@
+"""`preset(name)`: the Strategy and precision an expert would pick for this machine, in one word.
+
+    Trainer(strategy=preset("fast-ddp"))
+
+See `presets()` for the names and the README's preset table for what each sets and why.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.strategies import Strategy, StrategyRegistry
+
+from lightning_boost.hardware import HardwareInfo
+from lightning_boost.presets.plans import PRESETS, PresetPlan, plan_preset
+from lightning_boost.presets.strategies import (
+    PresetDDPStrategy,
+    PresetFSDPStrategy,
+    PresetSingleDeviceStrategy,
+    build,
+)
+
+__all__ = [
+    "PresetDDPStrategy",
+    "PresetFSDPStrategy",
+    "PresetPlan",
+    "PresetSingleDeviceStrategy",
+    "plan_preset",
+    "preset",
+    "presets",
+]
+
+
+def preset(
+    name: str, *, hardware: HardwareInfo | None = None, model: object = None, **overrides: Any
+) -> Strategy:
+    """A configured Lightning Strategy instance for `name`, with the precision that fits.
+
+    Args:
+        name: one of `presets()`: ``"auto"``, ``"fast-ddp"``, ``"fast-ddp-multinode"``, ``"fsdp"``.
+        hardware: the machine to decide for; ``HardwareInfo.detect()`` when not given.
+        model: the LightningModule or its parameter count, when known: sizes DDP buckets and
+            lets ``"auto"`` choose FSDP for a model that does not fit one device.
+        **overrides: settings to take instead of the preset's: ``precision``, ``tf32``,
+            ``cudnn_benchmark``, and the strategy's own (e.g. ``static_graph=True``).
+
+    Raises:
+        ValueError: for an unknown name or override (with close matches and the list), a
+            precision the hardware cannot run, or FSDP without CUDA.
+
+    Example:
+        >>> from lightning_boost.hardware import EXAMPLES
+        >>> strategy = preset("fast-ddp", hardware=EXAMPLES["cpu"])
+        >>> type(strategy).__name__, strategy.plan.precision, strategy.process_group_backend
+        ('PresetDDPStrategy', '32-true', 'gloo')
+    """
+    plan = plan_preset(name, hardware or HardwareInfo.detect(), model, **overrides)
+    return build(plan)
+
+
+def presets() -> dict[str, str]:
+    """Preset names with one-line descriptions."""
+    return dict(PRESETS)
+
+
+def _by_name_error(name: str) -> Strategy:
+    raise ValueError(
+        f"Trainer(strategy={name!r}) cannot carry the preset's precision: Lightning replaces the"
+        " precision of strategies created from a registered name. Use"
+        f" Trainer(strategy=preset({name!r})) from lightning_boost instead."
+    )
+
+
+for _name in PRESETS:
+    if _name not in StrategyRegistry and _name != "auto":  # "auto" is Lightning's own default
+        StrategyRegistry.register(
+            _name,
+            lambda _name=_name: _by_name_error(_name),
+            description=f"lightning-boost preset: use lightning_boost.preset({_name!r})",
+        )

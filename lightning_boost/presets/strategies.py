@@ -1,0 +1,143 @@
+"""Lightning Strategy subclasses that carry a `PresetPlan`: its precision, speed flags and findings."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
+from typing_extensions import override
+
+from lightning_boost._lightning import trainer_precision_flag
+from lightning_boost.presets.plans import PresetPlan
+from lightning_boost.report import Finding
+
+
+def check_precision(user_flag: str, plan: PresetPlan) -> None:
+    """Raise when the Trainer's `precision` differs from the preset's.
+
+    Lightning uses a strategy instance's precision plugin and drops the Trainer's `precision`
+    without a word, so a conflict is an error rather than a silent choice. ``"32-true"`` is also
+    Lightning's default, so it cannot be told from "not given" and never conflicts.
+
+    Raises:
+        ValueError: naming both precisions and the fix.
+    """
+    if user_flag in ("32-true", plan.precision):
+        return
+    raise ValueError(
+        f"Trainer(precision={user_flag!r}) conflicts with preset({plan.name!r}), which carries"
+        f" {plan.precision!r} for this hardware, and Lightning would use the strategy's precision."
+        f" Pass yours to the preset instead: Trainer(strategy=preset({plan.name!r},"
+        f" precision={user_flag!r}))."
+    )
+
+
+def apply_speed_flags(tf32: bool, cudnn_benchmark: bool) -> dict[str, Any]:
+    """Turn on TF32 matmuls and cudnn.benchmark as asked; return what to put back."""
+    saved = {"matmul": torch.get_float32_matmul_precision(), "benchmark": torch.backends.cudnn.benchmark}
+    if tf32:
+        torch.set_float32_matmul_precision("high")
+    if cudnn_benchmark and not torch.are_deterministic_algorithms_enabled():
+        torch.backends.cudnn.benchmark = True
+    return saved
+
+
+def restore_speed_flags(saved: dict[str, Any]) -> None:
+    torch.set_float32_matmul_precision(saved["matmul"])
+    torch.backends.cudnn.benchmark = saved["benchmark"]
+
+
+class _PresetStrategy(Strategy):
+    """Mixin: validates the precision and holds the speed flags for the time the strategy is set up."""
+
+    plan: PresetPlan
+    findings: list[Finding]
+    _saved_flags: dict[str, Any] | None = None
+
+    @override
+    def setup_environment(self) -> None:
+        module = self.lightning_module
+        if module is not None:
+            check_precision(trainer_precision_flag(module.trainer), self.plan)
+        if self._saved_flags is None:
+            self._saved_flags = apply_speed_flags(self.plan.tf32, self.plan.cudnn_benchmark)
+        super().setup_environment()
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if self._saved_flags is not None:
+            restore_speed_flags(self._saved_flags)
+            self._saved_flags = None
+
+
+class PresetDDPStrategy(_PresetStrategy, DDPStrategy):
+    """`DDPStrategy` built by `preset("fast-ddp")`; ``.plan`` and ``.findings`` say what it chose."""
+
+    def __init__(self, plan: PresetPlan) -> None:
+        options = dict(plan.options)
+        hook = _comm_hook(options.pop("comm_hook"))
+        super().__init__(
+            precision_plugin=_precision_plugin(plan),
+            ddp_comm_hook=hook,
+            **options,
+        )
+        self.plan, self.findings = plan, list(plan.findings)
+
+
+class PresetFSDPStrategy(_PresetStrategy, FSDPStrategy):
+    """`FSDPStrategy` built by `preset("fsdp")`: sharding, size-based wrapping, mixed precision."""
+
+    def __init__(self, plan: PresetPlan) -> None:
+        from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+
+        options = dict(plan.options)
+        min_params = options.pop("min_num_params")
+        super().__init__(
+            precision_plugin=FSDPPrecision(plan.precision),  # type: ignore[arg-type]
+            auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=min_params),
+            **options,
+        )
+        self.plan, self.findings = plan, list(plan.findings)
+
+
+class PresetSingleDeviceStrategy(_PresetStrategy, SingleDeviceStrategy):
+    """`SingleDeviceStrategy` built by `preset("auto")` on one device, with its precision."""
+
+    def __init__(self, plan: PresetPlan) -> None:
+        device = plan.options["device"]
+        super().__init__(device=device, precision_plugin=_precision_plugin(plan))
+        self.plan, self.findings = plan, list(plan.findings)
+
+
+def build(plan: PresetPlan) -> Strategy:
+    """The Strategy instance for `plan`."""
+    kinds: dict[str, Callable[[PresetPlan], Strategy]] = {
+        "single": PresetSingleDeviceStrategy,
+        "ddp": PresetDDPStrategy,
+        "fsdp": PresetFSDPStrategy,
+    }
+    return kinds[plan.kind](plan)
+
+
+def _precision_plugin(plan: PresetPlan) -> Precision:
+    if plan.precision.endswith("-mixed"):
+        return MixedPrecision(plan.precision, plan.accelerator)  # type: ignore[arg-type]
+    if plan.precision in ("bf16-true", "16-true"):
+        return HalfPrecision(plan.precision)  # type: ignore[arg-type]
+    return Precision()
+
+
+def _comm_hook(name: str | None) -> Any:
+    if name is None:
+        return None
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return {
+        "bf16_compress": default_hooks.bf16_compress_hook,
+        "fp16_compress": default_hooks.fp16_compress_hook,
+    }[name]

@@ -1,0 +1,318 @@
+import json
+import pickle
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision, Precision
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from typing_extensions import override
+
+from lightning_boost import preset, presets
+from lightning_boost._lightning import trainer_precision_flag
+from lightning_boost.hardware import EXAMPLES, HardwareInfo
+from lightning_boost.presets import (
+    PresetDDPStrategy,
+    PresetFSDPStrategy,
+    PresetSingleDeviceStrategy,
+    plan_preset,
+)
+from lightning_boost.presets.plans import bucket_cap_mb, model_parameter_count
+from lightning_boost.report import Severity
+from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
+
+EXAMPLES_DIR = Path(__file__).parents[1] / "examples"
+
+
+def build(name: str, hw: HardwareInfo, **overrides: object) -> L.pytorch.strategies.Strategy:
+    # Simulated GPUs: building fp16 AMP for CUDA on this CPU machine makes GradScaler warn that
+    # CUDA is absent; the strategy object is what these decision tests look at.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*CUDA is not available.*", category=UserWarning)
+        return preset(name, hardware=hw, **overrides)
+
+
+# (hardware, preset) -> strategy type, backend, precision, comm hook, tf32, cudnn.benchmark
+DECISIONS = [
+    ("cpu", "auto", PresetSingleDeviceStrategy, None, "32-true", None, False, False),
+    ("cpu", "fast-ddp", PresetDDPStrategy, "gloo", "32-true", None, False, False),
+    ("cpu", "fast-ddp-multinode", PresetDDPStrategy, "gloo", "32-true", None, False, False),
+    ("t4", "auto", PresetSingleDeviceStrategy, None, "16-mixed", None, False, True),
+    ("t4", "fast-ddp", PresetDDPStrategy, "nccl", "16-mixed", None, False, True),
+    ("v100", "fast-ddp-multinode", PresetDDPStrategy, "nccl", "16-mixed", "fp16", False, True),
+    ("v100", "fsdp", PresetFSDPStrategy, "nccl", "16-mixed", None, False, True),
+    ("a100x8", "auto", PresetDDPStrategy, "nccl", "bf16-mixed", None, True, True),
+    ("a100x8", "fast-ddp", PresetDDPStrategy, "nccl", "bf16-mixed", None, True, True),
+    ("a100x8", "fsdp", PresetFSDPStrategy, "nccl", "bf16-mixed", None, True, True),
+    ("h100", "auto", PresetSingleDeviceStrategy, None, "bf16-mixed", None, True, True),
+    ("h100", "fast-ddp", PresetDDPStrategy, "nccl", "bf16-mixed", None, True, True),
+    ("h100x8-2nodes", "auto", PresetDDPStrategy, "nccl", "bf16-mixed", "bf16", True, True),
+    ("h100x8-2nodes", "fast-ddp-multinode", PresetDDPStrategy, "nccl", "bf16-mixed", "bf16", True, True),
+    ("h100x8-2nodes", "fsdp", PresetFSDPStrategy, "nccl", "bf16-mixed", None, True, True),
+]
+
+
+@pytest.mark.parametrize(("hw", "name", "kind", "backend", "precision", "hook", "tf32", "bench"), DECISIONS)
+def test_preset_decisions(
+    hw: str,
+    name: str,
+    kind: type,
+    backend: str | None,
+    precision: str,
+    hook: str | None,
+    tf32: bool,
+    bench: bool,
+) -> None:
+    strategy = build(name, EXAMPLES[hw])
+    assert type(strategy) is kind
+    plan = strategy.plan
+    assert (plan.precision, plan.tf32, plan.cudnn_benchmark) == (precision, tf32, bench)
+    plugin = strategy.precision_plugin
+    if precision == "32-true":
+        assert type(plugin) is Precision
+    else:
+        assert isinstance(plugin, FSDPPrecision if kind is PresetFSDPStrategy else MixedPrecision)
+        assert plugin.precision == precision
+        assert (plugin.scaler is not None) == (precision == "16-mixed")
+    if kind is PresetDDPStrategy:
+        assert strategy._ddp_kwargs == {
+            "find_unused_parameters": False,
+            "gradient_as_bucket_view": True,
+            "bucket_cap_mb": 25,
+            "static_graph": False,
+            "batched_grad_copy": True,
+        }
+        assert strategy.process_group_backend == backend
+        assert strategy._start_method == "popen"
+        expected_hook = {
+            None: None,
+            "bf16": default_hooks.bf16_compress_hook,
+            "fp16": default_hooks.fp16_compress_hook,
+        }[hook]
+        assert strategy._ddp_comm_hook is expected_hook
+    if kind is PresetFSDPStrategy:
+        assert strategy.process_group_backend == backend
+        sharding = "HYBRID_SHARD" if EXAMPLES[hw].is_multi_node else "FULL_SHARD"
+        assert strategy.sharding_strategy.name == sharding
+        assert strategy.kwargs["limit_all_gathers"] and strategy.kwargs["use_orig_params"]
+        assert strategy.kwargs["auto_wrap_policy"].keywords == {"min_num_params": 10_000_000}
+    assert {f.area for f in strategy.findings} == {"precision and strategy"}
+    assert any(f.data.get("precision") == precision for f in strategy.findings)
+
+
+@pytest.mark.parametrize(
+    ("hw", "changes", "params", "resolved"),
+    [
+        ("cpu", {}, None, "single"),
+        ("cpu", {"local_world_size": 2}, None, "fast-ddp"),  # launched by torchrun on a CPU box
+        ("h100", {}, 10**10, "single"),  # one device: nothing to shard over
+        ("a100x8", {}, 10**9, "fast-ddp"),  # 16 GB of training state fits an 80 GB device
+        ("a100x8", {}, 3 * 10**9, "fsdp"),  # 48 GB does not fit with room for activations
+        ("h100x8-2nodes", {}, None, "fast-ddp-multinode"),
+        ("h100x8-2nodes", {}, 10**10, "fsdp"),
+    ],
+)
+def test_auto_resolution(hw: str, changes: dict[str, int], params: int | None, resolved: str) -> None:
+    plan = plan_preset("auto", EXAMPLES[hw].replace(**changes), params)
+    assert plan.resolved == resolved
+    assert "auto resolved to" in plan.findings[1].detail
+
+
+@pytest.mark.parametrize(
+    ("params", "expected"), [(None, 25), (10**6, 25), (10**8, 38), (2 * 10**8, 76), (10**9, 100)]
+)
+def test_bucket_size_grows_with_the_model(params: int | None, expected: int) -> None:
+    assert bucket_cap_mb(params) == expected
+    if params is not None:
+        assert plan_preset("fast-ddp", EXAMPLES["a100x8"], params).options["bucket_cap_mb"] == expected
+
+
+def test_model_size_from_module_or_count() -> None:
+    assert model_parameter_count(BoringModel()) == 32 * 2 + 2
+    assert model_parameter_count(123) == 123 and model_parameter_count(None) is None
+    with pytest.raises(
+        TypeError, match=r"`model` expected an nn.Module or a parameter count \(int\), got str"
+    ):
+        model_parameter_count("resnet")
+    with pytest.raises(ValueError, match="parameter count >= 0"):
+        model_parameter_count(-1)
+
+
+@pytest.mark.parametrize(
+    ("name", "hw", "overrides", "match"),
+    [
+        (
+            "fast-dp",
+            "cpu",
+            {},
+            r"`name` expected one of 'auto', 'fast-ddp', .* got 'fast-dp'. Did you mean 'fast-ddp'",
+        ),
+        (
+            "fast-ddp",
+            "cpu",
+            {"bucket_cap": 50},
+            r"override` expected one of .* got 'bucket_cap'. Did you mean 'bucket_cap_mb'",
+        ),
+        ("fsdp", "a100x8", {"static_graph": True}, r"got 'static_graph'"),
+        ("auto", "cpu", {"bucket_cap_mb": 50}, r"got 'bucket_cap_mb'"),  # auto is one device here
+        (
+            "fast-ddp",
+            "a100x8",
+            {"precision": "bf16-mix"},
+            r"`precision` expected one of .*got 'bf16-mix'. Did you mean 'bf16-mixed'",
+        ),
+        (
+            "fast-ddp",
+            "cpu",
+            {"precision": "16-mixed"},
+            r"`precision` '16-mixed' needs CUDA .* Use 'bf16-mixed' or '32-true'",
+        ),
+        ("fsdp", "cpu", {}, r"'fsdp' needs CUDA devices.*preset\('fast-ddp'\)"),
+    ],
+)
+def test_bad_input_raises(name: str, hw: str, overrides: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        preset(name, hardware=EXAMPLES[hw], **overrides)
+
+
+def test_overrides_win_and_are_reported() -> None:
+    strategy = build("fast-ddp", EXAMPLES["a100x8"], static_graph=True, precision="16-mixed", tf32=False)
+    assert strategy._ddp_kwargs["static_graph"] is True
+    assert strategy.plan.precision == "16-mixed" and strategy.plan.tf32 is False
+    assert strategy.findings[0].detail == "set by hand"
+    slow = build("fast-ddp", EXAMPLES["t4"], precision="bf16-mixed").findings[0]
+    assert slow.severity is Severity.WARN and slow.fix == "precision='16-mixed'"
+
+
+@pytest.mark.parametrize(
+    ("alias", "precision"), [("bf16", "bf16-mixed"), (16, "16-mixed"), ("32", "32-true")]
+)
+def test_lightning_precision_aliases(alias: object, precision: str) -> None:
+    assert plan_preset("fast-ddp", EXAMPLES["a100x8"], precision=alias).precision == precision
+
+
+def test_presets_lists_names_with_descriptions() -> None:
+    listed = presets()
+    assert list(listed) == ["auto", "fast-ddp", "fast-ddp-multinode", "fsdp"]
+    assert all(isinstance(text, str) and text for text in listed.values())
+    listed.clear()
+    assert presets()  # a copy
+
+
+def test_strategy_pickles_for_spawned_processes() -> None:
+    strategy = pickle.loads(pickle.dumps(build("fast-ddp-multinode", EXAMPLES["h100x8-2nodes"])))
+    assert strategy._ddp_comm_hook is default_hooks.bf16_compress_hook
+
+
+@pytest.mark.parametrize("name", ["fast-ddp", "fast-ddp-multinode"])
+def test_registry_name_says_to_call_preset(name: str) -> None:
+    with pytest.raises(
+        ValueError, match=rf"Trainer\(strategy='{name}'\) cannot carry .*strategy=preset\('{name}'\)"
+    ):
+        L.Trainer(strategy=name)
+
+
+def test_lightning_own_names_are_left_alone() -> None:
+    from lightning.pytorch.strategies import FSDPStrategy, StrategyRegistry
+
+    assert StrategyRegistry["fsdp"]["strategy"] is FSDPStrategy  # "fsdp" stays Lightning's own
+
+
+def test_trainer_precision_flag_reads_the_users_choice(tmp_path: Path) -> None:
+    assert trainer_precision_flag(tiny_trainer(tmp_path)) == "32-true"
+    assert trainer_precision_flag(tiny_trainer(tmp_path, precision="bf16-mixed")) == "bf16-mixed"
+    trainer = tiny_trainer(tmp_path, strategy=preset("auto"), precision="bf16-mixed")
+    assert trainer.precision == "32-true"  # Lightning takes the strategy's plugin ...
+    assert trainer_precision_flag(trainer) == "bf16-mixed"  # ... and the user's flag is still here
+
+
+def test_conflicting_trainer_precision_is_an_error(tmp_path: Path) -> None:
+    model = BoringModel()
+    before = model.layer.weight.detach().clone()
+    trainer = tiny_trainer(tmp_path, strategy=preset("auto"), precision="bf16-mixed")
+    with pytest.raises(
+        ValueError,
+        match=r"precision='bf16-mixed'\) conflicts with preset\('auto'\).*"
+        r"preset\('auto', precision='bf16-mixed'\)",
+    ):
+        trainer.fit(model, datamodule=BoringDataModule())
+    assert torch.equal(model.layer.weight, before)  # nothing trained
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_preset_precision_reaches_the_live_trainer(tmp_path: Path, precision: str) -> None:
+    trainer = tiny_trainer(tmp_path, strategy=preset("auto", precision=precision), precision=precision)
+    trainer.fit(BoringModel(), datamodule=BoringDataModule())
+    assert trainer.precision == precision
+    assert trainer.global_step == 4
+
+
+class _RecordFlags(L.Callback):
+    seen: tuple[str, bool] | None = None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: object, batch_idx: int
+    ) -> None:
+        self.seen = (torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark)
+
+
+@pytest.mark.parametrize(("deterministic", "benchmark_seen"), [(False, True), (True, False)])
+def test_speed_flags_set_for_the_run_and_put_back(
+    tmp_path: Path, deterministic: bool, benchmark_seen: bool
+) -> None:
+    before = (torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark)
+    assert before == ("highest", False)  # not changed by importing lightning_boost
+    record = _RecordFlags()
+    strategy = preset("auto", hardware=EXAMPLES["cpu"], tf32=True, cudnn_benchmark=True)
+    trainer = tiny_trainer(tmp_path, strategy=strategy, callbacks=[record], deterministic=deterministic)
+    try:
+        trainer.fit(BoringModel(), datamodule=BoringDataModule())
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert record.seen == ("high", benchmark_seen)
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark) == before
+
+
+@pytest.mark.ddp
+def test_fast_ddp_two_cpu_processes(tmp_path: Path) -> None:
+    """The real thing: the example script, launched by Lightning's default popen start method."""
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLES_DIR / "ddp_cpu.py"),
+            "--devices",
+            "2",
+            "--steps",
+            "6",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+    assert ranks[0]["weights"]["layer.weight"] != BoringModel().state_dict()["layer.weight"].tolist()
+    promised = plan_preset("fast-ddp", HardwareInfo.detect())
+    for live in ranks:
+        assert live["strategy"] == "PresetDDPStrategy" and live["world_size"] == 2
+        assert live["precision"] == promised.precision == "32-true"
+        assert live["backend"] == promised.options["process_group_backend"] == "gloo"
+        assert live["bucket_bytes_cap"] == promised.options["bucket_cap_mb"] * 1024 * 1024
+        for flag in (
+            "find_unused_parameters",
+            "gradient_as_bucket_view",
+            "static_graph",
+            "batched_grad_copy",
+        ):
+            assert live[flag] == promised.options[flag], flag
+    assert "fast-ddp: DDPStrategy(" in result.stdout
