@@ -29,7 +29,8 @@ def update_results(text: str, new_rows: dict[str, str]) -> str:
     """Replace the rows of the benchmarks just run (matched by name) inside the markers."""
     head, _, rest = text.partition(BEGIN)
     old_table, _, tail = rest.partition(END)
-    rows = {line.split("|")[1].strip(): line for line in old_table.splitlines()[2:] if line.startswith("| ")}
+    lines = [line for line in old_table.splitlines() if line.startswith("| ") and line not in HEADER]
+    rows = {line.split("|")[1].strip(): line for line in lines}
     rows.update(new_rows)
     body = "\n".join([HEADER, *rows.values()])
     return f"{head}{BEGIN}\n{body}\n{END}{tail}"

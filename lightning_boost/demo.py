@@ -2,7 +2,7 @@
 
 A CIFAR-sized image task (torchvision ``FakeData`` with the usual CPU augmentation pipeline,
 since nothing is downloaded) and a small CNN with torchmetrics accuracy, trained with the
-DataLoader workers, pinned memory and precision that `HardwareInfo` calls for. It is the
+DataLoader workers and pinned memory that `HardwareInfo` calls for and ``preset("auto")``. It is the
 project's main job until the side-by-side demo (plain vs boosted) replaces it.
 """
 
@@ -15,6 +15,7 @@ import lightning as L
 import torch
 import torchmetrics
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
@@ -23,7 +24,7 @@ from typing_extensions import override
 
 from lightning_boost.doctor import run_checks
 from lightning_boost.hardware import HardwareInfo
-from lightning_boost.precision import auto_precision
+from lightning_boost.presets import preset
 from lightning_boost.report import BoostReport
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -121,7 +122,7 @@ class _Throughput(L.Callback):
 
 def fit_fake_cifar(
     loader_kwargs: dict[str, Any],
-    precision: str,
+    strategy: Strategy | str,
     samples: int,
     epochs: int,
     batch_size: int,
@@ -129,7 +130,7 @@ def fit_fake_cifar(
     name: str = "demo",
     **trainer_kwargs: Any,
 ) -> tuple[L.Trainer, float]:
-    """Train `SmallCNN` on a CIFAR-sized FakeData task; return the trainer and samples/s.
+    """Train `SmallCNN` on a CIFAR-sized FakeData task with `strategy`; return the trainer and samples/s.
 
     Raises:
         ValueError: when `samples` is smaller than one batch.
@@ -144,7 +145,7 @@ def fit_fake_cifar(
     L.seed_everything(0, verbose=False)
     options: dict[str, Any] = dict(
         max_epochs=epochs,
-        precision=precision,
+        strategy=strategy,
         logger=CSVLogger(root, name=name),
         default_root_dir=root,
         callbacks=[throughput],
@@ -163,9 +164,11 @@ def run_demo(
     hardware = HardwareInfo.detect()
     report = run_checks(hardware)
     settings = loader_settings(hardware)
-    precision = auto_precision(hardware)
-    trainer, samples_per_second = fit_fake_cifar(settings, precision, samples, epochs, batch_size, root)
-    report.tuned.update(settings, precision=precision, batch_size=batch_size)
+    strategy = preset("auto", hardware=hardware)
+    report.add(strategy.findings)
+    trainer, samples_per_second = fit_fake_cifar(settings, strategy, samples, epochs, batch_size, root)
+    report.tuned.update(settings, precision=trainer.precision, strategy=type(strategy).__name__)
+    report.tuned["batch_size"] = batch_size
     paths = report.write(trainer.log_dir or root)
     summary = {
         "accelerator": hardware.accelerator,

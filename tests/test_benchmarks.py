@@ -9,10 +9,11 @@ TEMPLATE = (
 def test_update_results_replaces_rows_by_name_and_keeps_the_rest() -> None:
     text = update_results(TEMPLATE, {"new": "| new | 2.00x | d | `c` | m | 2026-11-21 |"})
     assert text.startswith("# Results\n\nintro") and text.endswith(f"{END}\nfooter\n")
-    assert text.count(HEADER) == 1
+    assert text.count(HEADER) == 1 and text.count(HEADER.splitlines()[1]) == 1
     assert "| old | 1.00x" in text and "| new | 2.00x" in text
     again = update_results(text, {"old": "| old | 1.50x | d | `c` | m | 2026-11-21 |"})
     assert "| old | 1.50x" in again and "| old | 1.00x" not in again and "| new | 2.00x" in again
+    assert again.count(HEADER.splitlines()[1]) == 1
 
 
 def test_median_ratio() -> None:

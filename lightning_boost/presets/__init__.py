@@ -17,6 +17,7 @@ from lightning_boost.presets.strategies import (
     PresetDDPStrategy,
     PresetFSDPStrategy,
     PresetSingleDeviceStrategy,
+    PresetStrategy,
     build,
 )
 
@@ -25,6 +26,7 @@ __all__ = [
     "PresetFSDPStrategy",
     "PresetPlan",
     "PresetSingleDeviceStrategy",
+    "PresetStrategy",
     "plan_preset",
     "preset",
     "presets",
@@ -33,7 +35,7 @@ __all__ = [
 
 def preset(
     name: str, *, hardware: HardwareInfo | None = None, model: object = None, **overrides: Any
-) -> Strategy:
+) -> PresetStrategy:
     """A configured Lightning Strategy instance for `name`, with the precision that fits.
 
     Args:

@@ -51,8 +51,12 @@ def restore_speed_flags(saved: dict[str, Any]) -> None:
     torch.backends.cudnn.benchmark = saved["benchmark"]
 
 
-class _PresetStrategy(Strategy):
-    """Mixin: validates the precision and holds the speed flags for the time the strategy is set up."""
+class PresetStrategy(Strategy):
+    """Base of every preset's strategy: ``.plan`` and ``.findings`` say what it chose and why.
+
+    It checks the Trainer's precision against the preset's when the run starts, and holds the
+    speed flags (TF32, cudnn.benchmark) from setup to teardown.
+    """
 
     plan: PresetPlan
     findings: list[Finding]
@@ -75,7 +79,7 @@ class _PresetStrategy(Strategy):
             self._saved_flags = None
 
 
-class PresetDDPStrategy(_PresetStrategy, DDPStrategy):
+class PresetDDPStrategy(PresetStrategy, DDPStrategy):
     """`DDPStrategy` built by `preset("fast-ddp")`; ``.plan`` and ``.findings`` say what it chose."""
 
     def __init__(self, plan: PresetPlan) -> None:
@@ -89,7 +93,7 @@ class PresetDDPStrategy(_PresetStrategy, DDPStrategy):
         self.plan, self.findings = plan, list(plan.findings)
 
 
-class PresetFSDPStrategy(_PresetStrategy, FSDPStrategy):
+class PresetFSDPStrategy(PresetStrategy, FSDPStrategy):
     """`FSDPStrategy` built by `preset("fsdp")`: sharding, size-based wrapping, mixed precision."""
 
     def __init__(self, plan: PresetPlan) -> None:
@@ -105,7 +109,7 @@ class PresetFSDPStrategy(_PresetStrategy, FSDPStrategy):
         self.plan, self.findings = plan, list(plan.findings)
 
 
-class PresetSingleDeviceStrategy(_PresetStrategy, SingleDeviceStrategy):
+class PresetSingleDeviceStrategy(PresetStrategy, SingleDeviceStrategy):
     """`SingleDeviceStrategy` built by `preset("auto")` on one device, with its precision."""
 
     def __init__(self, plan: PresetPlan) -> None:
@@ -114,9 +118,9 @@ class PresetSingleDeviceStrategy(_PresetStrategy, SingleDeviceStrategy):
         self.plan, self.findings = plan, list(plan.findings)
 
 
-def build(plan: PresetPlan) -> Strategy:
+def build(plan: PresetPlan) -> PresetStrategy:
     """The Strategy instance for `plan`."""
-    kinds: dict[str, Callable[[PresetPlan], Strategy]] = {
+    kinds: dict[str, Callable[[PresetPlan], PresetStrategy]] = {
         "single": PresetSingleDeviceStrategy,
         "ddp": PresetDDPStrategy,
         "fsdp": PresetFSDPStrategy,
