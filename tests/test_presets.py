@@ -131,6 +131,15 @@ def test_bucket_size_grows_with_the_model(params: int | None, expected: int) -> 
         assert plan_preset("fast-ddp", EXAMPLES["a100x8"], params).options["bucket_cap_mb"] == expected
 
 
+def test_batched_grad_copy_only_where_torch_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_boost.presets import plans
+
+    assert plans.ddp_accepts("batched_grad_copy")  # torch 2.14.1, the tested version
+    monkeypatch.setattr(plans, "ddp_accepts", lambda argument: False)  # an older torch
+    options = plan_preset("fast-ddp", EXAMPLES["cpu"]).options
+    assert "batched_grad_copy" not in options and options["gradient_as_bucket_view"] is True
+
+
 def test_model_size_from_module_or_count() -> None:
     assert model_parameter_count(BoringModel()) == 32 * 2 + 2
     assert model_parameter_count(123) == 123 and model_parameter_count(None) is None

@@ -5,6 +5,8 @@ No Lightning here: `lightning_boost.presets.strategies` turns a plan into a Stra
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -194,14 +196,23 @@ def _ddp_options(resolved: str, hw: HardwareInfo, params: int | None) -> dict[st
         "gradient_as_bucket_view": True,
         "bucket_cap_mb": bucket_cap_mb(params),
         "static_graph": False,
-        "batched_grad_copy": True,
         "process_group_backend": "nccl" if hw.is_cuda else "gloo",
         "start_method": "popen",
         "comm_hook": None,
     }
+    if ddp_accepts("batched_grad_copy"):  # torch >= 2.14
+        options["batched_grad_copy"] = True
     if multinode and hw.is_cuda:
         options["comm_hook"] = "bf16_compress" if hw.supports_bf16 else "fp16_compress"
     return options
+
+
+@functools.cache
+def ddp_accepts(argument: str) -> bool:
+    """Whether this torch's `DistributedDataParallel` takes `argument`."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return argument in inspect.signature(DistributedDataParallel.__init__).parameters
 
 
 def _fsdp_options(resolved: str, hw: HardwareInfo, params: int | None) -> dict[str, Any]:
