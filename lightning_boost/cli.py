@@ -24,13 +24,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _print_report(report: BoostReport, title: str) -> None:
+def _print_report(report: BoostReport, title: str, summary: dict[str, object] | None = None) -> None:
     from rich.console import Console
+    from rich.table import Table
 
     console = Console()
     console.print(report.table(title=title))
     counts = {s: sum(f.severity is s for f in report.findings) for s in Severity}
     console.print(", ".join(f"{n} {s.label}" for s, n in counts.items()))
+    if summary:
+        table = Table("setting", "value", title="run")
+        for key, value in summary.items():
+            table.add_row(key, str(value))
+        console.print(table)
 
 
 def doctor(as_json: bool) -> int:
@@ -51,16 +57,7 @@ def demo(samples: int, epochs: int, root: str) -> int:
     from lightning_boost.demo import run_demo
 
     report, summary = run_demo(samples=samples, epochs=epochs, root=root)
-    _print_report(report, "lightning-boost demo")
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title="demo run")
-    table.add_column("setting")
-    table.add_column("value")
-    for key, value in summary.items():
-        table.add_row(key, str(value))
-    Console().print(table)
+    _print_report(report, "lightning-boost demo", summary)
     return 0
 
 
