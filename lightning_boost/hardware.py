@@ -372,6 +372,7 @@ EXAMPLES: dict[str, HardwareInfo] = {
     "v100": _cuda_box("Tesla V100-SXM2-16GB", (7, 0), 16_935_682_048, 1, 8),
     "a100x8": _cuda_box("NVIDIA A100-SXM4-80GB", (8, 0), 85_097_971_712, 8, 96),
     "h100": _cuda_box("NVIDIA H100 80GB HBM3", (9, 0), 85_045_379_072, 1, 16),
+    "h100x8": _cuda_box("NVIDIA H100 80GB HBM3", (9, 0), 85_045_379_072, 8, 192),
     "h100x8-2nodes": _cuda_box(
         "NVIDIA H100 80GB HBM3", (9, 0), 85_045_379_072, 8, 192, local_world_size=8, node_count=2
     ),

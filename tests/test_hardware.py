@@ -28,6 +28,7 @@ def test_examples_are_consistent(name: str) -> None:
         ("v100", 1, (7, 0), False, 8),
         ("a100x8", 8, (8, 0), True, 12),
         ("h100", 1, (9, 0), True, 16),
+        ("h100x8", 8, (9, 0), True, 24),
         ("h100x8-2nodes", 8, (9, 0), True, 24),
     ],
 )
