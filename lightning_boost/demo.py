@@ -89,7 +89,7 @@ def train_transform() -> transforms.Compose:
 
 def loader_settings(hardware: HardwareInfo) -> dict[str, Any]:
     """DataLoader settings the hardware calls for: a worker per spare CPU, pinned memory on CUDA."""
-    workers = max(hardware.cpus_per_process - 1, 0)
+    workers = hardware.max_workers_per_process
     return {"num_workers": workers, "pin_memory": hardware.is_cuda, "persistent_workers": workers > 0}
 
 

@@ -179,7 +179,7 @@ def check_open_files(hw: HardwareInfo) -> list[Finding]:
 def check_cpus(hw: HardwareInfo) -> list[Finding]:
     """CPUs per training process and the DataLoader worker count that implies."""
     per_process = hw.cpus_per_process
-    workers = max(per_process - 1, 0)  # the training process keeps one CPU
+    workers = hw.max_workers_per_process
     detail = (
         f"{hw.cpus_available} CPUs available to this process ({hw.cpu_count} in the machine),"
         f" {hw.processes_per_node} training process(es) per node: {per_process} CPU(s) each,"

@@ -130,6 +130,11 @@ class HardwareInfo:
         return max(self.cpus_available // self.processes_per_node, 1)
 
     @property
+    def max_workers_per_process(self) -> int:
+        """DataLoader workers the CPU budget allows: one per CPU, less the training process's own."""
+        return max(self.cpus_per_process - 1, 0)
+
+    @property
     def is_multi_node(self) -> bool:
         return self.node_count > 1
 

@@ -38,6 +38,7 @@ def test_example_figures(
     hw = HardwareInfo.example(name)
     assert (hw.device_count, hw.min_compute_capability, hw.supports_bf16) == (devices, capability, bf16)
     assert hw.cpus_per_process == per_process
+    assert hw.max_workers_per_process == per_process - 1
 
 
 def test_unknown_example_lists_close_matches() -> None:
