@@ -1,17 +1,24 @@
 """lightning-boost: fast PyTorch Lightning training without becoming a performance engineer."""
 
+from lightning_boost.callbacks import AutoNumWorkers
+from lightning_boost.data import BoostedDataModule
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.precision import auto_precision
 from lightning_boost.presets import preset, presets
-from lightning_boost.report import BoostReport, Finding, Severity
+from lightning_boost.report import BoostReport, BoostWarning, Finding, Severity
+from lightning_boost.tuning.workers import WorkerTuning
 
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AutoNumWorkers",
     "BoostReport",
+    "BoostWarning",
+    "BoostedDataModule",
     "Finding",
     "HardwareInfo",
     "Severity",
+    "WorkerTuning",
     "__version__",
     "auto_precision",
     "preset",

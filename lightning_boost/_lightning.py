@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import lightning as L
+from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
+from typing_extensions import override
 
 
 def trainer_precision_flag(trainer: L.Trainer) -> str:
@@ -12,3 +18,48 @@ def trainer_precision_flag(trainer: L.Trainer) -> str:
     carries one, so the user's own choice is only on the accelerator connector.
     """
     return str(trainer._accelerator_connector._precision_flag)
+
+
+def reload_every_n_epochs(trainer: L.Trainer) -> int:
+    """``Trainer(reload_dataloaders_every_n_epochs=...)``, which Lightning stores without declaring it."""
+    return int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0))
+
+
+class _RebuildingSource(_DataLoaderSource):
+    """A loop's dataloader source whose loaders pass through `rebuild` before the loop sees them."""
+
+    def __init__(self, original: _DataLoaderSource, rebuild: Callable[[Any], Any]) -> None:
+        super().__init__(original.instance, original.name)
+        self.original = original
+        self.rebuild = rebuild
+
+    @override
+    def dataloader(self) -> Any:
+        return self.rebuild(super().dataloader())
+
+
+def rebuild_dataloaders(
+    trainer: L.Trainer, stage: str, rebuild: Callable[[str, Any], Any]
+) -> Callable[[], None]:
+    """Route the loaders `stage` requests through ``rebuild(split, loaders)``; return the undo.
+
+    Lightning has no public hook between "the user's ``*_dataloader()`` returned" and "the loop
+    uses it"; the loops' ``_data_source`` is that point. For ``"fit"`` the train and val loaders
+    are routed, for ``"validate"`` the val loaders; other stages are left alone.
+    """
+    loops: dict[str, list[tuple[str, Any]]] = {
+        "fit": [("train", trainer.fit_loop), ("val", trainer.fit_loop.epoch_loop.val_loop)],
+        "validate": [("val", trainer.validate_loop)],
+    }
+    originals = []
+    for split, loop in loops.get(stage, []):
+        original = loop._data_source
+        originals.append((loop, original))
+        loop._data_source = _RebuildingSource(original, functools.partial(rebuild, split))
+
+    def undo() -> None:
+        for loop, original in originals:
+            original.instance = loop._data_source.instance
+            loop._data_source = original
+
+    return undo

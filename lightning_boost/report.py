@@ -33,6 +33,10 @@ AREAS = (
 )
 
 
+class BoostWarning(UserWarning):
+    """The category of every warning lightning-boost issues (filter it like any other)."""
+
+
 class Severity(str, Enum):
     """How much a finding matters: ``info`` (all is well, or a fact), ``warn``, ``error``."""
 

@@ -1,0 +1,140 @@
+"""`AutoNumWorkers`: measured worker settings for DataLoaders the user built themselves."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_boost._lightning import rebuild_dataloaders, reload_every_n_epochs
+from lightning_boost.data.loaders import cannot_measure, rebuild_loader
+from lightning_boost.data.tuner import WorkerTuner, hardware_for
+from lightning_boost.report import Finding, Severity
+from lightning_boost.tuning.workers import WorkerChoice, WorkerTuning
+
+#: The real loader's arguments that its measurement loaders copy.
+_TUNING_SETTINGS = (
+    "collate_fn",
+    "pin_memory",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "pin_memory_device",
+)
+
+
+class AutoNumWorkers(L.Callback):
+    """Re-creates the train and val DataLoaders with measured ``num_workers`` and ``prefetch_factor``.
+
+    For users who do not subclass `BoostedDataModule`: whatever returns the loaders (a datamodule,
+    the model's ``*_dataloader()`` hooks, or loaders passed to ``fit``), each plain ``DataLoader``
+    over a map-style dataset is rebuilt with every other argument kept, plus
+    ``persistent_workers`` when it has workers. Validation reuses the training measurement.
+    What it cannot rebuild (a DataLoader subclass, an ``IterableDataset``, a loader without a
+    batch size) is left as it is, with a finding that says why. Measurements are made on rank
+    zero, broadcast, and cached as JSON; tuned values live in ``state_dict`` for resuming.
+
+    Args:
+        tuning: how workers are measured (`WorkerTuning`).
+        retune: measure again even when the cache has this setting.
+        cache_dir: where measurements are cached (default ``$LIGHTNING_BOOST_CACHE_DIR`` or
+            ``~/.cache/lightning_boost``).
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[AutoNumWorkers()])
+        trainer.fit(model, train_dataloaders=DataLoader(dataset, batch_size=64, shuffle=True))
+    """
+
+    def __init__(
+        self, tuning: WorkerTuning | None = None, *, retune: bool = False, cache_dir: str | Path | None = None
+    ) -> None:
+        if tuning is not None and not isinstance(tuning, WorkerTuning):
+            raise TypeError(f"`tuning` expected a WorkerTuning or None, got {type(tuning).__name__}.")
+        self.tuning = tuning or WorkerTuning()
+        self.retune = retune
+        self.cache_dir = cache_dir
+        self.worker_tuner = WorkerTuner(type(self).__name__, self.tuning, cache_dir, retune)
+        self._undo: Any = None
+        self._train_choice: WorkerChoice | None = None
+
+    @property
+    def findings(self) -> list[Finding]:
+        return self.worker_tuner.findings
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(tuning=self.tuning)
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._undo = rebuild_dataloaders(
+            trainer, stage, lambda split, loaders: self._rebuild(trainer, split, loaders)
+        )
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._undo is not None:
+            self._undo()
+            self._undo = None
+        self.worker_tuner.restore()
+
+    def _rebuild(self, trainer: L.Trainer, split: str, loaders: Any) -> Any:
+        if isinstance(loaders, DataLoader):
+            return self._rebuild_one(trainer, split, loaders)
+        if isinstance(loaders, (list, tuple)):
+            return type(loaders)(self._rebuild(trainer, split, loader) for loader in loaders)
+        if isinstance(loaders, Mapping):
+            return {key: self._rebuild(trainer, split, loader) for key, loader in loaders.items()}
+        self._cannot(split, f"{type(loaders).__name__} is not a DataLoader or a list or dict of them")
+        return loaders
+
+    def _rebuild_one(self, trainer: L.Trainer, split: str, loader: DataLoader[Any]) -> DataLoader[Any]:
+        batch_size: int | None = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+        why_not = cannot_measure(loader.dataset)
+        if type(loader) is not DataLoader:
+            why_not = f"{type(loader).__name__} is a DataLoader subclass whose own arguments are unknown"
+        elif batch_size is None:
+            why_not = f"its batch sampler {type(loader.batch_sampler).__name__} has no `batch_size`"
+        if why_not is not None or batch_size is None:
+            self._cannot(split, why_not or "no batch size")
+            return loader
+        choice = self._train_choice if split == "val" and self._train_choice is not None else None
+        if choice is None:
+            settings = {name: getattr(loader, name, None) for name in _TUNING_SETTINGS}
+            choice = self.worker_tuner.choose(trainer, loader.dataset, batch_size, settings)
+        else:
+            self.worker_tuner.apply_process_settings(hardware_for(trainer), choice.num_workers)
+        if split == "train":
+            self._train_choice = choice
+        reload = reload_every_n_epochs(trainer) > 0
+        persistent = choice.num_workers > 0 and not (loader.pin_memory and reload)
+        return rebuild_loader(
+            loader,
+            num_workers=choice.num_workers,
+            prefetch_factor=choice.prefetch_factor,
+            persistent_workers=persistent,
+        )
+
+    def _cannot(self, split: str, why: str) -> None:
+        finding = Finding(
+            type(self).__name__,
+            "data",
+            Severity.WARN,
+            f"The {split} DataLoader was not tuned: {why}",
+            fix="Use `BoostedDataModule`, or set `num_workers` on this loader by hand.",
+        )
+        if finding not in self.findings:
+            self.findings.append(finding)
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return self.worker_tuner.state_dict()
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.worker_tuner.load_state_dict(state_dict)

@@ -1,0 +1,244 @@
+"""`BoostedDataModule`: a LightningDataModule that builds its DataLoaders the way an expert would."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.fabric.utilities.seed import pl_worker_init_function
+from lightning.pytorch.accelerators import CUDAAccelerator
+from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
+
+from lightning_boost._lightning import reload_every_n_epochs
+from lightning_boost._validation import unknown_choice_error
+from lightning_boost.data.tuner import WorkerTuner, hardware_for
+from lightning_boost.report import Finding
+from lightning_boost.tuning.workers import WorkerTuning
+
+#: Loader arguments the mixin manages itself; the rest of DataLoader's may go in `loader_kwargs`.
+_MANAGED = {"dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn",
+            "num_workers", "prefetch_factor", "pin_memory", "persistent_workers"}  # fmt: skip
+_SPLITS = ("train", "val", "test", "predict")
+
+
+class BoostedDataModule(L.LightningDataModule):
+    """Builds the train/val/test/predict DataLoaders from datasets a subclass assigns in ``setup()``.
+
+    Every setting left as ``None`` is chosen for you:
+
+    - ``num_workers`` and ``prefetch_factor``: measured on the training dataset (see
+      `lightning_boost.tuning.workers`), once per machine, dataset and batch size, cached as JSON,
+      made on rank zero and broadcast so every rank uses the same value;
+    - ``pin_memory``: on when the trainer runs on CUDA;
+    - ``persistent_workers``: on when there are workers, except with pinned memory and
+      ``Trainer(reload_dataloaders_every_n_epochs>0)``, a combination Lightning warns against;
+    - workers seeded per worker and rank (Lightning's ``pl_worker_init_function``), so random
+      augmentation is reproducible under ``seed_everything``; the distributed sampler is Lightning's.
+
+    On a CPU run the model's torch threads are set to the CPUs the workers leave (restored at
+    teardown). Each decision, with its measurements, is a `Finding` in ``self.findings``.
+
+    Args:
+        batch_size: samples per batch; a plain attribute that batch-size tuning may change.
+        shuffle: shuffle the training set (evaluation sets are never shuffled).
+        drop_last: drop the last incomplete training batch.
+        collate_fn: merges samples into a batch (default: PyTorch's).
+        num_workers: fix the worker count by hand instead of measuring it.
+        prefetch_factor: fix the batches each worker loads ahead.
+        pin_memory: fix page-locked host memory on or off.
+        persistent_workers: fix whether workers outlive an epoch.
+        device_transforms: applied to each training batch once it is on the device
+            (``on_after_batch_transfer``), e.g. a ``torchvision.transforms.v2`` pipeline: heavy
+            augmentation batched on the GPU instead of per sample on the CPU. Note that a v2
+            transform called on a batch draws one set of random parameters for the whole batch.
+        eval_device_transforms: the same for validation, test and predict batches.
+        worker_tuning: how workers are measured (`WorkerTuning`).
+        retune: measure again even when the cache has this setting.
+        cache_dir: where measurements are cached (default ``$LIGHTNING_BOOST_CACHE_DIR`` or
+            ``~/.cache/lightning_boost``).
+        loader_kwargs: any other ``DataLoader`` argument, fixed by hand (``timeout``,
+            ``multiprocessing_context``, ``worker_init_fn``, ...).
+
+    Raises:
+        ValueError: for a batch size below 1, a negative worker count, or a `loader_kwargs` key
+            that is not a DataLoader argument or that has its own parameter here.
+
+    Example::
+
+        class CIFAR(BoostedDataModule):
+            def setup(self, stage: str) -> None:
+                self.train_dataset = torchvision.datasets.CIFAR10("data", transform=...)
+                self.val_dataset = torchvision.datasets.CIFAR10("data", train=False, transform=...)
+
+        trainer.fit(model, datamodule=CIFAR(batch_size=128))
+    """
+
+    train_dataset: Dataset[Any] | None = None
+    val_dataset: Dataset[Any] | None = None
+    test_dataset: Dataset[Any] | None = None
+    predict_dataset: Dataset[Any] | None = None
+
+    def __init__(
+        self,
+        batch_size: int = 32,
+        *,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int | None = None,
+        prefetch_factor: int | None = None,
+        pin_memory: bool | None = None,
+        persistent_workers: bool | None = None,
+        device_transforms: Callable[[Any], Any] | None = None,
+        eval_device_transforms: Callable[[Any], Any] | None = None,
+        worker_tuning: WorkerTuning | None = None,
+        retune: bool = False,
+        cache_dir: str | Path | None = None,
+        loader_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        _check_int("batch_size", batch_size, 1)
+        _check_int("num_workers", num_workers, 0)
+        _check_int("prefetch_factor", prefetch_factor, 1)
+        if prefetch_factor is not None and num_workers == 0:
+            raise ValueError("`prefetch_factor` expected None with `num_workers=0` (no workers load ahead).")
+        for name, value in (("collate_fn", collate_fn), ("device_transforms", device_transforms),
+                            ("eval_device_transforms", eval_device_transforms)):  # fmt: skip
+            if value is not None and not callable(value):
+                raise TypeError(f"`{name}` expected a callable or None, got {type(value).__name__}.")
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.collate_fn = collate_fn
+        self.num_workers = num_workers
+        self.prefetch_factor = prefetch_factor
+        self.pin_memory = pin_memory
+        self.persistent_workers = persistent_workers
+        self.device_transforms = device_transforms
+        self.eval_device_transforms = eval_device_transforms
+        self.loader_kwargs = _checked_loader_kwargs(loader_kwargs or {})
+        tuning = worker_tuning or WorkerTuning()
+        self.worker_tuner = WorkerTuner(type(self).__name__, tuning, cache_dir, retune)
+
+    @property
+    def findings(self) -> list[Finding]:
+        """What the loader decisions found, with their measurements."""
+        return self.worker_tuner.findings
+
+    @override
+    def train_dataloader(self) -> DataLoader[Any]:
+        return self.build_dataloader("train", shuffle=self.shuffle, drop_last=self.drop_last)
+
+    @override
+    def val_dataloader(self) -> DataLoader[Any] | list[DataLoader[Any]]:
+        return self._eval_dataloader("val")
+
+    @override
+    def test_dataloader(self) -> DataLoader[Any] | list[DataLoader[Any]]:
+        return self._eval_dataloader("test")
+
+    @override
+    def predict_dataloader(self) -> DataLoader[Any] | list[DataLoader[Any]]:
+        return self._eval_dataloader("predict")
+
+    def _eval_dataloader(self, split: str) -> DataLoader[Any] | list[DataLoader[Any]]:
+        # No validation set is a normal fit: an empty list tells Lightning to skip the loop.
+        if split == "val" and self.val_dataset is None:
+            return []
+        return self.build_dataloader(split, shuffle=False, drop_last=False)
+
+    def build_dataloader(self, split: str, *, shuffle: bool, drop_last: bool) -> DataLoader[Any]:
+        """The DataLoader for `split` (``"train"``, ``"val"``, ``"test"``, ``"predict"``) with tuned settings.
+
+        Raises:
+            RuntimeError: when ``setup()`` did not assign ``self.<split>_dataset``.
+        """
+        if split not in _SPLITS:
+            raise unknown_choice_error("split", split, _SPLITS)
+        dataset = getattr(self, f"{split}_dataset")
+        if dataset is None:
+            raise RuntimeError(
+                f"`{type(self).__name__}.{split}_dataset` is not set: assign `self.{split}_dataset = ...` "
+                f"in `setup()` for the stage that needs it."
+            )
+        settings = self.loader_settings(self.train_dataset if self.train_dataset is not None else dataset)
+        return DataLoader(
+            dataset, batch_size=self.batch_size, shuffle=shuffle, drop_last=drop_last, **settings
+        )
+
+    def loader_settings(self, tuning_dataset: Dataset[Any]) -> dict[str, Any]:
+        """Every DataLoader argument but dataset, batch size, shuffle and drop_last.
+
+        Worker settings are those measured on `tuning_dataset` (the training set when there is
+        one, so evaluation loaders reuse the training measurement) unless fixed by hand.
+        """
+        trainer = self.trainer
+        pin = self.pin_memory if self.pin_memory is not None else _on_cuda(trainer)
+        rank = trainer.global_rank if trainer is not None else 0
+        settings: dict[str, Any] = {
+            "collate_fn": self.collate_fn,
+            "pin_memory": pin,
+            "worker_init_fn": functools.partial(pl_worker_init_function, rank=rank),
+            **self.loader_kwargs,
+        }
+        workers, prefetch = self.num_workers, self.prefetch_factor
+        if workers is None:
+            choice = self.worker_tuner.choose(trainer, tuning_dataset, self.batch_size, settings)
+            workers, prefetch = choice.num_workers, prefetch or choice.prefetch_factor
+        else:
+            self.worker_tuner.apply_process_settings(hardware_for(trainer), workers)
+        reload = reload_every_n_epochs(trainer) if trainer is not None else 0
+        persistent = self.persistent_workers
+        if persistent is None:
+            persistent = not (pin and reload > 0)
+        return settings | {
+            "num_workers": workers,
+            "prefetch_factor": prefetch if workers else None,
+            "persistent_workers": bool(persistent and workers),
+        }
+
+    @override
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        training = self.trainer is not None and self.trainer.training
+        transform = self.device_transforms if training else self.eval_device_transforms
+        return transform(batch) if transform is not None else batch
+
+    @override
+    def teardown(self, stage: str) -> None:
+        self.worker_tuner.restore()
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"worker_tuner": self.worker_tuner.state_dict()}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.worker_tuner.load_state_dict(state_dict.get("worker_tuner", {}))
+
+
+def _on_cuda(trainer: L.Trainer | None) -> bool:
+    if trainer is not None:
+        return isinstance(trainer.accelerator, CUDAAccelerator)
+    return hardware_for(None).is_cuda
+
+
+def _check_int(name: str, value: int | None, minimum: int) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
+        raise ValueError(f"`{name}` expected None or an int >= {minimum}, got {value!r}.")
+
+
+def _checked_loader_kwargs(loader_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    allowed = set(inspect.signature(DataLoader).parameters) - _MANAGED
+    for key in loader_kwargs:
+        if key in _MANAGED:
+            raise ValueError(
+                f"`loader_kwargs` got {key!r}, which has its own argument: pass `{key}=...` instead."
+            )
+        if key not in allowed:
+            raise unknown_choice_error("loader_kwargs", key, allowed)
+    return dict(loader_kwargs)

@@ -1,0 +1,158 @@
+"""DataLoader plumbing for worker tuning: measurement loaders, fingerprints, rebuilding a loader.
+
+Plain functions over `torch.utils.data`; no Lightning here either.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
+
+from lightning_boost.hardware import HardwareInfo
+from lightning_boost.tuning.workers import WorkerTuning
+
+#: DataLoader arguments a measurement loader copies from the real one.
+_COPIED = ("collate_fn", "pin_memory", "worker_init_fn", "multiprocessing_context", "pin_memory_device")
+#: Samples a measurement sampler can draw: far more than any window needs, drawn lazily.
+_MEASURE_SAMPLES = 1 << 40
+
+
+def measurement_loaders(
+    dataset: Dataset[Any], batch_size: int, settings: Mapping[str, Any], timeout_s: float
+) -> Callable[[int, int | None], DataLoader[Any]]:
+    """A factory of loaders for timing `dataset` at a worker setting, touching no global RNG.
+
+    Each loader draws random indices (with replacement, so it never runs dry) from its own seeded
+    generator and has its own base-seed generator: building and iterating it leaves the training
+    loader's sampler, and the epoch's order, exactly as they were. `settings` supplies the real
+    loader's collate function, pinning, worker init and multiprocessing context.
+    """
+    copied = {key: settings[key] for key in _COPIED if settings.get(key) is not None}
+
+    def make(num_workers: int, prefetch_factor: int | None) -> DataLoader[Any]:
+        sampler = RandomSampler(
+            dataset,  # type: ignore[arg-type]
+            replacement=True,
+            num_samples=_MEASURE_SAMPLES,
+            generator=torch.Generator().manual_seed(0),
+        )
+        return DataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            drop_last=True,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor if num_workers else None,
+            timeout=timeout_s if num_workers else 0,
+            generator=torch.Generator().manual_seed(1),
+            **copied,
+        )
+
+    return make
+
+
+def cannot_measure(dataset: object) -> str | None:
+    """Why worker tuning cannot measure `dataset` without consuming it, or ``None`` when it can."""
+    if isinstance(dataset, IterableDataset):
+        return (
+            f"{type(dataset).__name__} is an IterableDataset: timing it would consume the stream "
+            "and its sharding across workers is the dataset's own. Set `num_workers` by hand."
+        )
+    if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
+        return f"{type(dataset).__name__} has no `__getitem__` and `__len__` to sample from."
+    return None
+
+
+def fingerprint_parts(
+    hardware: HardwareInfo,
+    dataset: Dataset[Any],
+    batch_size: int,
+    settings: Mapping[str, Any],
+    tuning: WorkerTuning,
+) -> dict[str, Any]:
+    """What a worker measurement depends on: the machine, the dataset and its transforms, the batch."""
+    return {
+        "kind": "workers",
+        "hardware": {
+            "accelerator": hardware.accelerator,
+            "devices": list(hardware.device_names),
+            "cpus_per_process": hardware.cpus_per_process,
+            "ram_total_bytes": hardware.ram_total_bytes,
+            "shm_bytes": hardware.shm_bytes,
+            "torch": hardware.torch_version,
+        },
+        "dataset": describe_dataset(dataset),
+        "batch_size": batch_size,
+        "loader": {key: _stable_repr(settings.get(key)) for key in _COPIED},
+        "tuning": {
+            "tolerance": tuning.tolerance,
+            "max_workers": tuning.max_workers,
+            "prefetch_factors": list(tuning.prefetch_factors),
+            "target_samples_per_s": tuning.target_samples_per_s,
+        },
+    }
+
+
+def describe_dataset(dataset: object, depth: int = 3) -> dict[str, Any]:
+    """Type, length and transforms of `dataset` and of the datasets it wraps (``Subset`` etc.)."""
+    kind = type(dataset)
+    described: dict[str, Any] = {"type": f"{kind.__module__}.{kind.__qualname__}"}
+    if hasattr(dataset, "__len__"):
+        described["length"] = len(dataset)
+    for name in ("transform", "transforms", "target_transform"):
+        if getattr(dataset, name, None) is not None:
+            described[name] = _stable_repr(getattr(dataset, name))
+    inner = getattr(dataset, "dataset", None)
+    if depth > 0 and inner is not None and inner is not dataset:
+        described["wraps"] = describe_dataset(inner, depth - 1)
+    return described
+
+
+def _stable_repr(value: object) -> str | None:
+    """`repr` without memory addresses, so a lambda or a bound method keys the same across runs."""
+    if value is None:
+        return None
+    name = getattr(value, "__qualname__", None)
+    text = f"{getattr(value, '__module__', '')}.{name}" if name else repr(value)
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", text)[:2000]
+
+
+def rebuild_loader(loader: DataLoader[Any], **changes: Any) -> DataLoader[Any]:
+    """A new `DataLoader` like `loader` (dataset, sampler, batching and every other setting) with `changes`.
+
+    Raises:
+        TypeError: for a DataLoader subclass, whose own arguments cannot be known.
+    """
+    if type(loader) is not DataLoader:
+        raise TypeError(
+            f"{type(loader).__name__} is a DataLoader subclass; its own constructor arguments are unknown, "
+            "so it cannot be rebuilt with new worker settings. Use `BoostedDataModule` or set "
+            "`num_workers` on it by hand."
+        )
+    batching: dict[str, Any]
+    if loader.batch_size is not None:
+        batching = {"batch_size": loader.batch_size, "sampler": loader.sampler, "drop_last": loader.drop_last}
+    else:
+        batching = {"batch_size": None, "batch_sampler": loader.batch_sampler}
+    kept = {
+        "collate_fn": loader.collate_fn,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "persistent_workers": loader.persistent_workers,
+        "pin_memory_device": loader.pin_memory_device,
+        "prefetch_factor": loader.prefetch_factor,
+        "num_workers": loader.num_workers,
+    }
+    if hasattr(loader, "in_order"):
+        kept["in_order"] = loader.in_order
+    options = kept | changes
+    if not options["num_workers"]:
+        options.update(prefetch_factor=None, persistent_workers=False, timeout=0)
+    return DataLoader(loader.dataset, **batching, **options)

@@ -1,0 +1,251 @@
+"""`WorkerTuner`: the Lightning side of worker tuning, shared by `BoostedDataModule` and `AutoNumWorkers`.
+
+It gathers what the decision needs (hardware as the trainer runs it, the dataset, the real
+loader's settings), measures on rank zero or reads the cache, broadcasts the choice so every rank
+uses the same value, applies the process settings that go with it and records findings.
+"""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import Dataset
+
+from lightning_boost.data.loaders import cannot_measure, fingerprint_parts, measurement_loaders
+from lightning_boost.hardware import HardwareInfo
+from lightning_boost.report import BoostWarning, Finding, Severity
+from lightning_boost.tuning import cache
+from lightning_boost.tuning.rng import preserved_rng
+from lightning_boost.tuning.workers import (
+    WorkerChoice,
+    WorkerTuning,
+    compute_threads,
+    measure_loader,
+    open_files_plan,
+    search_workers,
+)
+
+CACHE_FILE = "workers.json"
+
+_FIXES = {
+    "hung": "A worker waited longer than `timeout_s` for one sample batch: look for locks, network calls "
+    "or per-worker initialisation in `__getitem__`, or raise `WorkerTuning(timeout_s=...)`.",
+    "crashed": "A worker process died: run once with `num_workers=0` to see the dataset's own error, "
+    "and check the kernel log (`dmesg`) for the out-of-memory killer.",
+    "shared memory exhausted": "Workers hand batches over through /dev/shm: give the container more "
+    "(`docker run --shm-size=8g` or `--ipc=host`) or lower the batch size or `prefetch_factor`.",
+}
+
+
+class WorkerTuner:
+    """Chooses `num_workers`/`prefetch_factor` per dataset and batch size, once per fingerprint.
+
+    Args:
+        source: the name findings carry (the class that owns this tuner).
+        tuning: how to measure (`WorkerTuning`).
+        cache_dir: where measurements are cached (default `lightning_boost.tuning.cache.default_cache_dir`).
+        retune: measure even when the cache has an entry.
+    """
+
+    def __init__(self, source: str, tuning: WorkerTuning, cache_dir: str | Path | None, retune: bool) -> None:
+        self.source = source
+        self.tuning = tuning
+        self.cache_dir = cache_dir
+        self.retune = retune
+        self.choices: dict[str, WorkerChoice] = {}
+        self.findings: list[Finding] = []
+        self._threads_before: int | None = None
+
+    def choose(
+        self, trainer: L.Trainer | None, dataset: Dataset[Any], batch_size: int, settings: Mapping[str, Any]
+    ) -> WorkerChoice:
+        """The worker setting for `dataset` at `batch_size`, the same on every rank.
+
+        `settings` are the real loader's other arguments (collate function, pinning, ...).
+        """
+        hardware = hardware_for(trainer)
+        key = cache.fingerprint(fingerprint_parts(hardware, dataset, batch_size, settings, self.tuning))
+        choice = self.choices.get(key)
+        if choice is None:
+            result: dict[str, Any] | None = None
+            if trainer is None or trainer.is_global_zero:
+                result = self._decide(hardware, key, dataset, batch_size, settings)
+            if trainer is not None:
+                result = trainer.strategy.broadcast(result, src=0)
+            assert result is not None  # rank zero always decides; the others receive it
+            choice = WorkerChoice.from_dict(result)
+            self.choices[key] = choice
+            self.findings += choice_findings(self.source, choice)
+        self.apply_process_settings(hardware, choice.num_workers)
+        return choice
+
+    def _decide(
+        self,
+        hardware: HardwareInfo,
+        key: str,
+        dataset: Dataset[Any],
+        batch_size: int,
+        settings: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """Rank zero: the cached choice, else a measured one; never raises (the others are waiting)."""
+        try:
+            why_not = cannot_measure(dataset)
+            if why_not is not None:
+                return WorkerChoice(0, None, f"not measured: {why_not}", source="unmeasurable").to_dict()
+            path = Path(self.cache_dir or cache.default_cache_dir()) / CACHE_FILE
+            if not self.retune:
+                cached = self._cached(path, key)
+                if cached is not None:
+                    return cached.to_dict()
+            choice = self._measure(hardware, dataset, batch_size, settings)
+            cache.store_entry(path, key, {"choice": choice.to_dict()})
+            return choice.to_dict()
+        except Exception as err:  # every rank waits on this one: fall back rather than hang them
+            reason = f"tuning failed ({type(err).__name__}: {err})"
+            return WorkerChoice(0, None, reason, source="error").to_dict()
+
+    def _cached(self, path: Path, key: str) -> WorkerChoice | None:
+        entry, problem = cache.load_entry(path, key)
+        if problem is not None:
+            rank_zero_warn(
+                f"Ignoring the worker-tuning cache, measuring again: {problem}.", category=BoostWarning
+            )
+        try:
+            return WorkerChoice.from_dict(entry["choice"]).replace(source="cache") if entry else None
+        except (KeyError, TypeError, ValueError) as err:
+            message = f"Ignoring a malformed worker-tuning cache entry in {path}: {err!r}."
+            rank_zero_warn(message, category=BoostWarning)
+            return None
+
+    def _measure(
+        self, hardware: HardwareInfo, dataset: Dataset[Any], batch_size: int, settings: Mapping[str, Any]
+    ) -> WorkerChoice:
+        make = measurement_loaders(dataset, batch_size, settings, self.tuning.timeout_s)
+
+        def measure(num_workers: int, prefetch_factor: int | None) -> Any:
+            window = self.tuning.window_s
+            return measure_loader(make, num_workers, prefetch_factor, batch_size=batch_size, window_s=window)
+
+        with preserved_rng():
+            return search_workers(measure, hardware, self.tuning)
+
+    def apply_process_settings(self, hardware: HardwareInfo, num_workers: int) -> None:
+        """Open-file limit and, on a CPU run, the model's threads beside the workers."""
+        plan = open_files_plan(hardware, num_workers)
+        if plan is not None:
+            self._add(open_files_finding(self.source, apply_open_files_plan(*plan), hardware))
+        threads = compute_threads(hardware, num_workers, torch.get_num_threads())
+        if threads is not None:
+            if self._threads_before is None:
+                self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(threads)
+            self._add(threads_finding(self.source, threads, num_workers, hardware))
+
+    def _add(self, finding: Finding) -> None:
+        if finding not in self.findings:
+            self.findings.append(finding)
+
+    def restore(self) -> None:
+        """Give torch back the intra-op thread count it had before tuning (call at teardown)."""
+        if self._threads_before is not None:
+            torch.set_num_threads(self._threads_before)
+            self._threads_before = None
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"choices": {key: choice.to_dict() for key, choice in self.choices.items()}}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        for key, data in state.get("choices", {}).items():
+            self.choices[key] = WorkerChoice.from_dict(data).replace(source="checkpoint")
+
+
+def hardware_for(trainer: L.Trainer | None) -> HardwareInfo:
+    """This machine as `trainer` uses it: its accelerator and its processes per node."""
+    hardware = HardwareInfo.detect()
+    if trainer is None:
+        return hardware
+    accelerator = "cpu"
+    if isinstance(trainer.accelerator, CUDAAccelerator):
+        accelerator = "cuda"
+    elif isinstance(trainer.accelerator, MPSAccelerator):
+        accelerator = "mps"
+    return hardware.replace(accelerator=accelerator, local_world_size=max(trainer.num_devices, 1))
+
+
+def apply_open_files_plan(action: str, minimum: int) -> str:
+    """Carry out `open_files_plan`'s decision; return what was done."""
+    if action == "raise_limit":
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (minimum, hard))
+        return f"raised the open-file limit (ulimit -n) to {minimum}"
+    torch.multiprocessing.set_sharing_strategy("file_system")
+    return "switched torch's tensor sharing strategy to 'file_system'"
+
+
+def choice_findings(source: str, choice: WorkerChoice) -> list[Finding]:
+    """The choice with its evidence, and one finding per candidate that failed."""
+    label = f"num_workers={choice.num_workers}"
+    if choice.num_workers:
+        label += f", prefetch_factor={choice.prefetch_factor}"
+    measured = "; ".join(
+        f"{trial.label}: {trial.samples_per_s:.0f} samples/s" if trial.ok else f"{trial.label}: failed"
+        for trial in choice.trials
+    )
+    detail = {
+        "measured": f"Measured {measured}. Tuning took {choice.seconds:.1f} s.",
+        "cache": "Reused the cached measurement (`retune=True` measures again).",
+        "checkpoint": "Restored from the checkpoint; not measured again.",
+    }.get(choice.source, "")
+    if choice.skipped and choice.source == "measured":
+        detail += " Not tried: " + "; ".join(choice.skipped) + "."
+    fell_back = choice.reason.startswith("fell back") or choice.source in ("error", "unmeasurable")
+    findings = [
+        Finding(
+            source,
+            "data",
+            Severity.WARN if fell_back else Severity.INFO,
+            f"{label}: {choice.reason}",
+            detail,
+            "Fix the failures below, or set `num_workers` by hand." if fell_back else "",
+            data={**choice.to_dict(), "cost_s": round(choice.seconds, 3)},
+        )
+    ]
+    for trial in choice.failures:
+        kind = trial.error.split(":")[0]
+        fix = _FIXES.get(kind, "Run with `num_workers=0` to see the dataset's error.")
+        findings.append(
+            Finding(source, "data", Severity.WARN, f"{trial.label} dropped: {trial.error}", fix=fix)
+        )
+    return findings
+
+
+def threads_finding(source: str, threads: int, num_workers: int, hardware: HardwareInfo) -> Finding:
+    return Finding(
+        source,
+        "data",
+        Severity.INFO,
+        f"torch.set_num_threads({threads}) beside {num_workers} DataLoader workers",
+        f"A CPU run has {hardware.cpus_per_process} CPUs per process; model threads spinning on the "
+        "workers' CPUs slow both down, so the model gets the CPUs the workers leave. Restored at teardown.",
+        data={"threads": threads, "num_workers": num_workers},
+    )
+
+
+def open_files_finding(source: str, done: str, hardware: HardwareInfo) -> Finding:
+    return Finding(
+        source,
+        "environment",
+        Severity.WARN,
+        f"Open-file limit {hardware.open_files_limit} is low for DataLoader workers: {done}",
+        "Workers pass each tensor to the main process as a file descriptor; a low limit ends in "
+        "'Too many open files'.",
+        "Raise it where the job starts: `ulimit -n 65536` (or LimitNOFILE in systemd, --ulimit in docker).",
+        data={"open_files_limit": hardware.open_files_limit, "action": done},
+    )

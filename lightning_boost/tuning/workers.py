@@ -1,0 +1,431 @@
+"""DataLoader workers chosen by measurement: candidates, budgets, the search and the choice.
+
+No Lightning here. The caller hands `search_workers` a ``measure(num_workers, prefetch_factor)``
+function (`measure_loader` over a loader factory, in practice) and gets back a `WorkerChoice`:
+the setting, every trial with its throughput, and why it won. Tests script the measurements.
+
+The search, in short: measure 0 workers (also the batch size in bytes), then 1, 2, 3, 4, 6, 8, ...
+up to the CPU and memory budget, stopping at the first count (from 2 on) that is not faster than
+the best so far by more than the tolerance, or at the first that crashes or hangs, or as soon as
+one feeds the training step when its rate is known. The winner is the smallest setting within
+the tolerance of the best seen; a larger ``prefetch_factor`` is then tried on it and kept only
+where it is faster by more than the tolerance.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_boost.hardware import HardwareInfo
+
+Clock = Callable[[], float]
+#: ``measure(num_workers, prefetch_factor)``: one timed trial of a loader setting.
+Measure = Callable[[int, "int | None"], "WorkerTrial"]
+
+
+@dataclass(frozen=True)
+class WorkerTuning:
+    """How worker tuning measures and decides.
+
+    Args:
+        window_s: seconds each candidate is timed for, after one batch per worker has arrived.
+        budget_s: seconds tuning may take in all; candidates it does not reach are left out.
+        timeout_s: seconds a worker may take for one batch before the candidate counts as hung.
+        tolerance: the smallest setting within this fraction of the best throughput wins.
+        max_workers: an upper bound on the candidates (default: the CPU budget per process).
+        prefetch_factors: prefetch factors to try, the first with every worker count, the others
+            on the winner only.
+        target_samples_per_s: samples per second the training step consumes, when known: the
+            smallest setting that reaches it is enough.
+        ram_fraction: share of available RAM that prefetched batches may hold.
+        shm_fraction: share of ``/dev/shm`` that prefetched batches may hold.
+
+    Raises:
+        ValueError: for a non-positive time, a fraction outside (0, 1], or a prefetch factor < 1.
+
+    Example:
+        >>> WorkerTuning(window_s=0.5).prefetch_factors
+        (2, 4)
+    """
+
+    window_s: float = 1.0
+    budget_s: float = 60.0
+    timeout_s: float = 30.0
+    tolerance: float = 0.05
+    max_workers: int | None = None
+    prefetch_factors: tuple[int, ...] = (2, 4)
+    target_samples_per_s: float | None = None
+    ram_fraction: float = 0.25
+    shm_fraction: float = 0.5
+
+    def __post_init__(self) -> None:
+        for name in ("window_s", "budget_s", "timeout_s"):
+            if not getattr(self, name) > 0:
+                value = getattr(self, name)
+                raise ValueError(f"`{name}` expected a positive number of seconds, got {value}.")
+        for name in ("tolerance", "ram_fraction", "shm_fraction"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"`{name}` expected a fraction in (0, 1], got {getattr(self, name)}.")
+        if self.max_workers is not None and self.max_workers < 0:
+            raise ValueError(f"`max_workers` expected None or >= 0, got {self.max_workers}.")
+        factors = tuple(self.prefetch_factors)
+        if not factors or any(not isinstance(f, int) or f < 1 for f in factors):
+            raise ValueError(f"`prefetch_factors` expected integers >= 1, e.g. (2, 4), got {factors}.")
+        object.__setattr__(self, "prefetch_factors", factors)
+        if self.target_samples_per_s is not None and not self.target_samples_per_s > 0:
+            raise ValueError(f"`target_samples_per_s` expected None or > 0, got {self.target_samples_per_s}.")
+
+
+@dataclass(frozen=True)
+class WorkerTrial:
+    """One measured loader setting.
+
+    Args:
+        num_workers: worker processes.
+        prefetch_factor: batches each worker loads ahead (``None`` with no workers).
+        samples_per_s: steady-state throughput, after one batch per worker has arrived.
+        seconds: time the trial took, worker start-up included.
+        batch_bytes: bytes of tensor data in one batch.
+        error: why the candidate was dropped (crashed, hung, shared memory); empty when it ran.
+    """
+
+    num_workers: int
+    prefetch_factor: int | None
+    samples_per_s: float = 0.0
+    seconds: float = 0.0
+    batch_bytes: int = 0
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return not self.error
+
+    @property
+    def label(self) -> str:
+        """``"2 workers, prefetch 4"``."""
+        if self.num_workers == 0:
+            return "0 workers"
+        noun = "worker" if self.num_workers == 1 else "workers"
+        return f"{self.num_workers} {noun}, prefetch {self.prefetch_factor}"
+
+
+@dataclass(frozen=True)
+class WorkerChoice:
+    """The loader setting to use and the evidence for it.
+
+    Args:
+        num_workers: the chosen worker count.
+        prefetch_factor: the chosen prefetch factor (``None`` with no workers).
+        reason: why it won, in one sentence.
+        trials: every trial, in the order measured.
+        skipped: candidates left out, each with why (budget, memory, time).
+        seconds: time tuning took.
+        source: ``"measured"``, ``"cache"`` or ``"checkpoint"``.
+    """
+
+    num_workers: int
+    prefetch_factor: int | None
+    reason: str
+    trials: tuple[WorkerTrial, ...] = ()
+    skipped: tuple[str, ...] = ()
+    seconds: float = 0.0
+    source: str = "measured"
+
+    @property
+    def failures(self) -> tuple[WorkerTrial, ...]:
+        return tuple(trial for trial in self.trials if not trial.ok)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready plain data (for the cache, a checkpoint and broadcasting to other ranks)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> WorkerChoice:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        values = {key: value for key, value in data.items() if key in fields}
+        values["trials"] = tuple(WorkerTrial(**trial) for trial in data.get("trials", ()))
+        values["skipped"] = tuple(data.get("skipped", ()))
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> WorkerChoice:
+        return dataclasses.replace(self, **changes)
+
+
+def worker_candidates(max_workers: int) -> list[int]:
+    """Worker counts to try, in increasing order: 0-4, then 6, 8, 12, 16, 24, ..., and `max_workers`.
+
+    Example:
+        >>> worker_candidates(10)
+        [0, 1, 2, 3, 4, 6, 8, 10]
+    """
+    steps = {n for n in range(5)}
+    power = 4
+    while power <= max_workers:
+        steps.update({power, power * 3 // 2})
+        power *= 2
+    return sorted(n for n in steps | {max_workers} if n <= max_workers)
+
+
+def worker_limit(
+    hardware: HardwareInfo, batch_bytes: int, prefetch_factor: int, tuning: WorkerTuning
+) -> tuple[int, list[str]]:
+    """The most workers the CPU, RAM and shared-memory budgets allow, and what limits it.
+
+    CPUs: the CPUs available to the process divided among the node's training processes. Memory:
+    ``workers x prefetch_factor`` batches are in flight at once, in RAM and in ``/dev/shm``.
+
+    Example:
+        >>> from lightning_boost.hardware import EXAMPLES
+        >>> worker_limit(EXAMPLES["a100x8"], batch_bytes=0, prefetch_factor=2, tuning=WorkerTuning())
+        (12, ['CPU budget: 96 CPUs // 8 training processes per node = 12'])
+    """
+    cpus = hardware.cpus_per_process
+    limit = cpus if tuning.max_workers is None else min(cpus, tuning.max_workers)
+    per_node = hardware.processes_per_node
+    processes = "process" if per_node == 1 else "processes"
+    notes = [f"CPU budget: {hardware.cpus_available} CPUs // {per_node} training {processes} per node = {cpus}"]
+    if tuning.max_workers is not None and tuning.max_workers < cpus:
+        notes.append(f"max_workers={tuning.max_workers}")
+    in_flight = batch_bytes * prefetch_factor
+    budgets = {
+        "RAM": (hardware.ram_available_bytes or 0) * tuning.ram_fraction / hardware.processes_per_node,
+        "/dev/shm": (hardware.shm_bytes or 0) * tuning.shm_fraction / hardware.processes_per_node,
+    }
+    for name, allowed in budgets.items():
+        if in_flight > 0 and allowed > 0 and allowed // in_flight < limit:
+            limit = int(allowed // in_flight)
+            notes.append(
+                f"{name} budget: {allowed / 2**20:.0f} MiB holds {limit} workers x {prefetch_factor} "
+                f"batches of {batch_bytes / 2**20:.1f} MiB"
+            )
+    return max(limit, 0), notes
+
+
+def choose_worker_trial(
+    trials: Iterable[WorkerTrial], tuning: WorkerTuning
+) -> tuple[WorkerTrial | None, str]:
+    """The winning trial and why: the smallest that feeds the step, else the smallest near the best.
+
+    Returns ``(None, why)`` when no trial ran.
+
+    Example:
+        >>> trials = [WorkerTrial(0, None, 100.0), WorkerTrial(2, 2, 290.0), WorkerTrial(4, 2, 300.0)]
+        >>> choose_worker_trial(trials, WorkerTuning())[0].num_workers
+        2
+    """
+    ran = [trial for trial in trials if trial.ok]
+    if not ran:
+        return None, "no candidate ran"
+    key = lambda trial: (trial.num_workers, trial.prefetch_factor or 0)  # noqa: E731
+    target = tuning.target_samples_per_s
+    fed = [trial for trial in ran if target is not None and trial.samples_per_s >= target]
+    if fed:
+        winner = min(fed, key=key)
+        return winner, f"smallest setting that feeds the step's {target:.0f} samples/s"
+    best = max(ran, key=lambda trial: trial.samples_per_s)
+    near = [trial for trial in ran if trial.samples_per_s >= (1 - tuning.tolerance) * best.samples_per_s]
+    winner = min(near, key=key)
+    if winner is best:
+        return winner, f"fastest measured ({best.samples_per_s:.0f} samples/s)"
+    return winner, (
+        f"smallest setting within {tuning.tolerance:.0%} of the fastest "
+        f"({best.label}: {best.samples_per_s:.0f} samples/s)"
+    )
+
+
+def _should_stop(trials: list[WorkerTrial], tuning: WorkerTuning) -> bool:
+    last = trials[-1]
+    if not last.ok:
+        return last.num_workers > 0  # more workers crash or hang the same way, or worse
+    target = tuning.target_samples_per_s
+    if target is not None and last.samples_per_s >= target:
+        return True
+    earlier = [trial.samples_per_s for trial in trials[:-1] if trial.ok]
+    if last.num_workers < 2 or not earlier:
+        return False  # one worker only moves the work off the main process: always go on to two
+    return last.samples_per_s <= (1 + tuning.tolerance) * max(earlier)
+
+
+def search_workers(
+    measure: Measure, hardware: HardwareInfo, tuning: WorkerTuning, clock: Clock = time.perf_counter
+) -> WorkerChoice:
+    """Measure candidates in increasing order until throughput plateaus; return the choice.
+
+    Falls back to ``num_workers=0`` and says why when every candidate with workers failed.
+
+    Example:
+        >>> from lightning_boost.hardware import EXAMPLES
+        >>> rates = {0: 100.0, 1: 95.0, 2: 190.0, 3: 195.0}
+        >>> measure = lambda n, pf: WorkerTrial(n, pf, rates.get(n, 195.0), batch_bytes=1)
+        >>> choice = search_workers(measure, EXAMPLES["cpu"], WorkerTuning(prefetch_factors=(2,)))
+        >>> choice.num_workers, [t.num_workers for t in choice.trials]
+        (2, [0, 1, 2, 3])
+    """
+    start = clock()
+    first_factor = tuning.prefetch_factors[0]
+    trials = [measure(0, None)]
+    batch_bytes = trials[0].batch_bytes
+    limit, notes = worker_limit(hardware, batch_bytes, first_factor, tuning)
+    skipped = [f"more than {limit} workers ({'; '.join(notes)})"]
+    for count in worker_candidates(limit)[1:]:
+        if clock() - start > tuning.budget_s:
+            skipped.append(f"{count} workers and up: the {tuning.budget_s:.0f} s tuning budget was spent")
+            break
+        trials.append(measure(count, first_factor))
+        if _should_stop(trials, tuning):
+            break
+    winner, reason = choose_worker_trial(trials, tuning)
+    if winner is not None and winner.num_workers > 0:
+        trials += _try_prefetch(measure, winner, hardware, tuning, skipped)
+        winner, reason = choose_worker_trial(trials, tuning)
+    seconds = clock() - start
+    with_workers = [trial for trial in trials if trial.num_workers > 0]
+    if winner is None or (with_workers and not any(trial.ok for trial in with_workers)):
+        return _fallback(trials, skipped, seconds)
+    return WorkerChoice(
+        winner.num_workers, winner.prefetch_factor, reason, tuple(trials), tuple(skipped), seconds
+    )
+
+
+def _try_prefetch(
+    measure: Measure, winner: WorkerTrial, hardware: HardwareInfo, tuning: WorkerTuning, skipped: list[str]
+) -> list[WorkerTrial]:
+    trials = []
+    for factor in tuning.prefetch_factors[1:]:
+        limit, notes = worker_limit(hardware, winner.batch_bytes, factor, tuning)
+        if limit < winner.num_workers:
+            skipped.append(f"prefetch {factor}: {'; '.join(notes[1:])}")
+            continue
+        trial = measure(winner.num_workers, factor)
+        trials.append(trial)
+        if trial.ok and trial.samples_per_s <= (1 + tuning.tolerance) * winner.samples_per_s:
+            break
+    return trials
+
+
+def _fallback(trials: list[WorkerTrial], skipped: list[str], seconds: float) -> WorkerChoice:
+    failed = "; ".join(f"{trial.label}: {trial.error}" for trial in trials if not trial.ok)
+    return WorkerChoice(
+        0,
+        None,
+        f"fell back to loading in the main process ({failed})",
+        tuple(trials),
+        tuple(skipped),
+        seconds,
+    )
+
+
+def measure_loader(
+    make_loader: Callable[[int, int | None], Iterable[Any]],
+    num_workers: int,
+    prefetch_factor: int | None,
+    *,
+    batch_size: int,
+    window_s: float,
+    clock: Clock = time.perf_counter,
+) -> WorkerTrial:
+    """Time the loader `make_loader(num_workers, prefetch_factor)` builds, over `window_s` seconds.
+
+    One batch per worker is fetched before the clock starts, so worker start-up and the first
+    round (which arrives all at once) do not inflate the rate. Any exception while loading makes
+    the trial a failure that says what happened; the workers are shut down either way.
+    """
+    start = clock()
+    iterator = None
+    batch_bytes = 0
+    try:
+        iterator = iter(make_loader(num_workers, prefetch_factor))
+        batch_bytes = tensor_bytes(next(iterator))
+        for _ in range(num_workers - 1):
+            next(iterator)
+        started, batches = clock(), 0
+        while clock() - started < window_s:
+            next(iterator)
+            batches += 1
+        rate = batches * batch_size / max(clock() - started, 1e-9)
+        return WorkerTrial(num_workers, prefetch_factor, rate, clock() - start, batch_bytes)
+    except Exception as err:  # a failed candidate is data, whatever it raised
+        error = describe_failure(err)
+        return WorkerTrial(num_workers, prefetch_factor, 0.0, clock() - start, batch_bytes, error)
+    finally:
+        del iterator  # shuts the workers down now, hung ones included
+
+
+def describe_failure(err: BaseException) -> str:
+    """A short cause for a failed candidate: hung, crashed, shared memory exhausted, or the error.
+
+    Example:
+        >>> describe_failure(RuntimeError("DataLoader timed out after 5 seconds"))
+        'hung: DataLoader timed out after 5 seconds'
+    """
+    text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    lowered = str(err).lower()
+    if isinstance(err, StopIteration):
+        return "the loader ran out of batches before the measurement ended"
+    if "shared memory" in lowered or "no space left on device" in lowered or "bus error" in lowered:
+        return f"shared memory exhausted: {text}"
+    if "timed out" in lowered:
+        return f"hung: {text}"
+    if "exited unexpectedly" in lowered or "killed by signal" in lowered:
+        return f"crashed: {text}"
+    return f"{type(err).__name__}: {text}"
+
+
+def tensor_bytes(batch: Any) -> int:
+    """Bytes of tensor data in a (nested) batch.
+
+    Example:
+        >>> tensor_bytes((torch.zeros(4, 3), {"y": torch.zeros(4, dtype=torch.int64)}))
+        80
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch.element_size() * batch.numel()
+    if isinstance(batch, Mapping):
+        return sum(tensor_bytes(value) for value in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return sum(tensor_bytes(value) for value in batch)
+    return 0
+
+
+def compute_threads(hardware: HardwareInfo, num_workers: int, current: int) -> int | None:
+    """Intra-op threads for CPU training beside `num_workers` workers, or ``None`` to leave `current`.
+
+    On a CPU run the model and the workers share the CPU budget; torch's threads spinning on
+    CPUs the workers use make both slower, so the model gets what the workers leave (at least 1).
+
+    Example:
+        >>> from lightning_boost.hardware import EXAMPLES
+        >>> compute_threads(EXAMPLES["cpu"].replace(cpus_available=8), num_workers=3, current=8)
+        5
+    """
+    if hardware.accelerator != "cpu" or num_workers == 0:
+        return None
+    threads = max(hardware.cpus_per_process - num_workers, 1)
+    return threads if threads < current else None
+
+
+def open_files_plan(hardware: HardwareInfo, num_workers: int, minimum: int = 4096) -> tuple[str, int] | None:
+    """What to do about a low open-file limit before starting workers, or ``None`` when it is fine.
+
+    Workers hand each tensor to the main process as a file descriptor (torch's default
+    ``file_descriptor`` sharing strategy), so a low ``ulimit -n`` ends in "Too many open files".
+    Returns ``("raise_limit", n)`` when the hard limit allows raising the soft one to `n`, else
+    ``("file_system", n)``: switch torch to the ``file_system`` sharing strategy.
+
+    Example:
+        >>> from lightning_boost.hardware import EXAMPLES
+        >>> open_files_plan(EXAMPLES["cpu"].replace(open_files_limit=1024, open_files_hard_limit=4096), 2)
+        ('raise_limit', 4096)
+    """
+    soft, hard = hardware.open_files_limit, hardware.open_files_hard_limit
+    if num_workers == 0 or soft is None or soft >= minimum:
+        return None
+    if hard is not None and (hard < 0 or hard >= minimum):  # resource.RLIM_INFINITY is -1
+        return "raise_limit", minimum
+    return "file_system", minimum

@@ -1,0 +1,268 @@
+"""Worker tuning as plain functions: candidates, budgets, the search and the choice, on made-up data."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from lightning_boost.hardware import EXAMPLES, GIB, MIB, HardwareInfo
+from lightning_boost.tuning import cache
+from lightning_boost.tuning.rng import preserved_rng
+from lightning_boost.tuning.workers import (
+    WorkerChoice,
+    WorkerTrial,
+    WorkerTuning,
+    choose_worker_trial,
+    compute_threads,
+    describe_failure,
+    measure_loader,
+    open_files_plan,
+    search_workers,
+    worker_candidates,
+    worker_limit,
+)
+
+CPU16 = EXAMPLES["cpu"].replace(cpus_available=16, ram_available_bytes=64 * GIB, shm_bytes=32 * GIB)
+
+
+class ScriptedLoader:
+    """Stands in for measurement: throughput per worker count from a table, errors by count."""
+
+    def __init__(self, rates: dict[int, float], errors: dict[int, str] | None = None) -> None:
+        self.rates = rates
+        self.errors = errors or {}
+        self.calls: list[tuple[int, int | None]] = []
+
+    def __call__(self, num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
+        self.calls.append((num_workers, prefetch_factor))
+        if num_workers in self.errors:
+            return WorkerTrial(num_workers, prefetch_factor, error=self.errors[num_workers])
+        rate = self.rates[num_workers] * (1.2 if prefetch_factor == 4 else 1.0)
+        return WorkerTrial(num_workers, prefetch_factor, rate, 1.0, batch_bytes=MIB)
+
+
+def test_candidates_grow_geometrically_and_end_at_the_limit() -> None:
+    assert worker_candidates(0) == [0]
+    assert worker_candidates(2) == [0, 1, 2]
+    assert worker_candidates(16) == [0, 1, 2, 3, 4, 6, 8, 12, 16]
+    assert worker_candidates(40) == [0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40]
+
+
+@pytest.mark.parametrize(
+    ("hardware", "batch_bytes", "expected"),
+    [
+        (EXAMPLES["a100x8"], MIB, 12),  # 96 CPUs over 8 processes
+        (CPU16.replace(local_world_size=4), MIB, 4),  # CPUs split among the node's processes
+        (CPU16.replace(shm_bytes=64 * MIB), MIB, 16),  # 32 MiB of shm for 2 MiB per worker
+        (CPU16.replace(shm_bytes=64 * MIB), 8 * MIB, 2),  # 32 MiB for 16 MiB per worker
+        (CPU16.replace(ram_available_bytes=256 * MIB), 16 * MIB, 2),  # 64 MiB RAM for 32 MiB
+    ],
+)
+def test_worker_limit_is_the_tightest_budget(hardware: HardwareInfo, batch_bytes: int, expected: int) -> None:
+    limit, notes = worker_limit(hardware, batch_bytes, 2, WorkerTuning())
+    assert limit == expected
+    assert notes[0].startswith("CPU budget")
+
+
+def test_worker_limit_respects_max_workers() -> None:
+    limit, notes = worker_limit(CPU16, MIB, 2, WorkerTuning(max_workers=3))
+    assert limit == 3
+    assert "max_workers=3" in notes
+
+
+@pytest.mark.parametrize(
+    ("rates", "tuning", "expected", "reason"),
+    [
+        ({0: 100, 2: 300, 4: 305}, WorkerTuning(), 2, "within 5% of the fastest"),
+        ({0: 100, 2: 250, 4: 305}, WorkerTuning(), 4, "fastest measured"),
+        ({0: 100, 2: 250, 4: 305}, WorkerTuning(tolerance=0.2), 2, "within 20%"),
+        ({0: 100, 2: 250, 4: 305}, WorkerTuning(target_samples_per_s=200), 2, "feeds the step"),
+        ({0: 100, 2: 250, 4: 305}, WorkerTuning(target_samples_per_s=90), 0, "feeds the step"),
+    ],
+)
+def test_choice_is_the_smallest_good_enough_setting(
+    rates: dict[int, float], tuning: WorkerTuning, expected: int, reason: str
+) -> None:
+    trials = [WorkerTrial(n, 2 if n else None, rate) for n, rate in rates.items()]
+    winner, why = choose_worker_trial(trials, tuning)
+    assert winner is not None and winner.num_workers == expected
+    assert reason in why
+
+
+def test_search_stops_at_the_plateau_and_picks_the_smallest_near_the_best() -> None:
+    measure = ScriptedLoader({0: 100, 1: 95, 2: 190, 3: 280, 4: 370, 6: 540, 8: 700, 12: 720, 16: 730})
+    choice = search_workers(measure, CPU16, WorkerTuning(prefetch_factors=(2,)))
+    assert [n for n, _ in measure.calls] == [0, 1, 2, 3, 4, 6, 8, 12]  # 12 is not 5% faster: stop
+    assert (choice.num_workers, choice.prefetch_factor) == (8, 2)  # 700 is within 5% of 720
+    assert all(trial.num_workers <= 16 for trial in choice.trials)
+
+
+def test_one_worker_no_faster_than_none_does_not_end_the_search() -> None:
+    measure = ScriptedLoader({0: 100, 1: 90, 2: 180, 3: 185})
+    choice = search_workers(measure, CPU16.replace(cpus_available=3), WorkerTuning(prefetch_factors=(2,)))
+    assert choice.num_workers == 2
+
+
+def test_a_larger_prefetch_factor_is_kept_only_when_faster() -> None:
+    measure = ScriptedLoader({0: 100, 1: 190, 2: 195})
+    choice = search_workers(measure, CPU16.replace(cpus_available=2), WorkerTuning())
+    assert measure.calls[-1] == (1, 4)
+    assert (choice.num_workers, choice.prefetch_factor) == (1, 4)  # scripted 20 % faster
+
+
+def test_target_rate_ends_the_search_early() -> None:
+    measure = ScriptedLoader({n: 100.0 * (n + 1) for n in range(17)})
+    choice = search_workers(measure, CPU16, WorkerTuning(prefetch_factors=(2,), target_samples_per_s=350))
+    assert [n for n, _ in measure.calls] == [0, 1, 2, 3]
+    assert choice.num_workers == 3
+
+
+def test_a_crashing_count_is_dropped_and_ends_the_search() -> None:
+    measure = ScriptedLoader({0: 100, 1: 120, 2: 240}, errors={3: "crashed: worker exited unexpectedly"})
+    choice = search_workers(measure, CPU16, WorkerTuning(prefetch_factors=(2,)))
+    assert [n for n, _ in measure.calls] == [0, 1, 2, 3]
+    assert choice.num_workers == 2
+    assert [trial.num_workers for trial in choice.failures] == [3]
+
+
+def test_every_worker_count_failing_falls_back_to_the_main_process() -> None:
+    measure = ScriptedLoader({0: 100}, errors={1: "hung: DataLoader timed out after 2 seconds"})
+    choice = search_workers(measure, CPU16, WorkerTuning())
+    assert (choice.num_workers, choice.prefetch_factor) == (0, None)
+    assert choice.reason.startswith("fell back to loading in the main process")
+    assert "hung" in choice.reason
+
+
+def test_the_time_budget_bounds_the_search() -> None:
+    ticks = itertools.count(step=10.0)  # every clock read is 10 s later
+    measure = ScriptedLoader({n: 100.0 * (n + 1) for n in range(17)})
+    choice = search_workers(
+        measure, CPU16, WorkerTuning(budget_s=25, prefetch_factors=(2,)), lambda: next(ticks)
+    )
+    assert len(measure.calls) < len(worker_candidates(16))
+    assert any("tuning budget was spent" in note for note in choice.skipped)
+
+
+def _batches(seconds_per_batch: float, clock: list[float], batch: Any) -> Iterator[Any]:
+    while True:
+        clock[0] += seconds_per_batch
+        yield batch
+
+
+def test_measure_loader_times_the_steady_state_after_one_batch_per_worker() -> None:
+    now = [0.0]
+    batch = (torch.zeros(8, 3), torch.zeros(8))
+    trial = measure_loader(
+        lambda n, pf: _batches(0.5, now, batch), 2, 2, batch_size=8, window_s=5.0, clock=lambda: now[0]
+    )
+    assert trial.ok
+    assert trial.samples_per_s == pytest.approx(16.0)  # 8 samples per 0.5 s
+    assert trial.batch_bytes == 8 * 3 * 4 + 8 * 4
+
+
+def test_measure_loader_turns_errors_into_failed_trials() -> None:
+    def broken(num_workers: int, prefetch_factor: int | None) -> Iterator[Any]:
+        raise RuntimeError("DataLoader worker (pid(s) 123) exited unexpectedly")
+
+    trial = measure_loader(broken, 2, 2, batch_size=8, window_s=1.0)
+    assert not trial.ok and trial.error.startswith("crashed")
+
+
+@pytest.mark.parametrize(
+    ("error", "kind"),
+    [
+        (RuntimeError("DataLoader timed out after 2 seconds"), "hung"),
+        (RuntimeError("DataLoader worker (pid 9) is killed by signal: Killed."), "crashed"),
+        (RuntimeError("unable to write to file </torch_1_2>: No space left on device (28)"), "shared memory"),
+        (RuntimeError("DataLoader worker (pid 9) is killed by signal: Bus error."), "shared memory"),
+        (ValueError("bad sample"), "ValueError"),
+    ],
+)
+def test_failures_are_described_by_cause(error: Exception, kind: str) -> None:
+    assert describe_failure(error).startswith(kind)
+
+
+def test_cpu_runs_give_the_model_the_cpus_the_workers_leave() -> None:
+    box = EXAMPLES["cpu"].replace(cpus_available=8)
+    assert compute_threads(box, 3, current=8) == 5
+    assert compute_threads(box, 8, current=8) == 1
+    assert compute_threads(box, 3, current=2) is None  # already fewer threads: leave them
+    assert compute_threads(box, 0, current=8) is None
+    assert compute_threads(EXAMPLES["a100x8"], 4, current=64) is None  # the model runs on the GPU
+
+
+def test_low_open_file_limits_are_raised_or_worked_around() -> None:
+    box = EXAMPLES["cpu"]
+    assert open_files_plan(box.replace(open_files_limit=1024, open_files_hard_limit=1 << 20), 4) == (
+        "raise_limit",
+        4096,
+    )
+    assert open_files_plan(box.replace(open_files_limit=1024, open_files_hard_limit=1024), 4) == (
+        "file_system",
+        4096,
+    )
+    assert open_files_plan(box.replace(open_files_limit=1024, open_files_hard_limit=1024), 0) is None
+    assert open_files_plan(box.replace(open_files_limit=65536), 4) is None
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"window_s": 0}, "`window_s` expected a positive"),
+        ({"tolerance": 1.5}, r"`tolerance` expected a fraction in \(0, 1\]"),
+        ({"max_workers": -1}, "`max_workers` expected None or >= 0"),
+        ({"prefetch_factors": (0,)}, "`prefetch_factors` expected integers >= 1"),
+        ({"target_samples_per_s": -5.0}, "`target_samples_per_s` expected None or > 0"),
+    ],
+)
+def test_bad_tuning_arguments_are_named(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        WorkerTuning(**kwargs)
+
+
+def test_a_choice_round_trips_through_json() -> None:
+    choice = search_workers(
+        ScriptedLoader({0: 1.0, 1: 2.0, 2: 4.0}), CPU16.replace(cpus_available=2), WorkerTuning()
+    )
+    again = WorkerChoice.from_dict(json.loads(json.dumps(choice.to_dict())))
+    assert again == choice
+
+
+def test_cache_round_trip_and_a_corrupt_file(tmp_path: Path) -> None:
+    path = tmp_path / "workers.json"
+    key = cache.fingerprint({"dataset": "x", "batch_size": 8})
+    assert cache.load_entry(path, key) == (None, None)
+    cache.store_entry(path, key, {"choice": {"num_workers": 2}})
+    cache.store_entry(path, "other", {"choice": {"num_workers": 1}})
+    entry, problem = cache.load_entry(path, key)
+    assert problem is None and entry is not None and entry["choice"] == {"num_workers": 2}
+    path.write_text("{not json")
+    entry, problem = cache.load_entry(path, key)
+    assert entry is None and problem is not None and "not readable JSON" in problem
+    path.write_text(json.dumps({"schema_version": 99, "entries": {}}))
+    assert "schema version 1" in str(cache.load_entry(path, key)[1])
+
+
+def test_preserved_rng_restores_every_generator() -> None:
+    def seed() -> None:
+        random.seed(3)
+        np.random.seed(3)
+        torch.manual_seed(3)
+
+    def draw() -> tuple[float, float, float]:
+        return random.random(), float(np.random.rand()), torch.rand(1).item()
+
+    seed()
+    expected = draw()
+    seed()
+    with preserved_rng():
+        draw(), draw()
+    assert draw() == expected
