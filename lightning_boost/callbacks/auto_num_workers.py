@@ -12,9 +12,9 @@ from typing_extensions import override
 
 from lightning_boost._lightning import rebuild_dataloaders, reload_every_n_epochs
 from lightning_boost.data.loaders import cannot_measure, rebuild_loader
-from lightning_boost.data.tuner import WorkerTuner, hardware_for
+from lightning_boost.data.tuner import WorkerTuner
 from lightning_boost.report import Finding, Severity
-from lightning_boost.tuning.workers import WorkerChoice, WorkerTuning
+from lightning_boost.tuning.workers import WorkerTuning
 
 #: The real loader's arguments that its measurement loaders copy.
 _TUNING_SETTINGS = (
@@ -32,7 +32,9 @@ class AutoNumWorkers(L.Callback):
     For users who do not subclass `BoostedDataModule`: whatever returns the loaders (a datamodule,
     the model's ``*_dataloader()`` hooks, or loaders passed to ``fit``), each plain ``DataLoader``
     over a map-style dataset is rebuilt with every other argument kept, plus
-    ``persistent_workers`` when it has workers. Validation reuses the training measurement.
+    ``persistent_workers`` when it has workers. Each dataset is measured on its own (a validation
+    set with lighter transforms may need fewer workers); datasets alike in type, length and
+    transforms share one measurement.
     What it cannot rebuild (a DataLoader subclass, an ``IterableDataset``, a loader without a
     batch size) is left as it is, with a finding that says why. Measurements are made on rank
     zero, broadcast, and cached as JSON; tuned values live in ``state_dict`` for resuming.
@@ -59,7 +61,6 @@ class AutoNumWorkers(L.Callback):
         self.cache_dir = cache_dir
         self.worker_tuner = WorkerTuner(type(self).__name__, self.tuning, cache_dir, retune)
         self._undo: Any = None
-        self._train_choice: WorkerChoice | None = None
 
     @property
     def findings(self) -> list[Finding]:
@@ -103,14 +104,8 @@ class AutoNumWorkers(L.Callback):
         if why_not is not None or batch_size is None:
             self._cannot(split, why_not or "no batch size")
             return loader
-        choice = self._train_choice if split == "val" and self._train_choice is not None else None
-        if choice is None:
-            settings = {name: getattr(loader, name, None) for name in _TUNING_SETTINGS}
-            choice = self.worker_tuner.choose(trainer, loader.dataset, batch_size, settings)
-        else:
-            self.worker_tuner.apply_process_settings(hardware_for(trainer), choice.num_workers)
-        if split == "train":
-            self._train_choice = choice
+        settings = {name: getattr(loader, name, None) for name in _TUNING_SETTINGS}
+        choice = self.worker_tuner.choose(trainer, loader.dataset, batch_size, settings)
         reload = reload_every_n_epochs(trainer) > 0
         persistent = choice.num_workers > 0 and not (loader.pin_memory and reload)
         return rebuild_loader(

@@ -134,23 +134,21 @@ class BoostedDataModule(L.LightningDataModule):
     def train_dataloader(self) -> DataLoader[Any]:
         return self.build_dataloader("train", shuffle=self.shuffle, drop_last=self.drop_last)
 
-    @override
-    def val_dataloader(self) -> DataLoader[Any] | list[DataLoader[Any]]:
-        return self._eval_dataloader("val")
+    @property
+    def val_dataloader(self) -> Callable[[], DataLoader[Any]] | None:  # type: ignore[override]
+        """The ``val_dataloader`` hook; ``None`` once ``setup()`` has assigned a training set but no
+        validation set, which is how Lightning learns that this fit has no validation loop."""
+        if self.val_dataset is None and self.train_dataset is not None:
+            return None
+        return functools.partial(self.build_dataloader, "val", shuffle=False, drop_last=False)
 
     @override
-    def test_dataloader(self) -> DataLoader[Any] | list[DataLoader[Any]]:
-        return self._eval_dataloader("test")
+    def test_dataloader(self) -> DataLoader[Any]:
+        return self.build_dataloader("test", shuffle=False, drop_last=False)
 
     @override
-    def predict_dataloader(self) -> DataLoader[Any] | list[DataLoader[Any]]:
-        return self._eval_dataloader("predict")
-
-    def _eval_dataloader(self, split: str) -> DataLoader[Any] | list[DataLoader[Any]]:
-        # No validation set is a normal fit: an empty list tells Lightning to skip the loop.
-        if split == "val" and self.val_dataset is None:
-            return []
-        return self.build_dataloader(split, shuffle=False, drop_last=False)
+    def predict_dataloader(self) -> DataLoader[Any]:
+        return self.build_dataloader("predict", shuffle=False, drop_last=False)
 
     def build_dataloader(self, split: str, *, shuffle: bool, drop_last: bool) -> DataLoader[Any]:
         """The DataLoader for `split` (``"train"``, ``"val"``, ``"test"``, ``"predict"``) with tuned settings.

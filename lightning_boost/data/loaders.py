@@ -5,6 +5,7 @@ Plain functions over `torch.utils.data`; no Lightning here either.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -116,6 +117,8 @@ def _stable_repr(value: object) -> str | None:
     """`repr` without memory addresses, so a lambda or a bound method keys the same across runs."""
     if value is None:
         return None
+    while isinstance(value, functools.partial):  # e.g. the worker init bound to this process's rank
+        value = value.func
     name = getattr(value, "__qualname__", None)
     text = f"{getattr(value, '__module__', '')}.{name}" if name else repr(value)
     return re.sub(r" at 0x[0-9a-fA-F]+", "", text)[:2000]

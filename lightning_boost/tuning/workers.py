@@ -189,7 +189,9 @@ def worker_limit(
     limit = cpus if tuning.max_workers is None else min(cpus, tuning.max_workers)
     per_node = hardware.processes_per_node
     processes = "process" if per_node == 1 else "processes"
-    notes = [f"CPU budget: {hardware.cpus_available} CPUs // {per_node} training {processes} per node = {cpus}"]
+    notes = [
+        f"CPU budget: {hardware.cpus_available} CPUs // {per_node} training {processes} per node = {cpus}"
+    ]
     if tuning.max_workers is not None and tuning.max_workers < cpus:
         notes.append(f"max_workers={tuning.max_workers}")
     in_flight = batch_bytes * prefetch_factor

@@ -1,0 +1,138 @@
+"""`AutoNumWorkers` rebuilding the loaders users built themselves, in real CPU Trainer runs."""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
+from typing_extensions import override
+
+from lightning_boost import AutoNumWorkers, WorkerTuning
+from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
+from tests.test_datamodule import IndexDataset, SeenIndices
+
+FAST = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,))
+
+
+def _stack(samples: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    inputs, indices = zip(*samples, strict=True)
+    return torch.stack(inputs), torch.stack(indices)
+
+
+def _loaders() -> tuple[DataLoader[Any], DataLoader[Any]]:
+    train = DataLoader(IndexDataset(64), batch_size=8, shuffle=True, drop_last=True, collate_fn=_stack)
+    val = DataLoader(IndexDataset(16), batch_size=4)
+    return train, val
+
+
+def _fit(tmp_path: Path, callbacks: list[L.Callback], **overrides: Any) -> tuple[L.Trainer, SeenIndices]:
+    L.seed_everything(3, verbose=False)
+    model = SeenIndices()
+    options = {"limit_train_batches": 1.0, "max_epochs": 2, "logger": False, "enable_checkpointing": False}
+    trainer = tiny_trainer(tmp_path, callbacks=callbacks, **(options | overrides))
+    trainer.fit(model, *_loaders())
+    return trainer, model
+
+
+def test_loaders_passed_to_fit_are_rebuilt_with_every_other_setting_kept(tmp_path: Path) -> None:
+    callback = AutoNumWorkers(FAST, retune=True)
+    trainer, model = _fit(tmp_path, [callback])
+    train_choice, val_choice = callback.worker_tuner.choices.values()
+    choice = train_choice if train_choice.trials[0].batch_bytes == 8 * 33 * 4 else val_choice
+    train = trainer.train_dataloader
+    assert isinstance(train, DataLoader)
+    assert (train.num_workers, train.persistent_workers) == (choice.num_workers, choice.num_workers > 0)
+    assert train.collate_fn is _stack and train.drop_last and train.batch_size == 8
+    assert isinstance(train.sampler, RandomSampler)
+    val = trainer.val_dataloaders
+    assert isinstance(val, DataLoader) and val.persistent_workers == (val.num_workers > 0)
+    assert callback.findings[0].source == "AutoNumWorkers" and callback.findings[0].data["trials"]
+    _, untuned = _fit(tmp_path, [])
+    assert model.seen == untuned.seen  # the same samples in the same order, epoch after epoch
+
+
+class _OwnLoader(DataLoader[Any]):
+    pass
+
+
+class _Stream(IterableDataset[tuple[Tensor, Tensor]]):
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        return iter(IndexDataset(64))
+
+
+@pytest.mark.parametrize(
+    ("loader", "why"),
+    [
+        (_OwnLoader(IndexDataset(64), batch_size=8), "_OwnLoader is a DataLoader subclass"),
+        (DataLoader(_Stream(), batch_size=8), "_Stream is an IterableDataset"),
+    ],
+)
+def test_what_cannot_be_rebuilt_is_left_alone_and_explained(
+    tmp_path: Path, loader: DataLoader[Any], why: str
+) -> None:
+    callback = AutoNumWorkers(FAST)
+    trainer = tiny_trainer(tmp_path, callbacks=[callback], logger=False, enable_checkpointing=False)
+    trainer.fit(SeenIndices(), train_dataloaders=loader, val_dataloaders=_loaders()[1])
+    assert trainer.train_dataloader is loader
+    (finding,) = [finding for finding in callback.findings if finding.severity.value == "warn"]
+    assert finding.severity.value == "warn" and why in finding.title and "BoostedDataModule" in finding.fix
+
+
+def test_a_datamodule_twice_and_then_validate(tmp_path: Path) -> None:
+    callback = AutoNumWorkers(FAST)
+    trainer = tiny_trainer(tmp_path, callbacks=[callback], logger=False, enable_checkpointing=False)
+    datamodule = BoringDataModule(batch_size=8)
+    trainer.fit(BoringModel(), datamodule=datamodule)
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(BoringModel(), datamodule=datamodule)
+    trainer.validate(BoringModel(), datamodule=datamodule)
+    (choice,) = callback.worker_tuner.choices.values()  # train and val sets are alike: one measurement
+    assert trainer.val_dataloaders.num_workers == choice.num_workers  # type: ignore[union-attr]
+
+
+def test_state_dict_round_trips_and_resuming_does_not_measure(tmp_path: Path) -> None:
+    callback = AutoNumWorkers(FAST)
+    trainer, _ = _fit(tmp_path, [callback], max_epochs=1)
+    checkpoint = tmp_path / "tuned.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    fresh = AutoNumWorkers(FAST)
+    fresh.load_state_dict(pickle.loads(pickle.dumps(callback.state_dict())))
+    assert fresh.worker_tuner.choices.keys() == callback.worker_tuner.choices.keys()
+    resumed = AutoNumWorkers(FAST)
+    again = tiny_trainer(
+        tmp_path, callbacks=[resumed], max_epochs=2, logger=False, enable_checkpointing=False
+    )
+    again.fit(SeenIndices(), *_loaders(), ckpt_path=checkpoint)
+    assert {choice.source for choice in resumed.worker_tuner.choices.values()} == {"checkpoint"}
+
+
+def test_bad_arguments_are_named() -> None:
+    with pytest.raises(TypeError, match="`tuning` expected a WorkerTuning or None, got dict"):
+        AutoNumWorkers({"window_s": 1.0})  # type: ignore[arg-type]
+
+
+class _Threads(L.Callback):
+    def __init__(self) -> None:
+        self.during: int | None = None
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.during = torch.get_num_threads()
+
+
+def test_cpu_threads_follow_the_workers_and_come_back(tmp_path: Path) -> None:
+    before = torch.get_num_threads()
+    probe = _Threads()
+    callback = AutoNumWorkers(FAST)
+    trainer, _ = _fit(tmp_path, [callback, probe], max_epochs=1)
+    workers = trainer.train_dataloader.num_workers  # type: ignore[union-attr]
+    if workers and before > 1:
+        assert probe.during == max(before - workers, 1)
+    assert torch.get_num_threads() == before

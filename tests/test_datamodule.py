@@ -1,0 +1,338 @@
+"""`BoostedDataModule` in real Trainer runs on CPU: settings, tuning, failures, order, cache, DDP, CLI."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.cli import LightningCLI
+from torch import Tensor
+from torch.utils.data import Dataset
+from typing_extensions import override
+
+from lightning_boost import BoostedDataModule, BoostWarning, WorkerTuning
+from lightning_boost.testing import BoringModel, RandomDataset, tiny_trainer
+
+FAST = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,))
+
+
+class IndexDataset(Dataset[tuple[Tensor, Tensor]]):
+    """Sample i is (features, i): a training step can record exactly which samples it saw."""
+
+    def __init__(self, length: int = 64, features: int = 32) -> None:
+        self.inputs = torch.randn(length, features, generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        return self.inputs[index], torch.tensor(index)
+
+
+class CrashingInWorkers(IndexDataset):
+    """Works in the main process; a worker process dies (a native crash, as far as torch can tell)."""
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        if torch.utils.data.get_worker_info() is not None:
+            os._exit(1)
+        return super().__getitem__(index)
+
+
+class HangingInWorkers(IndexDataset):
+    """Works in the main process; in a worker it never returns (a deadlock after fork)."""
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        if torch.utils.data.get_worker_info() is not None:
+            time.sleep(3600)
+        return super().__getitem__(index)
+
+
+class Indexed(BoostedDataModule):
+    def __init__(self, dataset: Dataset[Any] | None = None, val: bool = False, **kwargs: Any) -> None:
+        kwargs.setdefault("worker_tuning", FAST)
+        super().__init__(**kwargs)
+        self.dataset = dataset if dataset is not None else IndexDataset()
+        self.with_val = val
+
+    @override
+    def setup(self, stage: str) -> None:
+        self.train_dataset = self.dataset
+        if self.with_val:
+            self.val_dataset = IndexDataset(16)
+
+
+class SeenIndices(BoringModel):
+    """Records the sample indices of every training batch, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[int]] = []
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        inputs, indices = batch
+        self.seen.append(indices.tolist())
+        loss = self.layer(inputs).square().mean()
+        self.log("train_loss", loss)
+        return loss
+
+    @override
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.layer(batch[0]).square().mean())
+
+
+def _fit(
+    tmp_path: Path, datamodule: BoostedDataModule, epochs: int = 1, **trainer_kwargs: Any
+) -> SeenIndices:
+    L.seed_everything(7, verbose=False)
+    model = SeenIndices()
+    options = {
+        "max_epochs": epochs,
+        "limit_train_batches": 1.0,
+        "logger": False,
+        "enable_checkpointing": False,
+    }
+    tiny_trainer(tmp_path, **(options | trainer_kwargs)).fit(model, datamodule=datamodule)
+    return model
+
+
+def test_loaders_have_the_promised_settings(tmp_path: Path) -> None:
+    datamodule = Indexed(batch_size=8, val=True)
+    _fit(tmp_path, datamodule)
+    train, val = datamodule.train_dataloader(), datamodule.val_dataloader()
+    assert isinstance(val, torch.utils.data.DataLoader)
+    choice = next(iter(datamodule.worker_tuner.choices.values()))
+    assert choice.source == "measured" and [t.num_workers for t in choice.trials][:2] == [0, 1]
+    for loader in (train, val):
+        assert loader.num_workers == choice.num_workers
+        assert loader.persistent_workers == (choice.num_workers > 0)
+        assert loader.pin_memory is False  # a CPU run
+        assert isinstance(loader.worker_init_fn, functools.partial)
+        assert loader.worker_init_fn.keywords == {"rank": 0}
+    assert isinstance(train.sampler, torch.utils.data.RandomSampler)
+    assert isinstance(val.sampler, torch.utils.data.SequentialSampler)
+    assert len(datamodule.worker_tuner.choices) == 1  # validation reused the training measurement
+    assert datamodule.findings[0].area == "data" and "num_workers=" in datamodule.findings[0].title
+
+
+def test_settings_fixed_by_hand_are_kept_and_not_measured(tmp_path: Path) -> None:
+    datamodule = Indexed(batch_size=8, num_workers=1, prefetch_factor=3, persistent_workers=False,
+                         loader_kwargs={"timeout": 30.0})  # fmt: skip
+    _fit(tmp_path, datamodule)
+    loader = datamodule.train_dataloader()
+    assert (loader.num_workers, loader.prefetch_factor, loader.persistent_workers) == (1, 3, False)
+    assert loader.timeout == 30.0
+    assert datamodule.worker_tuner.choices == {}
+
+
+def test_persistent_workers_are_off_with_pinned_memory_and_reloading(tmp_path: Path) -> None:
+    datamodule = Indexed(batch_size=8, num_workers=1, pin_memory=True)
+    datamodule.trainer = tiny_trainer(tmp_path, reload_dataloaders_every_n_epochs=1)
+    assert datamodule.loader_settings(IndexDataset())["persistent_workers"] is False
+    datamodule.trainer = tiny_trainer(tmp_path)
+    assert datamodule.loader_settings(IndexDataset())["persistent_workers"] is True
+
+
+def test_each_sample_is_seen_once_per_epoch_in_the_untuned_order(tmp_path: Path) -> None:
+    tuned = Indexed(batch_size=8, retune=True)
+    seen_tuned = _fit(tmp_path, tuned, epochs=2).seen
+    workers = tuned.train_dataloader().num_workers
+    by_hand = _fit(tmp_path, Indexed(batch_size=8, num_workers=workers), epochs=2).seen
+    assert seen_tuned == by_hand  # same order: tuning drew nothing from the global RNG
+    for epoch in (seen_tuned[:8], seen_tuned[8:]):
+        assert sorted(i for batch in epoch for i in batch) == list(range(64))
+
+
+@pytest.mark.parametrize(
+    ("dataset", "cause"), [(CrashingInWorkers(), "crashed"), (HangingInWorkers(), "hung")]
+)
+def test_failing_workers_are_survived_with_a_fallback(
+    tmp_path: Path, dataset: Dataset[Any], cause: str
+) -> None:
+    tuning = WorkerTuning(window_s=0.2, timeout_s=2.0, prefetch_factors=(2,))
+    datamodule = Indexed(dataset, batch_size=8, worker_tuning=tuning)
+    model = _fit(tmp_path, datamodule)
+    assert len(model.seen) == 8  # the epoch ran, in the main process
+    assert datamodule.train_dataloader().num_workers == 0
+    main, dropped = datamodule.findings[:2]
+    assert main.severity.value == "warn" and "fell back" in main.title
+    assert dropped.title.startswith("1 worker, prefetch 2 dropped: " + cause)
+    assert dropped.fix
+
+
+def test_the_cache_is_reused_and_retune_measures_again(tmp_path: Path, _private_tuning_cache: Path) -> None:
+    first = Indexed(batch_size=8)
+    _fit(tmp_path, first)
+    stored = json.loads((_private_tuning_cache / "workers.json").read_text())
+    assert len(stored["entries"]) == 1
+    started = time.perf_counter()
+    second = Indexed(batch_size=8)
+    second.trainer = tiny_trainer(tmp_path)
+    second.setup("fit")
+    second.train_dataloader()
+    assert time.perf_counter() - started < 1.0  # correctness bound, not a benchmark: no measuring happened
+    (choice,) = second.worker_tuner.choices.values()
+    assert choice.source == "cache" and "Reused the cached measurement" in second.findings[0].detail
+    third = Indexed(batch_size=8, retune=True)
+    _fit(tmp_path, third)
+    assert next(iter(third.worker_tuner.choices.values())).source == "measured"
+
+
+def test_a_corrupt_cache_is_ignored_with_a_warning(tmp_path: Path, _private_tuning_cache: Path) -> None:
+    _private_tuning_cache.mkdir(parents=True)
+    (_private_tuning_cache / "workers.json").write_text("{ truncated")
+    datamodule = Indexed(batch_size=8)
+    datamodule.trainer = tiny_trainer(tmp_path)
+    datamodule.setup("fit")
+    with pytest.warns(BoostWarning, match="Ignoring the worker-tuning cache"):
+        datamodule.train_dataloader()
+    assert next(iter(datamodule.worker_tuner.choices.values())).source == "measured"
+    assert json.loads((_private_tuning_cache / "workers.json").read_text())["schema_version"] == 1
+
+
+def test_a_checkpoint_carries_the_choice(tmp_path: Path) -> None:
+    datamodule = Indexed(batch_size=8)
+    trainer = tiny_trainer(tmp_path, max_epochs=1, logger=False, enable_checkpointing=False)
+    trainer.fit(SeenIndices(), datamodule=datamodule)
+    checkpoint = tmp_path / "tuned.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    resumed = Indexed(batch_size=8)
+    again = tiny_trainer(tmp_path, max_epochs=2, logger=False, enable_checkpointing=False)
+    again.fit(SeenIndices(), datamodule=resumed, ckpt_path=checkpoint)
+    (choice,) = resumed.worker_tuner.choices.values()
+    assert choice.source == "checkpoint"
+    assert choice.num_workers == next(iter(datamodule.worker_tuner.choices.values())).num_workers
+
+
+class _Recorder(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.marks: dict[str, set[float]] = {"train": set(), "val": set()}
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.marks["train"].add(float(batch[1].flatten()[0]))
+        return super().training_step(batch, batch_idx)
+
+    @override
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.marks["val"].add(float(batch[1].flatten()[0]))
+
+
+class _Regression(BoostedDataModule):
+    @override
+    def setup(self, stage: str) -> None:
+        self.train_dataset = RandomDataset(length=32)
+        self.val_dataset = RandomDataset(length=16, seed=1)
+
+
+def _mark(value: float, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
+    inputs, targets = batch
+    return inputs, torch.full_like(targets, value)
+
+
+def test_device_transforms_run_on_the_device_batch_per_stage(tmp_path: Path) -> None:
+    datamodule = _Regression(batch_size=8, num_workers=0, device_transforms=functools.partial(_mark, 1.0),
+                             eval_device_transforms=functools.partial(_mark, 2.0))  # fmt: skip
+    model = _Recorder()
+    tiny_trainer(tmp_path, max_epochs=1, logger=False, enable_checkpointing=False).fit(
+        model, datamodule=datamodule
+    )
+    assert model.marks == {"train": {1.0}, "val": {2.0}}
+
+
+def test_no_validation_set_means_no_validation(tmp_path: Path) -> None:
+    model = _fit(tmp_path, Indexed(batch_size=8, num_workers=0))
+    assert len(model.seen) == 8
+
+
+def test_a_missing_dataset_says_where_to_assign_it(tmp_path: Path) -> None:
+    datamodule = Indexed(batch_size=8, num_workers=0)
+    with pytest.raises(
+        RuntimeError, match=r"`Indexed.test_dataset` is not set: assign `self.test_dataset = ...`"
+    ):
+        tiny_trainer(tmp_path, logger=False).test(BoringModel(), datamodule=datamodule)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"batch_size": 0}, ValueError, "`batch_size` expected None or an int >= 1, got 0"),
+        ({"num_workers": -1}, ValueError, "`num_workers` expected None or an int >= 0"),
+        ({"num_workers": 0, "prefetch_factor": 2}, ValueError, "`prefetch_factor` expected None with"),
+        ({"collate_fn": "stack"}, TypeError, "`collate_fn` expected a callable or None, got str"),
+        ({"loader_kwargs": {"num_workers": 2}}, ValueError, "pass `num_workers=...` instead"),
+        ({"loader_kwargs": {"timeuot": 2}}, ValueError, "Did you mean 'timeout'"),
+    ],
+)
+def test_bad_arguments_are_named_with_the_fix(kwargs: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        BoostedDataModule(**kwargs)
+
+
+class _SaveChoice(L.Callback):
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        datamodule = trainer.datamodule
+        assert isinstance(datamodule, BoostedDataModule)
+        choices = {key: choice.to_dict() for key, choice in datamodule.worker_tuner.choices.items()}
+        workers = trainer.train_dataloader.num_workers  # type: ignore[union-attr]
+        payload = {"choices": choices, "num_workers": workers}
+        (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(payload))
+
+
+@pytest.mark.ddp
+def test_two_ranks_use_one_measurement(tmp_path: Path) -> None:
+    options = {"logger": False, "enable_checkpointing": False, "callbacks": [_SaveChoice(tmp_path)]}
+    trainer = tiny_trainer(tmp_path, devices=2, strategy="ddp_spawn", **options)
+    trainer.fit(SeenIndices(), datamodule=Indexed(batch_size=8))
+    rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert rank0 == rank1  # measured throughputs included: rank 1 received rank 0's, it did not measure
+    (choice,) = rank0["choices"].values()
+    assert choice["source"] == "measured" and choice["trials"]
+    assert rank0["num_workers"] == choice["num_workers"]
+
+
+class FakeImages(BoostedDataModule):
+    """A user's datamodule: its own argument plus the mixin's, passed through."""
+
+    def __init__(self, length: int = 32, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.length = length
+
+    @override
+    def setup(self, stage: str) -> None:
+        self.train_dataset = RandomDataset(length=self.length)
+        self.val_dataset = RandomDataset(length=16, seed=1)
+
+
+def test_a_subclass_is_configurable_from_lightning_cli(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    # LightningCLI 2.6.6 itself calls a jsonargparse API that jsonargparse 4.53 deprecates.
+    monkeypatch.setenv("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "seed_everything: 0\ntrainer:\n  max_epochs: 1\n  accelerator: cpu\n  logger: false\n"
+        "  enable_checkpointing: false\n"
+        f"  default_root_dir: {tmp_path}\n  enable_progress_bar: false\n  enable_model_summary: false\n"
+        "data:\n  length: 48\n  batch_size: 12\n  num_workers: 0\n  worker_tuning:\n    window_s: 0.5\n"
+    )
+    cli = LightningCLI(BoringModel, FakeImages, args=["fit", "--config", str(config)], save_config_kwargs={
+        "overwrite": True})  # fmt: skip
+    datamodule = cli.datamodule
+    assert isinstance(datamodule, FakeImages)
+    assert (datamodule.length, datamodule.batch_size, datamodule.num_workers) == (48, 12, 0)
+    assert datamodule.worker_tuner.tuning.window_s == 0.5
+    assert cli.trainer.state.finished
