@@ -1,9 +1,9 @@
 """`lightning-boost demo`: the doctor, then a short fit on FakeData with the settings it implies.
 
 A CIFAR-sized image task (torchvision ``FakeData`` with the usual CPU augmentation pipeline,
-since nothing is downloaded) and a small CNN with torchmetrics accuracy, trained with the
-DataLoader workers and pinned memory that `HardwareInfo` calls for and ``preset("auto")``. It is the
-project's main job until the side-by-side demo (plain vs boosted) replaces it.
+since nothing is downloaded) and a small CNN with torchmetrics accuracy, trained through a
+`BoostedDataModule` (DataLoader workers measured, pinned memory on CUDA) and ``preset("auto")``.
+It is the project's main job until the side-by-side demo (plain vs boosted) replaces it.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 from typing_extensions import override
 
+from lightning_boost.data import BoostedDataModule
 from lightning_boost.doctor import run_checks
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.presets import preset
@@ -87,13 +88,28 @@ def train_transform() -> transforms.Compose:
     )
 
 
-def loader_settings(hardware: HardwareInfo) -> dict[str, Any]:
-    """DataLoader settings the hardware calls for: a worker per spare CPU, pinned memory on CUDA."""
-    workers = hardware.max_workers_per_process
-    return {"num_workers": workers, "pin_memory": hardware.is_cuda, "persistent_workers": workers > 0}
+def fake_cifar(samples: int) -> datasets.FakeData:
+    """`samples` CIFAR-sized FakeData images (3x32x32, 10 classes) through `train_transform`."""
+    return datasets.FakeData(
+        size=samples, image_size=(3, 32, 32), num_classes=10, transform=train_transform()
+    )
 
 
-class _Throughput(L.Callback):
+class FakeCIFAR(BoostedDataModule):
+    """The demo's data: `fake_cifar` as a `BoostedDataModule`, whose loader settings are measured."""
+
+    def __init__(self, samples: int = 2048, **kwargs: Any) -> None:
+        super().__init__(drop_last=True, **kwargs)
+        if samples < self.batch_size:
+            raise ValueError(f"`samples` expected at least batch_size={self.batch_size}, got {samples}.")
+        self.samples = samples
+
+    @override
+    def setup(self, stage: str) -> None:
+        self.train_dataset = fake_cifar(self.samples)
+
+
+class Throughput(L.Callback):
     """Training samples per second from the start of training (worker start-up included)."""
 
     def __init__(self) -> None:
@@ -121,27 +137,15 @@ class _Throughput(L.Callback):
 
 
 def fit_fake_cifar(
-    loader_kwargs: dict[str, Any],
+    data: DataLoader[Any] | L.LightningDataModule,
     strategy: Strategy | str,
-    samples: int,
     epochs: int,
-    batch_size: int,
     root: str,
     name: str = "demo",
     **trainer_kwargs: Any,
 ) -> tuple[L.Trainer, float]:
-    """Train `SmallCNN` on a CIFAR-sized FakeData task with `strategy`; return the trainer and samples/s.
-
-    Raises:
-        ValueError: when `samples` is smaller than one batch.
-    """
-    if samples < batch_size:
-        raise ValueError(f"`samples` expected at least batch_size={batch_size}, got {samples}.")
-    dataset = datasets.FakeData(
-        size=samples, image_size=(3, 32, 32), num_classes=10, transform=train_transform()
-    )
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=True, drop_last=True, **loader_kwargs)
-    throughput = _Throughput()
+    """Train `SmallCNN` on `data` (a loader or a datamodule) with `strategy`; return trainer, samples/s."""
+    throughput = Throughput()
     L.seed_everything(0, verbose=False)
     options: dict[str, Any] = dict(
         max_epochs=epochs,
@@ -150,25 +154,43 @@ def fit_fake_cifar(
         default_root_dir=root,
         callbacks=[throughput],
         enable_model_summary=False,
-        log_every_n_steps=min(10, len(loader)),
+        log_every_n_steps=10,
     )
     trainer = L.Trainer(**(options | trainer_kwargs))
-    trainer.fit(SmallCNN(), train_dataloaders=loader)
+    if isinstance(data, L.LightningDataModule):
+        trainer.fit(SmallCNN(), datamodule=data)
+    else:
+        trainer.fit(SmallCNN(), train_dataloaders=data)
     return trainer, throughput.samples_per_second
 
 
 def run_demo(
     samples: int = 2048, epochs: int = 2, root: str = "lightning_logs_demo", batch_size: int = 64
 ) -> tuple[BoostReport, dict[str, Any]]:
-    """Check the machine, train `SmallCNN` on FakeData, return the report and a run summary."""
+    """Check the machine, train `SmallCNN` on FakeData, return the report and a run summary.
+
+    Raises:
+        ValueError: when `samples` is smaller than one batch.
+    """
     hardware = HardwareInfo.detect()
     report = run_checks(hardware)
-    settings = loader_settings(hardware)
+    datamodule = FakeCIFAR(samples, batch_size=batch_size)
     strategy = preset("auto", hardware=hardware)
     report.add(strategy.findings)
-    trainer, samples_per_second = fit_fake_cifar(settings, strategy, samples, epochs, batch_size, root)
-    report.tuned.update(settings, precision=trainer.precision, strategy=type(strategy).__name__)
-    report.tuned["batch_size"] = batch_size
+    steps = min(10, samples // batch_size)
+    trainer, samples_per_second = fit_fake_cifar(datamodule, strategy, epochs, root, log_every_n_steps=steps)
+    report.add(datamodule.findings)
+    loader = trainer.train_dataloader
+    assert isinstance(loader, DataLoader)  # a BoostedDataModule builds one training DataLoader
+    report.tuned.update(
+        num_workers=loader.num_workers,
+        prefetch_factor=loader.prefetch_factor,
+        pin_memory=loader.pin_memory,
+        persistent_workers=loader.persistent_workers,
+        batch_size=batch_size,
+        precision=trainer.precision,
+        strategy=type(strategy).__name__,
+    )
     paths = report.write(trainer.log_dir or root)
     summary = {
         "accelerator": hardware.accelerator,

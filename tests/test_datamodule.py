@@ -248,9 +248,15 @@ def test_device_transforms_run_on_the_device_batch_per_stage(tmp_path: Path) -> 
     assert model.marks == {"train": {1.0}, "val": {2.0}}
 
 
+class _NoValidationStep(SeenIndices):
+    validation_step = None  # type: ignore[assignment]
+
+
 def test_no_validation_set_means_no_validation(tmp_path: Path) -> None:
-    model = _fit(tmp_path, Indexed(batch_size=8, num_workers=0))
+    model = _fit(tmp_path, Indexed(batch_size=8, num_workers=0))  # has a validation_step: no warning
     assert len(model.seen) == 8
+    L.seed_everything(7, verbose=False)
+    tiny_trainer(tmp_path, logger=False).fit(_NoValidationStep(), datamodule=Indexed(batch_size=8, num_workers=0))
 
 
 def test_a_missing_dataset_says_where_to_assign_it(tmp_path: Path) -> None:

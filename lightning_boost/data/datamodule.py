@@ -11,6 +11,7 @@ from typing import Any
 import lightning as L
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
@@ -136,10 +137,17 @@ class BoostedDataModule(L.LightningDataModule):
 
     @property
     def val_dataloader(self) -> Callable[[], DataLoader[Any]] | None:  # type: ignore[override]
-        """The ``val_dataloader`` hook; ``None`` once ``setup()`` has assigned a training set but no
-        validation set, which is how Lightning learns that this fit has no validation loop."""
-        if self.val_dataset is None and self.train_dataset is not None:
-            return None
+        """The ``val_dataloader`` hook, or ``None`` when this run has no validation set.
+
+        ``None`` is how Lightning learns there is no validation loop: once ``setup()`` has
+        assigned a training set but no validation set, or when the model has no
+        ``validation_step`` and no validation set was assigned.
+        """
+        if self.val_dataset is None:
+            module = self.trainer.lightning_module if self.trainer is not None else None
+            no_step = module is not None and not is_overridden("validation_step", module)
+            if self.train_dataset is not None or no_step:
+                return None
         return functools.partial(self.build_dataloader, "val", shuffle=False, drop_last=False)
 
     @override

@@ -50,11 +50,11 @@ class WorkerTuning:
         ValueError: for a non-positive time, a fraction outside (0, 1], or a prefetch factor < 1.
 
     Example:
-        >>> WorkerTuning(window_s=0.5).prefetch_factors
+        >>> WorkerTuning(window_s=1.0).prefetch_factors
         (2, 4)
     """
 
-    window_s: float = 1.0
+    window_s: float = 0.5
     budget_s: float = 60.0
     timeout_s: float = 30.0
     tolerance: float = 0.05
