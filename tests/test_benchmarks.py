@@ -18,3 +18,12 @@ def test_update_results_replaces_rows_by_name_and_keeps_the_rest() -> None:
 
 def test_median_ratio() -> None:
     assert median_ratio([3.0, 1.0, 2.0], [1.0, 5.0, 1.0]) == 2.0
+
+
+def test_data_bound_runs_at_tiny_size() -> None:
+    from benchmarks import data_bound
+
+    rows = data_bound.run(samples=128, batch_size=32)
+    assert [row.benchmark.split(":")[0] for row in rows] == ["data-bound"] * 4
+    assert all(row.ratio > 0 and row.command == data_bound.COMMAND for row in rows)
+    assert "warm-cache tuning" in rows[-1].detail

@@ -256,7 +256,9 @@ def test_no_validation_set_means_no_validation(tmp_path: Path) -> None:
     model = _fit(tmp_path, Indexed(batch_size=8, num_workers=0))  # has a validation_step: no warning
     assert len(model.seen) == 8
     L.seed_everything(7, verbose=False)
-    tiny_trainer(tmp_path, logger=False).fit(_NoValidationStep(), datamodule=Indexed(batch_size=8, num_workers=0))
+    tiny_trainer(tmp_path, logger=False).fit(
+        _NoValidationStep(), datamodule=Indexed(batch_size=8, num_workers=0)
+    )
 
 
 def test_a_missing_dataset_says_where_to_assign_it(tmp_path: Path) -> None:
