@@ -11,19 +11,16 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_boost._lightning import rebuild_dataloaders, reload_every_n_epochs
-from lightning_boost.data.loaders import cannot_measure, rebuild_loader
+from lightning_boost.data.loaders import (
+    MEASURED_SETTINGS,
+    cannot_rebuild,
+    keep_workers_alive,
+    loader_batch_size,
+    rebuild_loader,
+)
 from lightning_boost.data.tuner import WorkerTuner
 from lightning_boost.report import Finding, Severity
 from lightning_boost.tuning.workers import WorkerTuning
-
-#: The real loader's arguments that its measurement loaders copy.
-_TUNING_SETTINGS = (
-    "collate_fn",
-    "pin_memory",
-    "worker_init_fn",
-    "multiprocessing_context",
-    "pin_memory_device",
-)
 
 
 class AutoNumWorkers(L.Callback):
@@ -95,19 +92,14 @@ class AutoNumWorkers(L.Callback):
         return loaders
 
     def _rebuild_one(self, trainer: L.Trainer, split: str, loader: DataLoader[Any]) -> DataLoader[Any]:
-        batch_size: int | None = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
-        why_not = cannot_measure(loader.dataset)
-        if type(loader) is not DataLoader:
-            why_not = f"{type(loader).__name__} is a DataLoader subclass whose own arguments are unknown"
-        elif batch_size is None:
-            why_not = f"its batch sampler {type(loader.batch_sampler).__name__} has no `batch_size`"
+        why_not = cannot_rebuild(loader)
+        batch_size = loader_batch_size(loader)
         if why_not is not None or batch_size is None:
             self._cannot(split, why_not or "no batch size")
             return loader
-        settings = {name: getattr(loader, name, None) for name in _TUNING_SETTINGS}
+        settings = {name: getattr(loader, name, None) for name in MEASURED_SETTINGS}
         choice = self.worker_tuner.choose(trainer, loader.dataset, batch_size, settings)
-        reload = reload_every_n_epochs(trainer) > 0
-        persistent = choice.num_workers > 0 and not (loader.pin_memory and reload)
+        persistent = keep_workers_alive(choice.num_workers, loader.pin_memory, reload_every_n_epochs(trainer))
         return rebuild_loader(
             loader,
             num_workers=choice.num_workers,
@@ -116,15 +108,15 @@ class AutoNumWorkers(L.Callback):
         )
 
     def _cannot(self, split: str, why: str) -> None:
-        finding = Finding(
-            type(self).__name__,
-            "data",
-            Severity.WARN,
-            f"The {split} DataLoader was not tuned: {why}",
-            fix="Use `BoostedDataModule`, or set `num_workers` on this loader by hand.",
+        self.worker_tuner.add_finding(
+            Finding(
+                type(self).__name__,
+                "data",
+                Severity.WARN,
+                f"The {split} DataLoader was not tuned: {why}",
+                fix="Use `BoostedDataModule`, or set `num_workers` on this loader by hand.",
+            )
         )
-        if finding not in self.findings:
-            self.findings.append(finding)
 
     @override
     def state_dict(self) -> dict[str, Any]:

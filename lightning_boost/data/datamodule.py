@@ -10,13 +10,13 @@ from typing import Any
 
 import lightning as L
 from lightning.fabric.utilities.seed import pl_worker_init_function
-from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_boost._lightning import reload_every_n_epochs
 from lightning_boost._validation import unknown_choice_error
+from lightning_boost.data.loaders import keep_workers_alive
 from lightning_boost.data.tuner import WorkerTuner, hardware_for
 from lightning_boost.report import Finding
 from lightning_boost.tuning.workers import WorkerTuning
@@ -184,7 +184,8 @@ class BoostedDataModule(L.LightningDataModule):
         one, so evaluation loaders reuse the training measurement) unless fixed by hand.
         """
         trainer = self.trainer
-        pin = self.pin_memory if self.pin_memory is not None else _on_cuda(trainer)
+        hardware = hardware_for(trainer)
+        pin = self.pin_memory if self.pin_memory is not None else hardware.is_cuda
         rank = trainer.global_rank if trainer is not None else 0
         settings: dict[str, Any] = {
             "collate_fn": self.collate_fn,
@@ -197,11 +198,11 @@ class BoostedDataModule(L.LightningDataModule):
             choice = self.worker_tuner.choose(trainer, tuning_dataset, self.batch_size, settings)
             workers, prefetch = choice.num_workers, prefetch or choice.prefetch_factor
         else:
-            self.worker_tuner.apply_process_settings(hardware_for(trainer), workers)
-        reload = reload_every_n_epochs(trainer) if trainer is not None else 0
+            self.worker_tuner.apply_process_settings(hardware, workers)
         persistent = self.persistent_workers
         if persistent is None:
-            persistent = not (pin and reload > 0)
+            reload = reload_every_n_epochs(trainer) if trainer is not None else 0
+            persistent = keep_workers_alive(workers, pin, reload)
         return settings | {
             "num_workers": workers,
             "prefetch_factor": prefetch if workers else None,
@@ -225,12 +226,6 @@ class BoostedDataModule(L.LightningDataModule):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.worker_tuner.load_state_dict(state_dict.get("worker_tuner", {}))
-
-
-def _on_cuda(trainer: L.Trainer | None) -> bool:
-    if trainer is not None:
-        return isinstance(trainer.accelerator, CUDAAccelerator)
-    return hardware_for(None).is_cuda
 
 
 def _check_int(name: str, value: int | None, minimum: int) -> None:

@@ -17,7 +17,13 @@ from lightning_boost.hardware import HardwareInfo
 from lightning_boost.tuning.workers import WorkerTuning
 
 #: DataLoader arguments a measurement loader copies from the real one.
-_COPIED = ("collate_fn", "pin_memory", "worker_init_fn", "multiprocessing_context", "pin_memory_device")
+MEASURED_SETTINGS = (
+    "collate_fn",
+    "pin_memory",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "pin_memory_device",
+)
 #: Samples a measurement sampler can draw: far more than any window needs, drawn lazily.
 _MEASURE_SAMPLES = 1 << 40
 
@@ -32,7 +38,7 @@ def measurement_loaders(
     loader's sampler, and the epoch's order, exactly as they were. `settings` supplies the real
     loader's collate function, pinning, worker init and multiprocessing context.
     """
-    copied = {key: settings[key] for key in _COPIED if settings.get(key) is not None}
+    copied = {key: settings[key] for key in MEASURED_SETTINGS if settings.get(key) is not None}
 
     def make(num_workers: int, prefetch_factor: int | None) -> DataLoader[Any]:
         sampler = RandomSampler(
@@ -68,6 +74,33 @@ def cannot_measure(dataset: object) -> str | None:
     return None
 
 
+def cannot_rebuild(loader: DataLoader[Any]) -> str | None:
+    """Why `loader` cannot be rebuilt with tuned worker settings, or ``None`` when it can."""
+    if type(loader) is not DataLoader:
+        return f"{type(loader).__name__} is a DataLoader subclass whose own arguments are unknown"
+    why_not = cannot_measure(loader.dataset)
+    if why_not is None and loader_batch_size(loader) is None:
+        why_not = f"its batch sampler {type(loader.batch_sampler).__name__} has no `batch_size`"
+    return why_not
+
+
+def loader_batch_size(loader: DataLoader[Any]) -> int | None:
+    """Samples per batch of `loader`, from its batch size or its batch sampler's."""
+    size: int | None = loader.batch_size or getattr(loader.batch_sampler, "batch_size", None)
+    return size
+
+
+def keep_workers_alive(num_workers: int, pin_memory: bool, reload_every_n_epochs: int) -> bool:
+    """``persistent_workers`` for a loader: with workers, unless pinned memory meets reloading
+    loaders every n epochs, a combination Lightning warns against.
+
+    Example:
+        >>> keep_workers_alive(2, pin_memory=True, reload_every_n_epochs=1)
+        False
+    """
+    return num_workers > 0 and not (pin_memory and reload_every_n_epochs > 0)
+
+
 def fingerprint_parts(
     hardware: HardwareInfo,
     dataset: Dataset[Any],
@@ -88,7 +121,7 @@ def fingerprint_parts(
         },
         "dataset": describe_dataset(dataset),
         "batch_size": batch_size,
-        "loader": {key: _stable_repr(settings.get(key)) for key in _COPIED},
+        "loader": {key: _stable_repr(settings.get(key)) for key in MEASURED_SETTINGS},
         "tuning": {
             "tolerance": tuning.tolerance,
             "max_workers": tuning.max_workers,
@@ -128,13 +161,13 @@ def rebuild_loader(loader: DataLoader[Any], **changes: Any) -> DataLoader[Any]:
     """A new `DataLoader` like `loader` (dataset, sampler, batching and every other setting) with `changes`.
 
     Raises:
-        TypeError: for a DataLoader subclass, whose own arguments cannot be known.
+        TypeError: when `cannot_rebuild` says why not (a DataLoader subclass, an IterableDataset, ...).
     """
-    if type(loader) is not DataLoader:
+    why_not = cannot_rebuild(loader)
+    if why_not is not None:
         raise TypeError(
-            f"{type(loader).__name__} is a DataLoader subclass; its own constructor arguments are unknown, "
-            "so it cannot be rebuilt with new worker settings. Use `BoostedDataModule` or set "
-            "`num_workers` on it by hand."
+            f"Cannot rebuild this DataLoader with new worker settings: {why_not}. "
+            "Use `BoostedDataModule` or set `num_workers` on it by hand."
         )
     batching: dict[str, Any]
     if loader.batch_size is not None:

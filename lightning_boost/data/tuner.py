@@ -25,6 +25,7 @@ from lightning_boost.tuning import cache
 from lightning_boost.tuning.rng import preserved_rng
 from lightning_boost.tuning.workers import (
     WorkerChoice,
+    WorkerTrial,
     WorkerTuning,
     compute_threads,
     measure_loader,
@@ -129,7 +130,7 @@ class WorkerTuner:
     ) -> WorkerChoice:
         make = measurement_loaders(dataset, batch_size, settings, self.tuning.timeout_s)
 
-        def measure(num_workers: int, prefetch_factor: int | None) -> Any:
+        def measure(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
             window = self.tuning.window_s
             return measure_loader(make, num_workers, prefetch_factor, batch_size=batch_size, window_s=window)
 
@@ -140,15 +141,16 @@ class WorkerTuner:
         """Open-file limit and, on a CPU run, the model's threads beside the workers."""
         plan = open_files_plan(hardware, num_workers)
         if plan is not None:
-            self._add(open_files_finding(self.source, apply_open_files_plan(*plan), hardware))
+            self.add_finding(open_files_finding(self.source, apply_open_files_plan(*plan), hardware))
         threads = compute_threads(hardware, num_workers, torch.get_num_threads())
         if threads is not None:
             if self._threads_before is None:
                 self._threads_before = torch.get_num_threads()
             torch.set_num_threads(threads)
-            self._add(threads_finding(self.source, threads, num_workers, hardware))
+            self.add_finding(threads_finding(self.source, threads, num_workers, hardware))
 
-    def _add(self, finding: Finding) -> None:
+    def add_finding(self, finding: Finding) -> None:
+        """Record `finding` once, however often its cause recurs."""
         if finding not in self.findings:
             self.findings.append(finding)
 
