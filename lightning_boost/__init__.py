@@ -1,11 +1,11 @@
 """lightning-boost: fast PyTorch Lightning training without becoming a performance engineer."""
 
-from lightning_boost.callbacks import AutoNumWorkers
+from lightning_boost.callbacks import AutoNumWorkers, BoostReport, StepTimeMonitor, boost_callbacks
 from lightning_boost.data import BoostedDataModule
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.precision import auto_precision
 from lightning_boost.presets import preset, presets
-from lightning_boost.report import BoostReport, BoostWarning, Finding, Severity
+from lightning_boost.report import BoostWarning, Finding, Report, Severity
 from lightning_boost.tuning.workers import WorkerTuning
 
 __version__ = "0.1.0.dev0"
@@ -17,10 +17,13 @@ __all__ = [
     "BoostedDataModule",
     "Finding",
     "HardwareInfo",
+    "Report",
     "Severity",
+    "StepTimeMonitor",
     "WorkerTuning",
     "__version__",
     "auto_precision",
+    "boost_callbacks",
     "preset",
     "presets",
 ]

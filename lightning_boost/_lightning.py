@@ -25,6 +25,28 @@ def reload_every_n_epochs(trainer: L.Trainer) -> int:
     return int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0))
 
 
+def callbacks_of(trainer: L.Trainer) -> list[L.Callback]:
+    """``trainer.callbacks``: public, but set by a connector, so type checkers do not see it."""
+    callbacks: list[L.Callback] = getattr(trainer, "callbacks")  # noqa: B009
+    return callbacks
+
+
+def datamodule_of(trainer: L.Trainer) -> L.LightningDataModule | None:
+    """``trainer.datamodule`` (set by a connector, like `callbacks_of`); ``None`` without one."""
+    return getattr(trainer, "datamodule", None)
+
+
+def training_log_step(trainer: L.Trainer) -> int | None:
+    """The step Lightning logs this training batch's metrics at, or ``None`` when it does not log it.
+
+    The same private pair Lightning's own `DeviceStatsMonitor` and `LearningRateMonitor` read, so
+    boost metrics land on the same rows as the user's (``log_every_n_steps`` cadence).
+    """
+    if not trainer._logger_connector.should_update_logs:
+        return None
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
 class _RebuildingSource(_DataLoaderSource):
     """A loop's dataloader source whose loaders pass through `rebuild` before the loop sees them."""
 

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Sequence
 
-from lightning_boost.report import BoostReport, Severity
+from lightning_boost.report import Report, Severity
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -17,26 +17,30 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     doctor = commands.add_parser("doctor", help="check this machine before training")
     doctor.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    demo = commands.add_parser("demo", help="run the doctor and a short boosted fit on FakeData")
+    demo = commands.add_parser("demo", help="a short boosted fit on FakeData and its report")
     demo.add_argument("--samples", type=int, default=2048, help="FakeData images (default 2048)")
     demo.add_argument("--epochs", type=int, default=2, help="epochs to train (default 2)")
     demo.add_argument("--root", default="lightning_logs_demo", help="where logs and the report go")
     return parser
 
 
-def _print_report(report: BoostReport, title: str, summary: dict[str, object] | None = None) -> None:
+def _print_report(report: Report, title: str) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console()
     console.print(report.table(title=title))
     counts = {s: sum(f.severity is s for f in report.findings) for s in Severity}
     console.print(", ".join(f"{n} {s.label}" for s, n in counts.items()))
-    if summary:
-        table = Table("setting", "value", title="run")
-        for key, value in summary.items():
-            table.add_row(key, str(value))
-        console.print(table)
+
+
+def _print_summary(summary: dict[str, object]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("setting", "value", title="run")
+    for key, value in summary.items():
+        table.add_row(key, str(value))
+    Console().print(table)
 
 
 def doctor(as_json: bool) -> int:
@@ -56,8 +60,8 @@ def doctor(as_json: bool) -> int:
 def demo(samples: int, epochs: int, root: str) -> int:
     from lightning_boost.demo import run_demo
 
-    report, summary = run_demo(samples=samples, epochs=epochs, root=root)
-    _print_report(report, "lightning-boost demo", summary)
+    _, summary = run_demo(samples=samples, epochs=epochs, root=root)  # the report prints its table
+    _print_summary(summary)
     return 0
 
 

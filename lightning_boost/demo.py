@@ -1,14 +1,16 @@
-"""`lightning-boost demo`: the doctor, then a short fit on FakeData with the settings it implies.
+"""`lightning-boost demo`: a short boosted fit on FakeData, with the report it produces.
 
 A CIFAR-sized image task (torchvision ``FakeData`` with the usual CPU augmentation pipeline,
 since nothing is downloaded) and a small CNN with torchmetrics accuracy, trained through a
-`BoostedDataModule` (DataLoader workers measured, pinned memory on CUDA) and ``preset("auto")``.
+`BoostedDataModule` (DataLoader workers measured, pinned memory on CUDA), ``preset("auto")`` and
+`boost_callbacks()` (step-time monitor and the report, which also runs the doctor's checks).
 It is the project's main job until the side-by-side demo (plain vs boosted) replaces it.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import lightning as L
@@ -22,11 +24,11 @@ from torch.utils.data import DataLoader
 from torchvision import datasets, transforms
 from typing_extensions import override
 
+from lightning_boost.callbacks import BoostReport, boost_callbacks
 from lightning_boost.data import BoostedDataModule
-from lightning_boost.doctor import run_checks
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.presets import preset
-from lightning_boost.report import BoostReport
+from lightning_boost.report import Report
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
@@ -142,6 +144,7 @@ def fit_fake_cifar(
     epochs: int,
     root: str,
     name: str = "demo",
+    callbacks: Sequence[L.Callback] = (),
     **trainer_kwargs: Any,
 ) -> tuple[L.Trainer, float]:
     """Train `SmallCNN` on `data` (a loader or a datamodule) with `strategy`; return trainer, samples/s."""
@@ -152,7 +155,7 @@ def fit_fake_cifar(
         strategy=strategy,
         logger=CSVLogger(root, name=name),
         default_root_dir=root,
-        callbacks=[throughput],
+        callbacks=[throughput, *callbacks],
         enable_model_summary=False,
         log_every_n_steps=10,
     )
@@ -166,36 +169,29 @@ def fit_fake_cifar(
 
 def run_demo(
     samples: int = 2048, epochs: int = 2, root: str = "lightning_logs_demo", batch_size: int = 64
-) -> tuple[BoostReport, dict[str, Any]]:
-    """Check the machine, train `SmallCNN` on FakeData, return the report and a run summary.
+) -> tuple[Report, dict[str, Any]]:
+    """Train `SmallCNN` on FakeData with `BoostedDataModule`, ``preset("auto")`` and `boost_callbacks`.
+
+    The `BoostReport` prints its table at the end of the fit and writes its files; the report and
+    a run summary (settings used, samples/s, where the report is) are returned.
 
     Raises:
         ValueError: when `samples` is smaller than one batch.
     """
     hardware = HardwareInfo.detect()
-    report = run_checks(hardware)
     datamodule = FakeCIFAR(samples, batch_size=batch_size)
     strategy = preset("auto", hardware=hardware)
-    report.add(strategy.findings)
+    callbacks = boost_callbacks()
     steps = min(10, samples // batch_size)
-    trainer, samples_per_second = fit_fake_cifar(datamodule, strategy, epochs, root, log_every_n_steps=steps)
-    report.add(datamodule.findings)
-    loader = trainer.train_dataloader
-    assert isinstance(loader, DataLoader)  # a BoostedDataModule builds one training DataLoader
-    report.tuned.update(
-        num_workers=loader.num_workers,
-        prefetch_factor=loader.prefetch_factor,
-        pin_memory=loader.pin_memory,
-        persistent_workers=loader.persistent_workers,
-        batch_size=batch_size,
-        precision=trainer.precision,
-        strategy=type(strategy).__name__,
+    _, samples_per_second = fit_fake_cifar(
+        datamodule, strategy, epochs, root, callbacks=callbacks, log_every_n_steps=steps
     )
-    paths = report.write(trainer.log_dir or root)
+    (boost_report,) = [c for c in callbacks if isinstance(c, BoostReport)]
+    assert boost_report.report is not None  # written at the end of every fit
     summary = {
         "accelerator": hardware.accelerator,
-        **report.tuned,
+        **boost_report.report.tuned,
         "samples/s": round(samples_per_second, 1),
-        "report": str(paths[0]),
+        "report": str(boost_report.paths[0]),
     }
-    return report, summary
+    return boost_report.report, summary

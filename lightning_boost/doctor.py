@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from lightning_boost.hardware import GIB, MIB, HardwareInfo
 from lightning_boost.precision import auto_precision
-from lightning_boost.report import BoostReport, Finding, Severity
+from lightning_boost.report import Finding, Report, Severity
 
 #: DataLoader workers hand batches over in /dev/shm; below this, a few workers fill it.
 MIN_SHM_BYTES = 1 * GIB
@@ -236,9 +236,9 @@ CHECKS: tuple[Check, ...] = (
 )
 
 
-def run_checks(hw: HardwareInfo) -> BoostReport:
+def run_checks(hw: HardwareInfo) -> Report:
     """Run every check on `hw` and collect the findings in a report."""
-    report = BoostReport()
+    report = Report()
     for check in CHECKS:
         report.add(check(hw))
     return report

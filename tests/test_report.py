@@ -4,11 +4,11 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from lightning_boost.report import AREAS, SCHEMA_VERSION, BoostReport, Finding, Severity
+from lightning_boost.report import AREAS, SCHEMA_VERSION, Finding, Report, Severity
 
 
-def sample() -> BoostReport:
-    report = BoostReport(tuned={"num_workers": 3, "precision": "bf16-mixed"})
+def sample() -> Report:
+    report = Report(tuned={"num_workers": 3, "precision": "bf16-mixed"})
     report.add(
         [
             Finding(
@@ -52,7 +52,7 @@ def test_add_drops_duplicates_and_groups_by_area_order() -> None:
     assert len(report.findings) == 3
     assert [area for area, _ in report.by_area()] == ["environment", "data", "syncs"]
     assert report.worst is Severity.ERROR
-    assert BoostReport().worst is None
+    assert Report().worst is None
     assert set(AREAS) >= {area for area, _ in report.by_area()}
 
 
@@ -90,7 +90,7 @@ def test_table_renders_every_finding() -> None:
 
 
 def test_table_drops_fix_column_when_nothing_to_fix() -> None:
-    report = BoostReport()
+    report = Report()
     report.add([Finding("doctor", "environment", "info", "all good")])
     console = Console(record=True, width=120)
     console.print(report.table())

@@ -1,5 +1,8 @@
 """Lightning callbacks: thin hooks that gather data, call a decision from `tuning/`, apply it."""
 
 from lightning_boost.callbacks.auto_num_workers import AutoNumWorkers
+from lightning_boost.callbacks.boost_report import BoostReport
+from lightning_boost.callbacks.recommended import boost_callbacks
+from lightning_boost.callbacks.step_time_monitor import StepTimeMonitor
 
-__all__ = ["AutoNumWorkers"]
+__all__ = ["AutoNumWorkers", "BoostReport", "StepTimeMonitor", "boost_callbacks"]

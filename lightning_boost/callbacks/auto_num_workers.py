@@ -10,7 +10,9 @@ import lightning as L
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_boost._lightning import rebuild_dataloaders, reload_every_n_epochs
+from lightning_boost._lightning import datamodule_of, rebuild_dataloaders, reload_every_n_epochs
+from lightning_boost.callbacks.boost_report import attach_report
+from lightning_boost.data.datamodule import BoostedDataModule
 from lightning_boost.data.loaders import (
     MEASURED_SETTINGS,
     cannot_rebuild,
@@ -32,6 +34,7 @@ class AutoNumWorkers(L.Callback):
     ``persistent_workers`` when it has workers. Each dataset is measured on its own (a validation
     set with lighter transforms may need fewer workers); datasets alike in type, length and
     transforms share one measurement.
+    Loaders from a `BoostedDataModule` are left to it (it tunes its own, unless told a count).
     What it cannot rebuild (a DataLoader subclass, an ``IterableDataset``, a loader without a
     batch size) is left as it is, with a finding that says why. Measurements are made on rank
     zero, broadcast, and cached as JSON; tuned values live in ``state_dict`` for resuming.
@@ -70,6 +73,9 @@ class AutoNumWorkers(L.Callback):
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        attach_report(trainer)
+        if isinstance(datamodule_of(trainer), BoostedDataModule):
+            return  # it tunes its own loaders, or the user fixed `num_workers` on it
         self._undo = rebuild_dataloaders(
             trainer, stage, lambda split, loaders: self._rebuild(trainer, split, loaders)
         )

@@ -62,6 +62,18 @@ class PresetStrategy(Strategy):
     findings: list[Finding]
     _saved_flags: dict[str, Any] | None = None
 
+    @property
+    def tuned(self) -> dict[str, Any]:
+        """What the preset set, for the report's tuned values (options as ``<kind>.<name>``)."""
+        plan = self.plan
+        values: dict[str, Any] = {
+            "preset": plan.resolved,
+            "tf32": plan.tf32,
+            "cudnn_benchmark": plan.cudnn_benchmark,
+        }
+        values.update({f"{plan.kind}.{key}": value for key, value in plan.options.items()})
+        return values
+
     @override
     def setup_environment(self) -> None:
         module = self.lightning_module

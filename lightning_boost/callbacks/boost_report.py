@@ -1,0 +1,191 @@
+"""`BoostReport`: the one place a run shows what was tuned, what was found and what it costs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_boost._lightning import callbacks_of, datamodule_of
+from lightning_boost.plots import matplotlib_missing, write_plots
+from lightning_boost.report import BoostWarning, Finding, Report
+
+#: Prefix of the hyperparameters the report logs.
+HPARAM_PREFIX = "boost/"
+
+
+class BoostReport(L.Callback):
+    """Collects the findings of the doctor and of every boost part in the run, and shows them once.
+
+    At the end of each fit, on rank zero:
+
+    - a console table grouped by area (environment, data, batch size, precision and strategy,
+      syncs, retained graphs, step time), each row with what was found, its cost where measured
+      and the fix;
+    - ``boost_report.json`` (schema in the README), ``boost_report.md`` and PNG plots
+      (``boost_<name>.png``, with matplotlib) in the run's log directory;
+    - when training starts, the values the run was tuned to (batch size, workers, precision,
+      strategy flags) logged as hyperparameters, prefixed ``boost/``, to every logger.
+
+    Findings come from the machine check (`lightning_boost.doctor`), the strategy (a `preset`),
+    the datamodule (`BoostedDataModule`) and every callback with a ``findings`` list, read on rank
+    zero. Every boost callback attaches one `BoostReport` to its trainer when there is none, so
+    passing it yourself is only needed to change its options. If the fit fails, the files are
+    still written with what was found so far.
+
+    Args:
+        console: print the table at the end of fit.
+        files: write the JSON, Markdown and plot files.
+        plots: draw the PNG plots (needs matplotlib: ``pip install 'lightning-boost[plots]'``).
+        log_hyperparams: log tuned values to the loggers.
+        dirpath: write files here instead of the trainer's log directory.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[AutoNumWorkers(), BoostReport(console=False)])
+    """
+
+    def __init__(
+        self,
+        *,
+        console: bool = True,
+        files: bool = True,
+        plots: bool = True,
+        log_hyperparams: bool = True,
+        dirpath: str | Path | None = None,
+    ) -> None:
+        flags = {"console": console, "files": files, "plots": plots, "log_hyperparams": log_hyperparams}
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise TypeError(f"`{name}` expected True or False, got {value!r}.")
+        if dirpath is not None and not isinstance(dirpath, (str, Path)):
+            raise TypeError(f"`dirpath` expected a path or None, got {type(dirpath).__name__}.")
+        self.console = console
+        self.files = files
+        self.plots = plots
+        self.log_hyperparams = log_hyperparams
+        self.dirpath = dirpath
+        self.report: Report | None = None
+        self.paths: list[Path] = []
+        self._print_at_teardown = False
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.log_hyperparams and trainer.is_global_zero:
+            params = {HPARAM_PREFIX + key: value for key, value in tuned_values(trainer).items()}
+            for logger in trainer.loggers:
+                logger.log_hyperparams(params)
+
+    @override
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._build(trainer)
+        self._print_at_teardown = self.console and trainer.is_global_zero
+
+    @override
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        try:
+            self._build(trainer)
+        except Exception as err:  # the user's own exception is the one to see
+            rank_zero_warn(
+                f"BoostReport could not write the report of the failed run: {err!r}", category=BoostWarning
+            )
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # After the progress bar's teardown (callbacks appended by `attach_report` come last).
+        if self._print_at_teardown and self.report is not None:
+            _print(self.report, self.paths[0] if self.paths else None)
+        self._print_at_teardown = False
+
+    def _build(self, trainer: L.Trainer) -> None:
+        if not trainer.is_global_zero:
+            return
+        report = collect_report(trainer)
+        self.report, self.paths = report, []
+        directory = Path(self.dirpath) if self.dirpath is not None else log_dir(trainer)
+        if self.files and self.plots:
+            try:
+                plots = write_plots(report.findings, directory)
+            except ModuleNotFoundError:
+                report.add([matplotlib_missing(type(self).__name__)])
+            else:
+                report.plots = [path.name for path in plots]
+                self.paths += plots
+        if self.files:
+            self.paths = list(report.write(directory)) + self.paths
+
+
+def attach_report(trainer: L.Trainer) -> None:
+    """Add a `BoostReport` to `trainer` unless it has one (boost callbacks call this in ``setup``).
+
+    Lightning runs the ``setup`` hooks of callbacks appended while they run, so the new report
+    joins the same fit.
+    """
+    if not any(isinstance(callback, BoostReport) for callback in callbacks_of(trainer)):
+        callbacks_of(trainer).append(BoostReport())
+
+
+def collect_report(trainer: L.Trainer) -> Report:
+    """Every finding in `trainer`'s run (machine, strategy, datamodule, callbacks) and its tuned values."""
+    from lightning_boost.data.tuner import hardware_for
+    from lightning_boost.doctor import run_checks
+
+    report = run_checks(hardware_for(trainer))
+    for part in [trainer.strategy, datamodule_of(trainer), *callbacks_of(trainer)]:
+        findings = getattr(part, "findings", None)
+        if isinstance(findings, (list, tuple)):
+            report.add(f for f in findings if isinstance(f, Finding))
+    report.tuned = tuned_values(trainer)
+    return report
+
+
+def tuned_values(trainer: L.Trainer) -> dict[str, Any]:
+    """The settings the run trains with: loader, precision, strategy, and what boost parts tuned."""
+    values: dict[str, Any] = {}
+    loader = trainer.train_dataloader
+    if isinstance(loader, DataLoader):
+        values.update(
+            batch_size=loader.batch_size,
+            num_workers=loader.num_workers,
+            prefetch_factor=loader.prefetch_factor,
+            pin_memory=loader.pin_memory,
+            persistent_workers=loader.persistent_workers,
+        )
+    values.update(
+        accumulate_grad_batches=trainer.accumulate_grad_batches,
+        precision=trainer.precision,
+        strategy=type(trainer.strategy).__name__,
+        world_size=trainer.world_size,
+    )
+    for part in [trainer.strategy, datamodule_of(trainer), *callbacks_of(trainer)]:
+        tuned = getattr(part, "tuned", None)
+        if isinstance(tuned, Mapping):
+            values.update(tuned)
+    return values
+
+
+def log_dir(trainer: L.Trainer) -> Path:
+    """`Trainer.log_dir` without its broadcast, so rank zero alone can ask (even after a failure)."""
+    if trainer.loggers:
+        logger = trainer.loggers[0]
+        path = logger.log_dir if isinstance(logger, (TensorBoardLogger, CSVLogger)) else logger.save_dir
+        if path is not None:
+            return Path(path)
+    return Path(trainer.default_root_dir)
+
+
+def _print(report: Report, path: Path | None) -> None:
+    from rich.console import Console
+
+    console = Console()
+    console.print(report.table(title="lightning-boost report"))
+    if path is not None:
+        console.print(f"Report files: {path.parent}/boost_report.{{json,md}}")

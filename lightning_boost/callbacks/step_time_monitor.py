@@ -1,0 +1,269 @@
+"""`StepTimeMonitor`: is this run waiting for data, or computing?"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_boost._lightning import callbacks_of, datamodule_of, training_log_step
+from lightning_boost.callbacks.auto_num_workers import AutoNumWorkers
+from lightning_boost.callbacks.boost_report import attach_report
+from lightning_boost.data.datamodule import BoostedDataModule
+from lightning_boost.data.tuner import hardware_for
+from lightning_boost.report import Finding, Severity, plot_data
+from lightning_boost.tuning.step_time import StepTimes, input_bound_fixes
+
+Sample = tuple[float, float]
+
+
+class HostClock:
+    """Wait and step seconds from the host's clock: exact on CPU, where the host does the work."""
+
+    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
+        self.now = now
+        self._last_end: float | None = None
+        self._start = 0.0
+
+    def idle(self) -> None:
+        """Start timing the wait for the next batch from now (the epoch starts)."""
+        self._last_end = self.now()
+
+    def skip(self) -> None:
+        """The next batch's wait is not measured (validation or checkpointing ran before it)."""
+        self._last_end = None
+
+    def batch_start(self) -> None:
+        self._start = self.now()
+
+    def batch_end(self) -> list[Sample]:
+        end = self.now()
+        samples = [] if self._last_end is None else [(self._start - self._last_end, end - self._start)]
+        self._last_end = end
+        return samples
+
+    def flush(self) -> list[Sample]:
+        return []
+
+
+class CudaClock:
+    """GPU-side timing from CUDA events, read a few steps late so the host never waits.
+
+    The wait is the GPU's idle gap between one step's last kernel and the next step's first: a
+    host that is late with data leaves a gap, a host that is ahead leaves none. `batch_end`
+    returns the samples whose events have completed (``Event.query()`` does not block).
+    """
+
+    def __init__(self, event: Callable[[], Any] | None = None, max_pending: int = 64) -> None:
+        self.event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self.pending: deque[tuple[Any, Any, Any]] = deque(maxlen=max_pending)
+        self._last_end: Any = None
+        self._start: Any = None
+
+    def _record(self) -> Any:
+        event = self.event()
+        event.record()
+        return event
+
+    def idle(self) -> None:
+        self._last_end = self._record()
+
+    def skip(self) -> None:
+        self._last_end = None
+
+    def batch_start(self) -> None:
+        self._start = self._record()
+
+    def batch_end(self) -> list[Sample]:
+        end = self._record()
+        if self._last_end is not None:
+            self.pending.append((self._last_end, self._start, end))
+        self._last_end = end
+        samples = []
+        while self.pending and self.pending[0][2].query():
+            before, start, after = self.pending.popleft()
+            samples.append((before.elapsed_time(start) / 1000, start.elapsed_time(after) / 1000))
+        return samples
+
+    def flush(self) -> list[Sample]:
+        """Everything still pending (one wait for the GPU, at the end of training)."""
+        if self.pending:
+            self.pending[-1][2].synchronize()
+        samples = [(b.elapsed_time(s) / 1000, s.elapsed_time(a) / 1000) for b, s, a in self.pending]
+        self.pending.clear()
+        return samples
+
+
+class StepTimeMonitor(L.Callback):
+    """Measures, per training step, the time spent waiting for the batch vs computing it.
+
+    The wait is measured from the end of one step to the start of the next (loading, collating
+    and the host-to-device copy); the step from its start to its end (forward, backward,
+    optimizer). On CPU the host clock times both. On CUDA, events time them on the GPU and are
+    read a few steps late, so monitoring adds no host-device sync: the wait is then the GPU's idle
+    gap between steps. The step after a validation run is left out (validation and checkpoint
+    saving are not data wait), and so are the first `warmup_steps` of the verdict.
+
+    At the end of training it adds a finding: input-bound when the data-wait fraction is above
+    `threshold`, with the fixes in order of likely payoff for this run's loader; otherwise the
+    fraction for the record. The fraction over steps is plotted in the report.
+
+    Logged to every logger on the batches Lightning logs (``log_every_n_steps``), at its step, over
+    the steps timed since the last log, without a device sync (on CUDA the window lags a few steps):
+
+    ============================ ========================================================
+    key                          meaning
+    ============================ ========================================================
+    ``boost/data_wait_fraction`` share of the window's time spent waiting for batches
+    ``boost/data_wait_ms``       mean wait per step in the window, milliseconds
+    ``boost/step_ms``            mean step time in the window, milliseconds
+    ============================ ========================================================
+
+    Args:
+        threshold: the data-wait fraction above which the run counts as input-bound (0 to 1).
+        warmup_steps: first steps left out of the verdict (worker start-up, CUDA warm-up).
+
+    Raises:
+        ValueError: for a threshold outside (0, 1) or negative `warmup_steps`.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[StepTimeMonitor(threshold=0.1)])
+    """
+
+    def __init__(self, threshold: float = 0.1, warmup_steps: int = 3) -> None:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < 1:
+            raise ValueError(f"`threshold` expected a fraction between 0 and 1, got {threshold!r}.")
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ValueError(f"`warmup_steps` expected an int >= 0, got {warmup_steps!r}.")
+        self.threshold = float(threshold)
+        self.warmup_steps = warmup_steps
+        self.times = StepTimes(warmup_steps)
+        self.findings: list[Finding] = []
+        self._clock: HostClock | CudaClock | None = None
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(threshold=self.threshold, warmup_steps=self.warmup_steps)
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        attach_report(trainer)
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.times = StepTimes(self.warmup_steps)
+        self._clock = CudaClock() if pl_module.device.type == "cuda" else HostClock()
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._clock is not None:
+            self._clock.idle()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._clock is not None:
+            self._clock.batch_start()
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._clock is None:
+            return
+        for wait_s, step_s in self._clock.batch_end():
+            self.times.add(wait_s, step_s)
+        step = training_log_step(trainer)
+        if step is not None:
+            self._log(trainer, step)
+
+    @override
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._clock is not None and not trainer.sanity_checking:
+            self._clock.skip()
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._clock is None:
+            return
+        for wait_s, step_s in self._clock.flush():
+            self.times.add(wait_s, step_s)
+        self._clock = None
+        self._log(trainer, trainer.global_step)
+        self.findings = [self._finding(trainer, pl_module)]
+
+    def _log(self, trainer: L.Trainer, step: int) -> None:
+        window = self.times.take_window()
+        if window is None or not trainer.loggers:
+            return
+        metrics = {
+            "boost/data_wait_fraction": window.fraction,
+            "boost/data_wait_ms": 1000 * window.wait_s / window.steps,
+            "boost/step_ms": 1000 * window.step_s / window.steps,
+        }
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
+
+    def _finding(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Finding:
+        times = self.times
+        fraction = times.fraction
+        history = times.history
+        data: dict[str, Any] = {
+            "data_wait_fraction": round(fraction, 4),
+            "wait_s": round(times.wait_s, 4),
+            "step_s": round(times.step_s, 4),
+            "steps": times.counted,
+            "threshold": self.threshold,
+        }
+        if len(history) > 1:
+            data["plot"] = plot_data(
+                "data_wait",
+                "Data-wait fraction over training",
+                "training step",
+                [w.last_step for w in history],
+                {"data-wait fraction": [round(w.fraction, 4) for w in history]},
+            )
+        share = f"{fraction:.0%} of step time waiting for data"
+        detail = f"{times.wait_s:.1f} s waiting, {times.step_s:.1f} s computing over {times.counted} steps"
+        detail += f" (the first {self.warmup_steps} left out)."
+        if times.counted == 0:
+            return Finding(
+                type(self).__name__, "step time", Severity.INFO, "Too few training steps to time", data=data
+            )
+        if fraction <= self.threshold:
+            return Finding(
+                type(self).__name__, "step time", Severity.INFO, f"Compute-bound: {share}", detail, data=data
+            )
+        fixes = self._fixes(trainer, pl_module)
+        return Finding(
+            type(self).__name__,
+            "step time",
+            Severity.WARN,
+            f"Input-bound: {share}",
+            detail,
+            " ".join(f"{n}. {fix}" for n, fix in enumerate(fixes, 1)),
+            data=data | {"fixes": fixes},
+            cost=f"{fraction:.0%} of step time ({times.wait_s:.1f} s)",
+        )
+
+    def _fixes(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
+        loader = trainer.train_dataloader
+        datamodule = datamodule_of(trainer)
+        tuned = isinstance(datamodule, BoostedDataModule) and datamodule.num_workers is None
+        tuned = tuned or any(isinstance(callback, AutoNumWorkers) for callback in callbacks_of(trainer))
+        return input_bound_fixes(
+            num_workers=loader.num_workers if isinstance(loader, DataLoader) else 0,
+            max_workers=hardware_for(trainer).max_workers_per_process,
+            pin_memory=bool(getattr(loader, "pin_memory", False)),
+            on_gpu=pl_module.device.type == "cuda",
+            tuned_workers=tuned,
+        )

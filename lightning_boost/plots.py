@@ -1,0 +1,94 @@
+"""PNG plots for the report, where a picture beats a table (matplotlib is an optional extra).
+
+A finding asks for a plot by carrying ``data["plot"]`` made with `lightning_boost.report.plot_data`:
+throughput vs ``num_workers``, throughput and peak memory vs batch size, the data-wait fraction over
+steps. `write_plots` draws each one with matplotlib's object API (no pyplot, so the user's backend
+and figures are left alone).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from lightning_boost.report import Finding, Severity
+
+#: What the report says when matplotlib is missing.
+INSTALL_HINT = "pip install 'lightning-boost[plots]'  (or: pip install matplotlib)"
+
+
+def plot_specs(findings: Iterable[Finding]) -> list[Mapping[str, Any]]:
+    """The ``data["plot"]`` of each finding that has one, first one per name."""
+    specs: dict[str, Mapping[str, Any]] = {}
+    for finding in findings:
+        spec = finding.data.get("plot")
+        if isinstance(spec, Mapping) and spec.get("name") not in specs:
+            specs[str(spec["name"])] = spec
+    return list(specs.values())
+
+
+def matplotlib_missing(source: str) -> Finding:
+    """The finding that stands in for plots that could not be drawn."""
+    return Finding(
+        source,
+        "environment",
+        Severity.INFO,
+        "Plots skipped: matplotlib is not installed",
+        "The report's figures (throughput vs workers or batch size, data wait over steps) need it.",
+        INSTALL_HINT,
+    )
+
+
+def write_plots(findings: Iterable[Finding], directory: str | Path) -> list[Path]:
+    """Draw every plot the findings ask for as ``boost_<name>.png`` in `directory`.
+
+    Raises:
+        ModuleNotFoundError: when matplotlib is not installed (see `matplotlib_missing`).
+    """
+    specs = plot_specs(findings)
+    if not specs:
+        return []
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ModuleNotFoundError("matplotlib is not installed", name="matplotlib")
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    return [_draw(spec, directory / f"boost_{spec['name']}.png") for spec in specs]
+
+
+def _draw(spec: Mapping[str, Any], path: Path) -> Path:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(6.4, 3.6), dpi=110, layout="constrained")
+    FigureCanvasAgg(figure)
+    left = figure.add_subplot()
+    left.set_title(spec["title"])
+    left.set_xlabel(spec["x_label"])
+    lines = _series(left, spec["x"], spec["left"], "o-", 0)
+    if spec["left"]:
+        left.set_ylabel(" / ".join(spec["left"]))
+    if spec["right"]:
+        right = left.twinx()
+        lines += _series(right, spec["x"], spec["right"], "s--", len(spec["left"]))
+        right.set_ylabel(" / ".join(spec["right"]))
+    if spec.get("chosen") is not None:
+        lines.append(left.axvline(spec["chosen"], color="grey", linestyle=":", label="chosen"))
+    left.grid(alpha=0.3)
+    if len(lines) > 1:
+        left.legend(handles=lines, loc="best", fontsize="small")
+    tmp = path.with_name(path.name + ".tmp")
+    figure.savefig(tmp, format="png")
+    tmp.replace(path)
+    return path
+
+
+def _series(
+    axes: Any, x: list[float], series: Mapping[str, list[float]], style: str, color: int
+) -> list[Any]:
+    handles = []
+    for offset, (label, values) in enumerate(series.items()):
+        (line,) = axes.plot(x, values, style, color=f"C{color + offset}", label=label)
+        handles.append(line)
+    return handles

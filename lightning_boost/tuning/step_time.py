@@ -1,0 +1,154 @@
+"""Data wait vs compute per training step, as plain numbers: the input-bound verdict and its fixes.
+
+`StepTimes` accumulates ``(wait, step)`` seconds per step, hands out windows for logging and keeps
+a bounded history for the plot; `input_bound_fixes` orders the fixes by likely payoff for the
+loader the run uses. No Lightning here: `lightning_boost.callbacks.StepTimeMonitor` feeds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def wait_fraction(wait_s: float, step_s: float) -> float:
+    """The share of ``wait + step`` spent waiting for data (0 when nothing was timed).
+
+    Example:
+        >>> wait_fraction(1.0, 3.0)
+        0.25
+    """
+    total = wait_s + step_s
+    return wait_s / total if total > 0 else 0.0
+
+
+@dataclass
+class StepWindow:
+    """The steps between two logged points.
+
+    Args:
+        last_step: the number of the last step in the window, counted from 1.
+        steps: how many steps it holds.
+        wait_s: seconds waiting for batches.
+        step_s: seconds in the steps (forward, backward, optimizer, hooks).
+    """
+
+    last_step: int
+    steps: int
+    wait_s: float
+    step_s: float
+
+    @property
+    def fraction(self) -> float:
+        return wait_fraction(self.wait_s, self.step_s)
+
+    def merge(self, later: StepWindow) -> StepWindow:
+        return StepWindow(
+            later.last_step, self.steps + later.steps, self.wait_s + later.wait_s, self.step_s + later.step_s
+        )
+
+
+@dataclass
+class StepTimes:
+    """Per-step wait and compute seconds, with the first `warmup_steps` left out of the totals.
+
+    Args:
+        warmup_steps: steps at the start not counted in the verdict (worker start-up, first
+            CUDA kernels, cuDNN autotuning). They still appear in the logged windows.
+        max_points: the plotted history is halved (neighbours merged) when it grows past this.
+
+    Example:
+        >>> times = StepTimes(warmup_steps=1)
+        >>> for wait, step in [(5.0, 1.0), (1.0, 3.0), (1.0, 3.0)]:
+        ...     times.add(wait, step)
+        >>> times.fraction, times.take_window().fraction
+        (0.25, 0.5)
+    """
+
+    warmup_steps: int = 0
+    max_points: int = 256
+    steps: int = 0
+    counted: int = 0
+    wait_s: float = 0.0
+    step_s: float = 0.0
+    history: list[StepWindow] = field(default_factory=list)
+    _window: StepWindow | None = None
+
+    def add(self, wait_s: float, step_s: float) -> None:
+        """Record one step: `wait_s` waiting for its batch, `step_s` computing it."""
+        self.steps += 1
+        if self.steps > self.warmup_steps:
+            self.counted += 1
+            self.wait_s += wait_s
+            self.step_s += step_s
+        point = StepWindow(self.steps, 1, wait_s, step_s)
+        self._window = point if self._window is None else self._window.merge(point)
+
+    def take_window(self) -> StepWindow | None:
+        """The steps since the last call (``None`` if there were none); kept for the plot."""
+        window, self._window = self._window, None
+        if window is not None:
+            self.history.append(window)
+            if len(self.history) > self.max_points:
+                pairs = zip(self.history[0::2], self.history[1::2], strict=False)
+                merged = [a.merge(b) for a, b in pairs]
+                self.history = merged + self.history[len(merged) * 2 :]
+        return window
+
+    @property
+    def fraction(self) -> float:
+        """The data-wait fraction over every counted step."""
+        return wait_fraction(self.wait_s, self.step_s)
+
+
+def input_bound_fixes(
+    *, num_workers: int, max_workers: int, pin_memory: bool, on_gpu: bool, tuned_workers: bool
+) -> list[str]:
+    """What to try when a run waits for data, most likely payoff first.
+
+    Args:
+        num_workers: the training loader's workers.
+        max_workers: the most workers this process's CPU share allows.
+        pin_memory: whether the loader pins its batches.
+        on_gpu: whether the model trains on a GPU.
+        tuned_workers: whether lightning-boost already measured the worker count.
+
+    Example:
+        >>> fixes = input_bound_fixes(
+        ...     num_workers=0, max_workers=8, pin_memory=False, on_gpu=True, tuned_workers=False
+        ... )
+        >>> fixes[0].split(":")[0], len(fixes)
+        ('More DataLoader workers (now 0, up to 8 here)', 4)
+    """
+    fixes = []
+    if num_workers < max_workers and not tuned_workers:
+        fixes.append(
+            f"More DataLoader workers (now {num_workers}, up to {max_workers} here): "
+            "`Trainer(callbacks=[AutoNumWorkers()])` or subclass `BoostedDataModule`."
+        )
+    if on_gpu:
+        fixes.append(
+            "Move augmentation to the GPU: `BoostedDataModule(device_transforms=...)` runs batched "
+            "torchvision transforms.v2 after the transfer, off the workers."
+        )
+        if not pin_memory:
+            fixes.append("Pin host memory: `DataLoader(pin_memory=True)` (BoostedDataModule does it on GPU).")
+    else:
+        fixes.append(
+            "Augment whole batches instead of single samples: "
+            "`BoostedDataModule(device_transforms=...)` applies batched transforms.v2 once per batch."
+        )
+    fixes.append(
+        "Decode faster: store images pre-resized to the training size, decode JPEGs with "
+        "`torchvision.io.decode_jpeg(device='cuda')`, or read a sequential format (WebDataset, LitData)."
+    )
+    if num_workers >= max_workers:
+        fixes.append(
+            f"The workers use this process's whole CPU share ({num_workers} of {max_workers}): "
+            "give the job more CPUs or run fewer processes per node."
+        )
+    elif tuned_workers:
+        fixes.append(
+            f"num_workers={num_workers} was measured as the fastest here; more workers did not help, "
+            "so the per-sample work itself has to get cheaper."
+        )
+    return fixes
