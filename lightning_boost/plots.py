@@ -8,7 +8,6 @@ and figures are left alone).
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -50,8 +49,10 @@ def write_plots(findings: Iterable[Finding], directory: str | Path) -> list[Path
     specs = plot_specs(findings)
     if not specs:
         return []
-    if importlib.util.find_spec("matplotlib") is None:
-        raise ModuleNotFoundError("matplotlib is not installed", name="matplotlib")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError as err:
+        raise ModuleNotFoundError("matplotlib is not installed", name="matplotlib") from err
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     return [_draw(spec, directory / f"boost_{spec['name']}.png") for spec in specs]

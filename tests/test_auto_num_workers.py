@@ -110,7 +110,9 @@ def test_state_dict_round_trips_and_resuming_does_not_measure(tmp_path: Path) ->
         tmp_path, callbacks=[resumed], max_epochs=2, logger=False, enable_checkpointing=False
     )
     again.fit(SeenIndices(), *_loaders(), ckpt_path=checkpoint)
-    assert {choice.source for choice in resumed.worker_tuner.choices.values()} == {"checkpoint"}
+    assert resumed.worker_tuner.choices == callback.worker_tuner.choices  # not measured again
+    restored = [f for f in resumed.findings if f.title.startswith("num_workers=")]
+    assert restored and all(f.detail.startswith("Restored from the checkpoint") for f in restored)
 
 
 def test_bad_arguments_are_named() -> None:

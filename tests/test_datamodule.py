@@ -206,9 +206,11 @@ def test_a_checkpoint_carries_the_choice(tmp_path: Path) -> None:
     resumed = Indexed(batch_size=8)
     again = tiny_trainer(tmp_path, max_epochs=2, logger=False, enable_checkpointing=False)
     again.fit(SeenIndices(), datamodule=resumed, ckpt_path=checkpoint)
-    (choice,) = resumed.worker_tuner.choices.values()
-    assert choice.source == "checkpoint"
-    assert choice.num_workers == next(iter(datamodule.worker_tuner.choices.values())).num_workers
+    assert resumed.worker_tuner.choices == datamodule.worker_tuner.choices  # the saved one, trials and all
+    (finding,) = [f for f in resumed.findings if f.title.startswith("num_workers=")]
+    assert (
+        finding.detail.startswith("Restored from the checkpoint") and finding.data["source"] == "checkpoint"
+    )
 
 
 class _Recorder(BoringModel):

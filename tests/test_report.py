@@ -20,6 +20,7 @@ def sample() -> Report:
                 "log the tensor with self.log",
                 location="model.py:42",
                 data={"count": 10},
+                cost="3% of step time",
             ),
             Finding("doctor", "environment", Severity.INFO, "CUDA in use"),
             Finding("doctor", "data", "error", "a | pipe", fix="line one\nline two"),
@@ -58,11 +59,11 @@ def test_add_drops_duplicates_and_groups_by_area_order() -> None:
 
 def test_json_schema_and_round_trip() -> None:
     data = json.loads(sample().to_json())
-    assert set(data) == {"schema_version", "lightning_boost_version", "created", "tuned", "findings"}
+    assert set(data) == {"schema_version", "lightning_boost_version", "created", "tuned", "plots", "findings"}
     assert data["schema_version"] == SCHEMA_VERSION
     assert data["tuned"] == {"num_workers": 3, "precision": "bf16-mixed"}
     first = data["findings"][0]
-    assert set(first) == {"source", "area", "severity", "title", "detail", "fix", "location", "data"}
+    assert set(first) == {"source", "area", "severity", "title", "detail", "fix", "location", "cost", "data"}
     assert [Finding.from_dict(f) for f in data["findings"]] == sample().findings
 
 
@@ -70,6 +71,9 @@ def test_markdown_escapes_and_lists_everything() -> None:
     text = sample().to_markdown()
     assert "| num_workers | 3 |" in text
     assert "## Syncs" in text and "at `model.py:42`" in text
+    assert (
+        "| WARN | `.item()` in training_step (1 sync per step) at `model.py:42` | 3% of step time |" in text
+    )
     assert "a \\| pipe" in text and "line one line two" in text
 
 
@@ -85,6 +89,7 @@ def test_table_renders_every_finding() -> None:
         "OK",
         "log the tensor with self.log",
         "at model.py:42",
+        "3% of step time",
     ):
         assert word in text
 
@@ -94,7 +99,7 @@ def test_table_drops_fix_column_when_nothing_to_fix() -> None:
     report.add([Finding("doctor", "environment", "info", "all good")])
     console = Console(record=True, width=120)
     console.print(report.table())
-    assert "fix" not in console.export_text()
+    assert "fix" not in console.export_text() and "cost" not in console.export_text()
 
 
 def test_write_is_atomic_and_leaves_no_temp_files(tmp_path: Path) -> None:

@@ -188,4 +188,4 @@ def _print(report: Report, path: Path | None) -> None:
     console = Console()
     console.print(report.table(title="lightning-boost report"))
     if path is not None:
-        console.print(f"Report files: {path.parent}/boost_report.{{json,md}}")
+        console.print(f"Report files: {path.parent}/boost_report.{{json,md}}", soft_wrap=True)

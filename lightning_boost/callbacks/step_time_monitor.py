@@ -23,11 +23,15 @@ from lightning_boost.tuning.step_time import StepTimes, input_bound_fixes
 Sample = tuple[float, float]
 
 
+def _now() -> float:
+    return time.perf_counter()
+
+
 class HostClock:
     """Wait and step seconds from the host's clock: exact on CPU, where the host does the work."""
 
-    def __init__(self, now: Callable[[], float] = time.perf_counter) -> None:
-        self.now = now
+    def __init__(self, now: Callable[[], float] | None = None) -> None:
+        self.now = now or _now
         self._last_end: float | None = None
         self._start = 0.0
 

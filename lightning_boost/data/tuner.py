@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 
 from lightning_boost.data.loaders import cannot_measure, fingerprint_parts, measurement_loaders
 from lightning_boost.hardware import HardwareInfo
-from lightning_boost.report import BoostWarning, Finding, Severity
+from lightning_boost.report import BoostWarning, Finding, Severity, plot_data
 from lightning_boost.tuning import cache
 from lightning_boost.tuning.rng import preserved_rng
 from lightning_boost.tuning.workers import (
@@ -62,6 +62,7 @@ class WorkerTuner:
         self.retune = retune
         self.choices: dict[str, WorkerChoice] = {}
         self.findings: list[Finding] = []
+        self.restored: set[str] = set()
         self._threads_before: int | None = None
 
     def choose(
@@ -84,6 +85,9 @@ class WorkerTuner:
             choice = WorkerChoice.from_dict(result)
             self.choices[key] = choice
             self.findings += choice_findings(self.source, choice)
+        elif key in self.restored:
+            self.restored.discard(key)
+            self.findings += choice_findings(self.source, choice.replace(source="checkpoint"))
         self.apply_process_settings(hardware, choice.num_workers)
         return choice
 
@@ -164,8 +168,10 @@ class WorkerTuner:
         return {"choices": {key: choice.to_dict() for key, choice in self.choices.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Take the choices a checkpoint holds; they are reported as restored when first used."""
         for key, data in state.get("choices", {}).items():
-            self.choices[key] = WorkerChoice.from_dict(data).replace(source="checkpoint")
+            self.choices[key] = WorkerChoice.from_dict(data)
+            self.restored.add(key)
 
 
 def hardware_for(trainer: L.Trainer | None) -> HardwareInfo:
@@ -208,6 +214,10 @@ def choice_findings(source: str, choice: WorkerChoice) -> list[Finding]:
     if choice.skipped and choice.source == "measured":
         detail += " Not tried: " + "; ".join(choice.skipped) + "."
     fell_back = choice.reason.startswith("fell back") or choice.source in ("error", "unmeasurable")
+    data = {**choice.to_dict(), "cost_s": round(choice.seconds, 3)}
+    plot = worker_plot(choice) if choice.source == "measured" else None
+    if plot is not None:
+        data["plot"] = plot
     findings = [
         Finding(
             source,
@@ -216,7 +226,8 @@ def choice_findings(source: str, choice: WorkerChoice) -> list[Finding]:
             f"{label}: {choice.reason}",
             detail,
             "Fix the failures below, or set `num_workers` by hand." if fell_back else "",
-            data={**choice.to_dict(), "cost_s": round(choice.seconds, 3)},
+            data=data,
+            cost=f"{choice.seconds:.1f} s tuning" if choice.source == "measured" else "",
         )
     ]
     for trial in choice.failures:
@@ -226,6 +237,26 @@ def choice_findings(source: str, choice: WorkerChoice) -> list[Finding]:
             Finding(source, "data", Severity.WARN, f"{trial.label} dropped: {trial.error}", fix=fix)
         )
     return findings
+
+
+def worker_plot(choice: WorkerChoice) -> dict[str, Any] | None:
+    """Throughput vs ``num_workers`` at the first prefetch factor tried (``None`` under two points)."""
+    with_workers = [trial for trial in choice.trials if trial.num_workers]
+    base = with_workers[0].prefetch_factor if with_workers else None
+    curve: dict[int, float] = {}
+    for trial in choice.trials:
+        if trial.ok and trial.prefetch_factor in (None, base):
+            curve.setdefault(trial.num_workers, round(trial.samples_per_s, 1))
+    if len(curve) < 2:
+        return None
+    return plot_data(
+        "workers",
+        "DataLoader throughput vs num_workers",
+        "num_workers",
+        list(curve),
+        {"samples/s": list(curve.values())},
+        chosen=choice.num_workers,
+    )
 
 
 def threads_finding(source: str, threads: int, num_workers: int, hardware: HardwareInfo) -> Finding:

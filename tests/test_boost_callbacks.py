@@ -1,0 +1,44 @@
+from typing import Any
+
+import pytest
+
+from lightning_boost import AutoNumWorkers, BoostReport, StepTimeMonitor, WorkerTuning, boost_callbacks
+
+
+def test_default_set_is_tuning_monitoring_and_the_report() -> None:
+    assert [type(c) for c in boost_callbacks()] == [AutoNumWorkers, StepTimeMonitor, BoostReport]
+
+
+def test_options_configure_or_drop_each_callback() -> None:
+    tuning = WorkerTuning(window_s=0.2)
+    workers, report = boost_callbacks(
+        auto_num_workers={"tuning": tuning}, step_time_monitor=False, boost_report={"console": False}
+    )
+    assert isinstance(workers, AutoNumWorkers) and workers.tuning is tuning
+    assert isinstance(report, BoostReport) and not report.console
+    assert boost_callbacks(auto_num_workers=False, step_time_monitor=False, boost_report=False) == []
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        (
+            {"step_time": True},
+            ValueError,
+            r"`option` expected one of .* got 'step_time'. Did you mean 'step_time_monitor'",
+        ),
+        (
+            {"boost_report": "off"},
+            TypeError,
+            r"`boost_report` expected True, False or a dict of BoostReport's arguments, got str",
+        ),
+        (
+            {"step_time_monitor": {"threshold": 2}},
+            ValueError,
+            r"`threshold` expected a fraction between 0 and 1, got 2",
+        ),
+    ],
+)
+def test_bad_options(options: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        boost_callbacks(**options)

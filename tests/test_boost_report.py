@@ -1,0 +1,243 @@
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import yaml
+from torch import Tensor
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_boost import (
+    AutoNumWorkers,
+    BoostedDataModule,
+    BoostReport,
+    BoostWarning,
+    StepTimeMonitor,
+    WorkerTuning,
+    boost_callbacks,
+    preset,
+)
+from lightning_boost.callbacks.boost_report import attach_report
+from lightning_boost.hardware import EXAMPLES
+from lightning_boost.plots import INSTALL_HINT, write_plots
+from lightning_boost.report import AREAS, SCHEMA_VERSION, Finding, Severity, plot_data
+from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
+
+FAST = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,))
+
+
+class Data(BoostedDataModule):
+    @override
+    def setup(self, stage: str) -> None:
+        self.train_dataset = RandomDataset(length=64)
+        self.val_dataset = RandomDataset(length=16, seed=1)
+
+
+def reports(trainer: L.Trainer) -> list[BoostReport]:
+    return [c for c in trainer.callbacks if isinstance(c, BoostReport)]  # type: ignore[attr-defined]
+
+
+def test_boost_callbacks_attach_one_report_per_trainer(tmp_path: Path) -> None:
+    callbacks = [AutoNumWorkers(FAST), StepTimeMonitor()]
+    trainer = tiny_trainer(tmp_path, callbacks=callbacks, enable_checkpointing=False)
+    trainer.fit(BoringModel(), datamodule=BoringDataModule())
+    assert len(reports(trainer)) == 1
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(BoringModel(), datamodule=BoringDataModule())  # a second fit on the same trainer
+    assert len(reports(trainer)) == 1
+    own = BoostReport(console=False)
+    trainer = tiny_trainer(tmp_path, callbacks=[StepTimeMonitor(), own])
+    trainer.fit(BoringModel(), datamodule=BoringDataModule())
+    assert reports(trainer) == [own]  # the user's own, not a second one
+
+
+def test_plain_trainer_gets_no_report(tmp_path: Path) -> None:
+    trainer = tiny_trainer(tmp_path)
+    attach_report(trainer)
+    attach_report(trainer)
+    assert len(reports(trainer)) == 1
+    assert reports(tiny_trainer(tmp_path)) == []
+
+
+def check_schema(document: dict[str, Any]) -> None:
+    """The README's "Report files" schema, key by key."""
+    assert list(document) == [
+        "schema_version",
+        "lightning_boost_version",
+        "created",
+        "tuned",
+        "plots",
+        "findings",
+    ]
+    assert document["schema_version"] == SCHEMA_VERSION
+    assert isinstance(document["lightning_boost_version"], str)
+    assert document["created"].endswith("+00:00")
+    assert isinstance(document["tuned"], dict) and isinstance(document["plots"], list)
+    for finding in document["findings"]:
+        assert list(finding) == [
+            "source",
+            "area",
+            "severity",
+            "title",
+            "detail",
+            "fix",
+            "location",
+            "cost",
+            "data",
+        ]
+        assert finding["area"] in AREAS and finding["severity"] in ("info", "warn", "error")
+        assert all(isinstance(finding[k], str) for k in ("source", "title", "detail", "fix", "cost"))
+        assert finding["location"] is None or isinstance(finding["location"], str)
+        assert Finding.from_dict(finding).to_dict() == finding
+
+
+def test_files_land_in_log_dir_with_schema_plots_and_hparams(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trainer = tiny_trainer(tmp_path, strategy=preset("auto", hardware=EXAMPLES["cpu"]), limit_train_batches=8,
+                           callbacks=boost_callbacks(auto_num_workers={"tuning": FAST}))  # fmt: skip
+    trainer.fit(BoringModel(), datamodule=Data(batch_size=8, worker_tuning=FAST))
+    log_dir = Path(trainer.log_dir or "")
+    document = json.loads((log_dir / "boost_report.json").read_text())
+    check_schema(document)
+    areas = {f["area"] for f in document["findings"]}
+    assert {"environment", "data", "precision and strategy", "step time"} <= areas
+    assert sorted(document["plots"]) == ["boost_data_wait.png", "boost_workers.png"]
+    for name in document["plots"]:
+        assert (log_dir / name).read_bytes().startswith(b"\x89PNG")
+    markdown = (log_dir / "boost_report.md").read_text()
+    assert "## Step time" in markdown and "![boost_data_wait](boost_data_wait.png)" in markdown
+    tuned = document["tuned"]
+    assert tuned["batch_size"] == 8 and tuned["preset"] == "single" and tuned["precision"] == "32-true"
+    hparams = yaml.safe_load((log_dir / "hparams.yaml").read_text())
+    assert hparams["boost/num_workers"] == tuned["num_workers"]
+    assert hparams["boost/batch_size"] == 8 and hparams["lr"] == 0.05  # the model's own, kept
+    out = capsys.readouterr().out
+    assert "lightning-boost report" in out and "step time" in out
+    assert f"Report files: {log_dir}/boost_report." in out
+
+
+def test_options_turn_parts_off(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = BoostReport(console=False, files=False, log_hyperparams=False)
+    trainer = tiny_trainer(tmp_path, callbacks=[StepTimeMonitor(), report])
+    trainer.fit(BoringModel(), datamodule=BoringDataModule())
+    assert report.report is not None and report.paths == []
+    assert not list(tmp_path.rglob("boost_report.json"))
+    assert "boost/" not in (Path(trainer.log_dir or "") / "hparams.yaml").read_text()
+    assert "lightning-boost report" not in capsys.readouterr().out
+
+
+def test_dirpath_and_no_logger(tmp_path: Path) -> None:
+    target = tmp_path / "reports"
+    trainer = tiny_trainer(tmp_path, logger=False, callbacks=[BoostReport(console=False, dirpath=target)])
+    trainer.fit(BoringModel(), datamodule=BoringDataModule())
+    assert (target / "boost_report.json").exists() and (target / "boost_report.md").exists()
+    trainer = tiny_trainer(tmp_path / "root", logger=False, callbacks=[BoostReport(console=False)])
+    trainer.fit(BoringModel(), datamodule=BoringDataModule())
+    assert (tmp_path / "root" / "boost_report.json").exists()  # default_root_dir without a logger
+
+
+def test_without_matplotlib_the_report_says_how_to_get_plots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    report = BoostReport(console=False)
+    trainer = tiny_trainer(tmp_path, limit_train_batches=6, callbacks=[StepTimeMonitor(), report])
+    trainer.fit(BoringModel(), datamodule=BoringDataModule())
+    assert report.report is not None and report.report.plots == []
+    (skipped,) = [f for f in report.report.findings if f.title.startswith("Plots skipped")]
+    assert skipped.fix == INSTALL_HINT and "[plots]" in skipped.fix
+    assert not list(Path(trainer.log_dir or "").glob("*.png"))
+    assert (
+        "Plots skipped: matplotlib is not installed"
+        in (Path(trainer.log_dir or "") / "boost_report.md").read_text()
+    )
+
+
+def test_plots_are_drawn_from_plot_data(tmp_path: Path) -> None:
+    spec = plot_data(
+        "batch_size", "Throughput and memory", "batch size", [8, 16, 32],
+        {"samples/s": [100.0, 180.0, 190.0]}, right={"peak memory (MiB)": [10.0, 20.0, 40.0]}, chosen=16,
+    )  # fmt: skip
+    finding = Finding("AutoBatchSize", "batch size", "info", "batch_size=16", data={"plot": spec})
+    duplicate = Finding("AutoBatchSize", "batch size", "info", "again", data={"plot": spec})
+    (path,) = write_plots([finding, duplicate, Finding("x", "data", "info", "no plot")], tmp_path)
+    assert path.name == "boost_batch_size.png" and path.read_bytes().startswith(b"\x89PNG")
+    assert write_plots([], tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"name": "a/b"}, r"`name` expected letters, digits, '_' or '-', got 'a/b'"),
+        ({"left": {"y": [1.0]}}, r"series 'y' has 1 values for 2 x values"),
+        ({"right": {"mem": [1.0, 2.0, 3.0]}}, r"series 'mem' has 3 values for 2 x values"),
+    ],
+)
+def test_bad_plot_data(kwargs: dict[str, Any], match: str) -> None:
+    args: dict[str, Any] = {"name": "p", "title": "t", "x_label": "x", "x": [1, 2], "left": {"y": [1, 2]}}
+    with pytest.raises(ValueError, match=match):
+        plot_data(**(args | kwargs))
+
+
+class FailsAtStep(BoringModel):
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if batch_idx == 2:
+            raise RuntimeError("boom")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_failed_fit_still_writes_what_was_found(tmp_path: Path) -> None:
+    trainer = tiny_trainer(tmp_path, callbacks=[AutoNumWorkers(FAST)])
+    loader = DataLoader(RandomDataset(length=64), batch_size=8)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(FailsAtStep(), train_dataloaders=loader, val_dataloaders=loader)
+    document = json.loads((Path(trainer.log_dir or "") / "boost_report.json").read_text())
+    assert any(f["source"] == "AutoNumWorkers" for f in document["findings"])
+
+
+def test_a_report_that_cannot_be_written_after_a_failure_warns_and_keeps_the_error(
+    tmp_path: Path,
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    trainer = tiny_trainer(tmp_path, callbacks=[BoostReport(console=False, dirpath=blocker / "sub")])
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(RuntimeError, match="boom"):
+        warnings.simplefilter("always")
+        trainer.fit(FailsAtStep(), datamodule=BoringDataModule())
+    (warned,) = [w for w in caught if issubclass(w.category, BoostWarning)]
+    assert "BoostReport could not write the report of the failed run" in str(warned.message)
+
+
+def test_report_collects_strategy_datamodule_and_callbacks_once(tmp_path: Path) -> None:
+    report = BoostReport(console=False)
+    strategy = preset("auto", hardware=EXAMPLES["cpu"])
+    trainer = tiny_trainer(tmp_path, strategy=strategy, callbacks=[AutoNumWorkers(FAST), report])
+    datamodule = Data(batch_size=8, worker_tuning=FAST)
+    trainer.fit(BoringModel(), datamodule=datamodule)
+    assert report.report is not None
+    sources = {f.source for f in report.report.findings}
+    assert {"doctor", "Data"} <= sources
+    found = report.report.findings
+    assert all(f in found for f in [*strategy.findings, *datamodule.findings])
+    assert all(found.count(f) == 1 for f in found)
+    assert not [f for f in report.report.findings if f.source == "AutoNumWorkers"]  # left to the datamodule
+    assert report.report.worst in (Severity.INFO, Severity.WARN)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"console": "yes"}, TypeError, "`console` expected True or False, got 'yes'"),
+        ({"plots": 1}, TypeError, "`plots` expected True or False, got 1"),
+        ({"dirpath": 3}, TypeError, "`dirpath` expected a path or None, got int"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        BoostReport(**kwargs)

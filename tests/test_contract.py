@@ -1,0 +1,114 @@
+"""The contract every public callback keeps (STYLE.md): found here by discovery, so a new one is checked.
+
+Each is built with its defaults, pickled, its ``state_dict`` round-tripped (directly and through a
+real checkpoint), used in two fits and a validate on CPU, inside a 2-process DDP fit, and
+configured from a LightningCLI YAML file.
+"""
+
+import copy
+import json
+import pickle
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+from lightning.pytorch.cli import LightningCLI
+
+import lightning_boost
+from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
+
+CALLBACKS: list[type[L.Callback]] = sorted(
+    (
+        obj
+        for name in lightning_boost.__all__
+        if isinstance(obj := getattr(lightning_boost, name), type) and issubclass(obj, L.Callback)
+    ),
+    key=lambda cls: cls.__name__,
+)
+
+#: One non-default argument per callback for the LightningCLI check, and how to see it arrived.
+CLI_ARGS: dict[str, tuple[dict[str, Any], Callable[[Any], bool]]] = {
+    "AutoNumWorkers": ({"tuning": {"window_s": 0.2}, "retune": True}, lambda c: c.tuning.window_s == 0.2),
+    "BoostReport": ({"console": False, "plots": False}, lambda c: not c.console and not c.plots),
+    "StepTimeMonitor": ({"threshold": 0.25}, lambda c: c.threshold == 0.25),
+}
+
+
+def test_discovery_finds_every_public_callback() -> None:
+    assert {cls.__name__ for cls in CALLBACKS} >= {"AutoNumWorkers", "BoostReport", "StepTimeMonitor"}
+    assert {cls.__name__ for cls in CALLBACKS} == set(CLI_ARGS), "add each new callback to CLI_ARGS"
+
+
+@pytest.mark.parametrize("cls", CALLBACKS, ids=lambda cls: cls.__name__)
+def test_constructs_with_defaults_and_pickles(cls: type[L.Callback]) -> None:
+    callback = cls()
+    clone = pickle.loads(pickle.dumps(callback))
+    assert type(clone) is cls
+    assert clone.state_key == callback.state_key
+    assert clone.state_dict() == callback.state_dict()
+
+
+def round_trip(cls: type[L.Callback], state: dict[str, Any]) -> None:
+    json.dumps(state)  # plain data: nothing a checkpoint cannot hold without pickle
+    fresh = cls()
+    fresh.load_state_dict(copy.deepcopy(state))
+    assert fresh.state_dict() == state
+
+
+@pytest.mark.parametrize("cls", CALLBACKS, ids=lambda cls: cls.__name__)
+def test_fit_twice_then_validate_and_resume(cls: type[L.Callback], tmp_path: Path) -> None:
+    callback = cls()
+    first = tiny_trainer(tmp_path / "a", callbacks=[callback], enable_checkpointing=False)
+    model = BoringModel()
+    first.fit(model, datamodule=BoringDataModule())
+    checkpoint = tmp_path / "first.ckpt"
+    first.save_checkpoint(checkpoint)
+    first.validate(model, datamodule=BoringDataModule())
+    round_trip(cls, callback.state_dict())
+    again = tiny_trainer(tmp_path / "b", callbacks=[callback])  # the same instance, a new run
+    again.fit(BoringModel(), datamodule=BoringDataModule())
+    assert again.state.finished
+    pickle.dumps(callback)
+    resumed = tiny_trainer(tmp_path / "c", max_epochs=2, callbacks=[cls()], enable_checkpointing=False)
+    resumed.fit(BoringModel(), datamodule=BoringDataModule(), ckpt_path=checkpoint)
+    assert resumed.current_epoch == 2
+
+
+@pytest.mark.ddp
+@pytest.mark.parametrize("cls", CALLBACKS, ids=lambda cls: cls.__name__)
+def test_works_inside_two_process_ddp(cls: type[L.Callback], tmp_path: Path) -> None:
+    trainer = tiny_trainer(tmp_path, devices=2, strategy="ddp_spawn", callbacks=[cls()])
+    trainer.fit(BoringModel(), datamodule=BoringDataModule())
+    assert trainer.state.finished
+    assert list(tmp_path.rglob("boost_report.json"))  # rank zero wrote the report; nobody hung
+
+
+@pytest.mark.parametrize("cls", CALLBACKS, ids=lambda cls: cls.__name__)
+def test_configurable_from_lightning_cli_yaml(
+    cls: type[L.Callback], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    # LightningCLI 2.6.6 itself calls a jsonargparse API that jsonargparse 4.53 deprecates.
+    monkeypatch.setenv("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
+    init_args, arrived = CLI_ARGS[cls.__name__]
+    trainer = {
+        "max_epochs": 1,
+        "accelerator": "cpu",
+        "logger": False,
+        "log_every_n_steps": 1,
+        "limit_train_batches": 2,
+        "limit_val_batches": 1,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "default_root_dir": str(tmp_path / "run"),
+        "callbacks": [{"class_path": f"lightning_boost.{cls.__name__}", "init_args": init_args}],
+    }
+    config = tmp_path / "config.yaml"
+    config.write_text(json.dumps({"seed_everything": 0, "trainer": trainer}))  # JSON is YAML
+    cli = LightningCLI(BoringModel, BoringDataModule, args=["fit", "--config", str(config)])
+    (callback,) = [c for c in cli.trainer.callbacks if type(c) is cls]  # type: ignore[attr-defined]
+    assert arrived(callback)
+    assert cli.trainer.state.finished

@@ -1,0 +1,272 @@
+import csv
+import time
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
+
+from lightning_boost import StepTimeMonitor
+from lightning_boost.callbacks import step_time_monitor
+from lightning_boost.callbacks.step_time_monitor import CudaClock, HostClock
+from lightning_boost.report import Severity
+from lightning_boost.testing import BoringModel, RandomDataset, tiny_trainer
+from lightning_boost.tuning.step_time import StepTimes, input_bound_fixes, wait_fraction
+
+#: With ``limit_val_batches=0``: the model has a validation_step, this run skips it.
+NO_VAL = DataLoader(RandomDataset(length=8), batch_size=8)
+
+
+class FakeClock:
+    """Time that moves only when the test says: the dataset and the model advance it."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+
+def test_wait_fraction() -> None:
+    assert wait_fraction(1.0, 3.0) == 0.25
+    assert wait_fraction(0.0, 0.0) == 0.0
+
+
+def test_step_times_leave_warmup_out_of_the_verdict_but_not_the_windows() -> None:
+    times = StepTimes(warmup_steps=2)
+    for wait, step in [(9.0, 1.0), (9.0, 1.0), (1.0, 3.0), (1.0, 3.0)]:
+        times.add(wait, step)
+    assert (times.steps, times.counted, times.fraction) == (4, 2, 0.25)
+    window = times.take_window()
+    assert window is not None and (window.last_step, window.steps, window.fraction) == (4, 4, 20 / 28)
+    assert times.take_window() is None
+
+
+def test_step_times_history_is_bounded_and_keeps_every_step() -> None:
+    times = StepTimes(max_points=4)
+    for _ in range(9):
+        times.add(1.0, 1.0)
+        times.take_window()
+    assert len(times.history) <= 4
+    assert sum(w.steps for w in times.history) == 9
+    assert times.history[-1].last_step == 9
+
+
+@pytest.mark.parametrize(
+    ("loader", "first", "count"),
+    [
+        (
+            {"num_workers": 0, "on_gpu": True, "pin_memory": False},
+            "More DataLoader workers (now 0, up to 8",
+            4,
+        ),
+        ({"num_workers": 0, "on_gpu": False, "pin_memory": False}, "More DataLoader workers", 3),
+        ({"num_workers": 8, "on_gpu": True, "pin_memory": True}, "Move augmentation to the GPU", 3),
+        ({"num_workers": 3, "on_gpu": True, "pin_memory": True, "tuned": True}, "Move augmentation", 3),
+    ],
+)
+def test_fixes_start_with_the_likely_payoff(loader: dict[str, Any], first: str, count: int) -> None:
+    fixes = input_bound_fixes(
+        num_workers=loader["num_workers"],
+        max_workers=8,
+        pin_memory=loader["pin_memory"],
+        on_gpu=loader["on_gpu"],
+        tuned_workers=loader.get("tuned", False),
+    )
+    assert fixes[0].startswith(first)
+    assert len(fixes) == count
+    if loader["num_workers"] == 8:
+        assert "whole CPU share (8 of 8)" in fixes[-1]
+    if loader.get("tuned"):
+        assert "num_workers=3 was measured as the fastest" in fixes[-1]
+
+
+def test_host_clock_times_waits_between_steps() -> None:
+    clock = FakeClock()
+    host = HostClock(clock.now)
+    host.idle()  # epoch start
+    clock.advance(0.3)
+    host.batch_start()
+    clock.advance(0.1)
+    assert host.batch_end() == [(pytest.approx(0.3), pytest.approx(0.1))]
+    host.skip()  # validation ran
+    clock.advance(5.0)
+    host.batch_start()
+    clock.advance(0.1)
+    assert host.batch_end() == []  # not data wait, not counted
+    clock.advance(0.2)
+    host.batch_start()
+    clock.advance(0.1)
+    assert host.batch_end() == [(pytest.approx(0.2), pytest.approx(0.1))]
+
+
+class FakeEvent:
+    """A CUDA event as the clock uses it (simulated: this machine has no GPU).
+
+    `record` stamps the GPU time the test set; `query` says whether the GPU got there yet.
+    """
+
+    gpu: ClassVar[dict[str, float]] = {"now": 0.0, "done": 0.0}
+
+    def __init__(self) -> None:
+        self.at = 0.0
+
+    def record(self) -> None:
+        self.at = self.gpu["now"]
+
+    def query(self) -> bool:
+        return self.at <= self.gpu["done"]
+
+    def synchronize(self) -> None:
+        self.gpu["done"] = max(self.gpu["done"], self.at)
+
+    def elapsed_time(self, end: "FakeEvent") -> float:
+        return (end.at - self.at) * 1000  # milliseconds, like torch.cuda.Event
+
+
+def test_cuda_clock_reads_events_late_and_never_waits() -> None:
+    FakeEvent.gpu = {"now": 0.0, "done": 0.0}
+    clock = CudaClock(FakeEvent)
+    gpu = FakeEvent.gpu
+    clock.idle()
+    samples, previous_end = [], 0.0
+    for _ in range(3):
+        gpu["now"] += 0.5  # the GPU sits idle, waiting for the batch
+        clock.batch_start()
+        gpu["now"] += 0.25
+        gpu["done"] = previous_end  # the GPU runs one step behind the host
+        samples += clock.batch_end()
+        previous_end = gpu["now"]
+    assert samples == [(0.5, 0.25)] * 2  # the last step is still in flight: not read, not waited for
+    assert clock.flush() == [(0.5, 0.25)]
+    assert not clock.pending
+
+
+class SlowDataset(Dataset[tuple[Tensor, Tensor]]):
+    """RandomDataset whose samples take `seconds` each on the given clock (or really sleep)."""
+
+    def __init__(self, seconds: float, clock: FakeClock | None = None, length: int = 24) -> None:
+        self.data = RandomDataset(length=length)
+        self.seconds = seconds
+        self.clock = clock
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        if self.clock is not None:
+            self.clock.advance(self.seconds)
+        else:
+            time.sleep(self.seconds)
+        return self.data[index]
+
+
+class TimedModel(BoringModel):
+    """A step that costs `seconds` on the clock (or really sleeps); validation costs `val_seconds`."""
+
+    def __init__(self, seconds: float, clock: FakeClock | None = None, val_seconds: float = 0.0) -> None:
+        super().__init__()
+        self.seconds, self.clock, self.val_seconds = seconds, clock, val_seconds
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if self.clock is not None:
+            self.clock.advance(self.seconds)
+        else:
+            time.sleep(self.seconds)
+        return super().training_step(batch, batch_idx)
+
+    @override
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        time.sleep(self.val_seconds)
+        super().validation_step(batch, batch_idx)
+
+
+def test_patched_clock_gives_the_exact_data_wait_fraction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(step_time_monitor, "_now", clock.now)
+    monitor = StepTimeMonitor(warmup_steps=0)
+    loader = DataLoader(SlowDataset(0.01, clock, length=24), batch_size=4)  # 6 batches, 0.04 s each
+    trainer = tiny_trainer(tmp_path, callbacks=[monitor], limit_train_batches=None, limit_val_batches=0)
+    trainer.fit(TimedModel(0.01, clock), train_dataloaders=loader, val_dataloaders=NO_VAL)
+    assert monitor.times.counted == 6
+    assert monitor.times.wait_s == pytest.approx(6 * 0.04)  # every fetch, prefetching included
+    assert monitor.times.step_s == pytest.approx(6 * 0.01)
+    (finding,) = monitor.findings
+    assert finding.severity is Severity.WARN and finding.area == "step time"
+    assert finding.title == "Input-bound: 80% of step time waiting for data"
+    assert finding.data["data_wait_fraction"] == pytest.approx(0.8)
+    assert finding.cost.startswith("80% of step time")
+
+
+def test_a_slow_dataset_is_reported_input_bound_with_the_fix_and_logged(tmp_path: Path) -> None:
+    monitor = StepTimeMonitor()
+    loader = DataLoader(SlowDataset(0.004, length=64), batch_size=8)  # ~32 ms per batch
+    trainer = tiny_trainer(tmp_path, callbacks=[monitor], limit_train_batches=None, limit_val_batches=0)
+    trainer.fit(TimedModel(0.002), train_dataloaders=loader, val_dataloaders=NO_VAL)
+    (finding,) = monitor.findings
+    assert finding.severity is Severity.WARN and finding.title.startswith("Input-bound")
+    assert finding.data["data_wait_fraction"] > 0.5
+    assert finding.data["fixes"][0].startswith("More DataLoader workers (now 0")
+    assert finding.fix.startswith("1. More DataLoader workers")
+    assert finding.data["plot"]["name"] == "data_wait"
+    assert len(finding.data["plot"]["x"]) >= 2
+    rows = list(csv.DictReader((Path(trainer.log_dir or "") / "metrics.csv").read_text().splitlines()))
+    logged = [float(row["boost/data_wait_fraction"]) for row in rows if row["boost/data_wait_fraction"]]
+    assert len(logged) == 8  # log_every_n_steps=1: one row per batch
+    steps = {int(row["step"]) for row in rows if row["boost/data_wait_fraction"]}
+    assert steps == {int(row["step"]) for row in rows if row.get("train_loss")}  # Lightning's rows
+    assert all(row["boost/step_ms"] for row in rows if row["boost/data_wait_fraction"])
+
+
+def test_compute_bound_run_and_validation_time_is_not_data_wait(tmp_path: Path) -> None:
+    monitor = StepTimeMonitor()
+    trainer = tiny_trainer(
+        tmp_path,
+        callbacks=[monitor],
+        limit_train_batches=8,
+        val_check_interval=2,  # a slow validation run between every other step
+        logger=False,
+    )
+    model = TimedModel(0.02, val_seconds=0.05)
+    trainer.fit(model, train_dataloaders=DataLoader(RandomDataset(length=64), batch_size=8),
+                val_dataloaders=DataLoader(RandomDataset(length=16), batch_size=8))  # fmt: skip
+    (finding,) = monitor.findings
+    assert finding.severity is Severity.INFO and finding.title.startswith("Compute-bound")
+    assert finding.data["data_wait_fraction"] < 0.1
+    assert finding.data["steps"] < 8 - monitor.warmup_steps  # steps after validation left out
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"threshold": 0}, "`threshold` expected a fraction between 0 and 1, got 0"),
+        ({"threshold": 1.5}, "`threshold` expected a fraction between 0 and 1, got 1.5"),
+        ({"threshold": "10%"}, "`threshold` expected a fraction between 0 and 1, got '10%'"),
+        ({"warmup_steps": -1}, "`warmup_steps` expected an int >= 0, got -1"),
+        ({"warmup_steps": 2.5}, "`warmup_steps` expected an int >= 0, got 2.5"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        StepTimeMonitor(**kwargs)
+
+
+@pytest.mark.gpu
+def test_cuda_run_times_on_the_gpu(tmp_path: Path) -> None:
+    monitor = StepTimeMonitor(warmup_steps=0)
+    loader = DataLoader(SlowDataset(0.004, length=64), batch_size=8)
+    trainer = tiny_trainer(tmp_path, accelerator="gpu", callbacks=[monitor], limit_train_batches=None)
+    trainer.fit(TimedModel(0.0), train_dataloaders=loader)
+    assert monitor.times.counted == 8
+    assert torch.cuda.is_available()
+    (finding,) = monitor.findings
+    assert finding.title.startswith("Input-bound")
