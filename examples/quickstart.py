@@ -1,4 +1,8 @@
-"""Check the machine, then train with the precision it fits and keep the report with the logs.
+"""Check the machine, then train with the precision it fits and the recommended boost callbacks.
+
+The doctor's checks run first so a broken environment stops before it wastes a GPU; the
+`BoostReport` that `boost_callbacks()` adds prints its table at the end of the fit and writes
+``boost_report.json`` / ``.md`` (and plots, with matplotlib) next to the logs.
 
 python examples/quickstart.py --root logs --steps 20
 """
@@ -11,7 +15,7 @@ from collections.abc import Sequence
 import lightning as L
 from lightning.pytorch.loggers import CSVLogger
 
-from lightning_boost import HardwareInfo, Severity, auto_precision
+from lightning_boost import BoostReport, HardwareInfo, Severity, auto_precision, boost_callbacks
 from lightning_boost.doctor import run_checks
 from lightning_boost.testing import BoringDataModule, BoringModel
 
@@ -31,16 +35,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     if report.worst is Severity.ERROR:
         return 1  # fix the environment first: training now would waste the GPU
 
+    callbacks = boost_callbacks()
     trainer = L.Trainer(
         precision=auto_precision(hardware),  # type: ignore[arg-type]
+        callbacks=callbacks,
         max_steps=args.steps,
         logger=CSVLogger(args.root, name="quickstart"),
         log_every_n_steps=5,
         enable_progress_bar=False,
     )
     trainer.fit(BoringModel(), datamodule=BoringDataModule())
-    json_path, _ = report.write(trainer.log_dir or args.root)
-    print(f"report: {json_path}")
+    (boost_report,) = [c for c in callbacks if isinstance(c, BoostReport)]
+    print(f"report: {boost_report.paths[0]}")
     return 0
 
 

@@ -182,8 +182,9 @@ def check_cpus(hw: HardwareInfo) -> list[Finding]:
     workers = hw.max_workers_per_process
     detail = (
         f"{hw.cpus_available} CPUs available to this process ({hw.cpu_count} in the machine),"
-        f" {hw.processes_per_node} training process(es) per node: {per_process} CPU(s) each,"
-        f" so at most {workers} DataLoader worker(s) per process."
+        f" {hw.processes_per_node} training process(es) per node: {per_process} CPU(s) each."
+        f" {workers} DataLoader worker(s) leave one CPU to the training process; worker tuning"
+        f" measures up to {per_process}."
     )
     data: dict[str, object] = {"cpus_per_process": per_process, "max_workers": workers}
     if hw.is_cuda and per_process < 2:
@@ -202,7 +203,12 @@ def check_cpus(hw: HardwareInfo) -> list[Finding]:
         ]
     return [
         _finding(
-            "data", "info", f"{per_process} CPU(s) per process, up to {workers} worker(s)", detail, "", data
+            "data",
+            "info",
+            f"{per_process} CPU(s) per process for the model and its workers",
+            detail,
+            "",
+            data,
         )
     ]
 

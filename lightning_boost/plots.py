@@ -61,6 +61,7 @@ def write_plots(findings: Iterable[Finding], directory: str | Path) -> list[Path
 def _draw(spec: Mapping[str, Any], path: Path) -> Path:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
 
     figure = Figure(figsize=(6.4, 3.6), dpi=110, layout="constrained")
     FigureCanvasAgg(figure)
@@ -74,8 +75,15 @@ def _draw(spec: Mapping[str, Any], path: Path) -> Path:
         right = left.twinx()
         lines += _series(right, spec["x"], spec["right"], "s--", len(spec["left"]))
         right.set_ylabel(" / ".join(spec["right"]))
+        right.set_ylim(bottom=0)
     if spec.get("chosen") is not None:
         lines.append(left.axvline(spec["chosen"], color="grey", linestyle=":", label="chosen"))
+    if spec.get("reference"):
+        reference = spec["reference"]
+        lines.append(left.axhline(reference["value"], color="C3", linestyle="--", label=reference["label"]))
+    if all(isinstance(x, int) for x in spec["x"]):
+        left.xaxis.set_major_locator(MaxNLocator(integer=True))
+    left.set_ylim(bottom=0)
     left.grid(alpha=0.3)
     if len(lines) > 1:
         left.legend(handles=lines, loc="best", fontsize="small")

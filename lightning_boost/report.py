@@ -231,6 +231,7 @@ def plot_data(
     left: Mapping[str, Sequence[float]],
     right: Mapping[str, Sequence[float]] | None = None,
     chosen: float | None = None,
+    reference: tuple[str, float] | None = None,
 ) -> dict[str, Any]:
     """A finding's ``data["plot"]``: the report draws it as ``boost_<name>.png``.
 
@@ -242,6 +243,7 @@ def plot_data(
         left: series drawn against the left axis, by label; each as long as `x`.
         right: series drawn against a second axis on the right (e.g. peak memory).
         chosen: the x value that was chosen, marked with a vertical line.
+        reference: ``(label, y)`` of a horizontal line on the left axis (e.g. a threshold).
 
     Raises:
         ValueError: for a bad `name` or a series whose length differs from `x`'s.
@@ -264,6 +266,7 @@ def plot_data(
         "left": {label: list(values) for label, values in left.items()},
         "right": {label: list(values) for label, values in (right or {}).items()},
         "chosen": chosen,
+        "reference": None if reference is None else {"label": reference[0], "value": reference[1]},
     }
 
 

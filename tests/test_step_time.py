@@ -216,7 +216,7 @@ def test_a_slow_dataset_is_reported_input_bound_with_the_fix_and_logged(tmp_path
     assert finding.severity is Severity.WARN and finding.title.startswith("Input-bound")
     assert finding.data["data_wait_fraction"] > 0.5
     assert finding.data["fixes"][0].startswith("More DataLoader workers (now 0")
-    assert finding.fix.startswith("1. More DataLoader workers")
+    assert finding.fix.startswith("1. More DataLoader workers") and "\n2. " in finding.fix
     assert finding.data["plot"]["name"] == "data_wait"
     assert len(finding.data["plot"]["x"]) >= 2
     rows = list(csv.DictReader((Path(trainer.log_dir or "") / "metrics.csv").read_text().splitlines()))

@@ -7,8 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
+from rich.console import Console
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -73,7 +75,6 @@ class BoostReport(L.Callback):
         self.dirpath = dirpath
         self.report: Report | None = None
         self.paths: list[Path] = []
-        self._print_at_teardown = False
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -85,7 +86,8 @@ class BoostReport(L.Callback):
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._build(trainer)
-        self._print_at_teardown = self.console and trainer.is_global_zero
+        if self.console and trainer.is_global_zero and self.report is not None:
+            _print(self.report, self.paths[0] if self.paths else None, _console(trainer))
 
     @override
     def on_exception(
@@ -97,13 +99,6 @@ class BoostReport(L.Callback):
             rank_zero_warn(
                 f"BoostReport could not write the report of the failed run: {err!r}", category=BoostWarning
             )
-
-    @override
-    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        # After the progress bar's teardown (callbacks appended by `attach_report` come last).
-        if self._print_at_teardown and self.report is not None:
-            _print(self.report, self.paths[0] if self.paths else None)
-        self._print_at_teardown = False
 
     def _build(self, trainer: L.Trainer) -> None:
         if not trainer.is_global_zero:
@@ -182,10 +177,14 @@ def log_dir(trainer: L.Trainer) -> Path:
     return Path(trainer.default_root_dir)
 
 
-def _print(report: Report, path: Path | None) -> None:
-    from rich.console import Console
+def _console(trainer: L.Trainer) -> Console:
+    """The live rich progress bar's console when there is one (the table then prints above it)."""
+    bar = trainer.progress_bar_callback
+    progress = getattr(bar, "progress", None) if isinstance(bar, RichProgressBar) else None
+    return progress.console if progress is not None else Console()
 
-    console = Console()
+
+def _print(report: Report, path: Path | None, console: Console) -> None:
     console.print(report.table(title="lightning-boost report"))
     if path is not None:
         console.print(f"Report files: {path.parent}/boost_report.{{json,md}}", soft_wrap=True)

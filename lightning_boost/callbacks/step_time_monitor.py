@@ -235,6 +235,7 @@ class StepTimeMonitor(L.Callback):
                 "training step",
                 [w.last_step for w in history],
                 {"data-wait fraction": [round(w.fraction, 4) for w in history]},
+                reference=("input-bound above", self.threshold),
             )
         share = f"{fraction:.0%} of step time waiting for data"
         detail = f"{times.wait_s:.1f} s waiting, {times.step_s:.1f} s computing over {times.counted} steps"
@@ -254,7 +255,7 @@ class StepTimeMonitor(L.Callback):
             Severity.WARN,
             f"Input-bound: {share}",
             detail,
-            " ".join(f"{n}. {fix}" for n, fix in enumerate(fixes, 1)),
+            "\n".join(f"{n}. {fix}" for n, fix in enumerate(fixes, 1)),
             data=data | {"fixes": fixes},
             cost=f"{fraction:.0%} of step time ({times.wait_s:.1f} s)",
         )
@@ -266,7 +267,7 @@ class StepTimeMonitor(L.Callback):
         tuned = tuned or any(isinstance(callback, AutoNumWorkers) for callback in callbacks_of(trainer))
         return input_bound_fixes(
             num_workers=loader.num_workers if isinstance(loader, DataLoader) else 0,
-            max_workers=hardware_for(trainer).max_workers_per_process,
+            max_workers=hardware_for(trainer).cpus_per_process,  # the budget worker tuning searches
             pin_memory=bool(getattr(loader, "pin_memory", False)),
             on_gpu=pl_module.device.type == "cuda",
             tuned_workers=tuned,

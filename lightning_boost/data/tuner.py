@@ -251,7 +251,7 @@ def worker_plot(choice: WorkerChoice) -> dict[str, Any] | None:
         return None
     return plot_data(
         "workers",
-        "DataLoader throughput vs num_workers",
+        "DataLoader throughput vs num_workers" + (f" (prefetch_factor={base})" if base else ""),
         "num_workers",
         list(curve),
         {"samples/s": list(curve.values())},
