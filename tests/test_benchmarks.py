@@ -27,3 +27,13 @@ def test_data_bound_runs_at_tiny_size() -> None:
     assert [row.benchmark.split(":")[0] for row in rows] == ["data-bound"] * 4
     assert all(row.ratio > 0 and row.command == data_bound.COMMAND for row in rows)
     assert "warm-cache tuning" in rows[-1].detail
+
+
+def test_monitor_overhead_runs_at_tiny_size() -> None:
+    from benchmarks import monitor_overhead
+
+    rows = monitor_overhead.run(steps=20, repeats=1)
+    names = [row.benchmark.split(":")[0] for row in rows]
+    assert names == ["StepTimeMonitor (+ the BoostReport it attaches)", "StepTimeMonitor (+ BoostReport)"]
+    assert all(row.ratio > 0 and row.command == monitor_overhead.COMMAND for row in rows)
+    assert "end-of-fit work" in rows[0].detail

@@ -60,6 +60,7 @@ class AutoNumWorkers(L.Callback):
         self.retune = retune
         self.cache_dir = cache_dir
         self.worker_tuner = WorkerTuner(type(self).__name__, self.tuning, cache_dir, retune)
+        self._state_key = self._generate_state_key(tuning=self.tuning)
         self._undo: Any = None
 
     @property
@@ -69,7 +70,8 @@ class AutoNumWorkers(L.Callback):
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(tuning=self.tuning)
+        # Built once: Lightning reads it for every hook it calls, several times per step.
+        return self._state_key
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

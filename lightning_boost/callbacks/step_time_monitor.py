@@ -150,12 +150,14 @@ class StepTimeMonitor(L.Callback):
         self.warmup_steps = warmup_steps
         self.times = StepTimes(warmup_steps)
         self.findings: list[Finding] = []
+        self._state_key = self._generate_state_key(threshold=self.threshold, warmup_steps=warmup_steps)
         self._clock: HostClock | CudaClock | None = None
 
     @property
     @override
     def state_key(self) -> str:
-        return self._generate_state_key(threshold=self.threshold, warmup_steps=self.warmup_steps)
+        # Built once: Lightning reads it for every hook it calls, several times per step.
+        return self._state_key
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

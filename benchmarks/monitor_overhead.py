@@ -1,0 +1,143 @@
+"""What `StepTimeMonitor` costs per step, and `BoostReport` once per fit, against plain Lightning.
+
+A small MLP on in-memory tensors (so the step is short and any per-step cost shows), CSV logger
+at Lightning's default cadence, fitted with no boost callback and with `StepTimeMonitor`,
+alternating in one process. The training time is taken from ``on_train_start`` to
+``on_train_end``; `BoostReport`'s end-of-fit work (doctor checks, files, plots) is timed on its own.
+Run: ``python -m benchmarks monitor_overhead``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+from typing_extensions import override
+
+from benchmarks.common import Row
+from lightning_boost import BoostReport, StepTimeMonitor
+
+COMMAND = "python -m benchmarks monitor_overhead"
+
+
+class MLP(L.LightningModule):
+    def __init__(self, width: int = 256) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
+                                 nn.Linear(width, 10))  # fmt: skip
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        inputs, targets = batch
+        loss = nn.functional.cross_entropy(self.net(inputs), targets)
+        self.log("train_loss", loss)
+        return loss
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class TrainTime(L.Callback):
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._start = time.perf_counter()
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.seconds = time.perf_counter() - self._start
+
+
+def _fit(root: str, steps: int, callbacks: list[L.Callback]) -> float:
+    timer = TrainTime()
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(steps * 32, 64, generator=generator), torch.randint(0, 10, (steps * 32,))
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_epochs=1,
+        logger=CSVLogger(root, name="overhead"),
+        callbacks=[timer, *callbacks],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        log_every_n_steps=min(50, steps),  # Lightning's default, or every step of a tiny run
+    )
+    L.seed_everything(0, verbose=False)
+    trainer.fit(MLP(), train_dataloaders=DataLoader(data, batch_size=32))
+    return timer.seconds / steps
+
+
+def run(steps: int = 1000, repeats: int = 11) -> list[Row]:
+    """Three variants per repeat, in rotating order; ratios are taken within a repeat, then the median."""
+    variants: dict[str, Callable[[], list[L.Callback]]] = {
+        "plain": list,
+        "two no-op callbacks": lambda: [L.Callback(), L.Callback()],
+        "monitor": lambda: [StepTimeMonitor()],  # attaches a BoostReport: two callbacks as well
+    }
+    per_step: dict[str, list[float]] = {name: [] for name in variants}
+    report_seconds: list[float] = []
+    with tempfile.TemporaryDirectory() as root:
+        _fit(root, 50, [])  # warm-up: imports, allocator, first-fit costs
+        names = list(variants)
+        for repeat in range(repeats):
+            for name in names[repeat % 3 :] + names[: repeat % 3]:
+                per_step[name].append(_fit(root, steps, variants[name]()))
+        for _ in range(3):
+            report_seconds.append(_time_report(Path(root), steps))
+    monitor = per_step["monitor"]
+    vs_plain = statistics.median(m / p for m, p in zip(monitor, per_step["plain"], strict=True))
+    vs_noop = statistics.median(m / n for m, n in zip(monitor, per_step["two no-op callbacks"], strict=True))
+    plain_ms, monitor_ms = 1e3 * statistics.median(per_step["plain"]), 1e3 * statistics.median(monitor)
+    setup = (
+        f"median of {repeats} paired fits of {steps} steps; 3-layer MLP, batch 32, in-memory data,"
+        f" CSV logger every 50 steps: {plain_ms:.3f} ms plain vs {monitor_ms:.3f} ms per step"
+    )
+    return [
+        Row(
+            "StepTimeMonitor (+ the BoostReport it attaches): step time / plain Lightning, 1 ms steps",
+            vs_plain,
+            f"{setup}. Worst case: a longer step (any real model, any GPU step) dilutes the fixed"
+            " per-step cost. BoostReport's end-of-fit work (checks, JSON/Markdown, plot)"
+            f" {statistics.median(report_seconds):.2f} s once per fit",
+            COMMAND,
+        ),
+        Row(
+            "StepTimeMonitor (+ BoostReport): step time / two no-op callbacks (own cost; target <= 1.02)",
+            vs_noop,
+            f"{setup}; against two callbacks that do nothing, this is lightning-boost's own work,"
+            " apart from Lightning's cost of calling any callback's hooks",
+            COMMAND,
+        ),
+    ]
+
+
+def _time_report(root: Path, steps: int) -> float:
+    """Seconds BoostReport spends at the end of a fit (the table is not printed here)."""
+    report = BoostReport(console=False)
+    monitor = StepTimeMonitor()
+    original = report.on_fit_end
+    spent: list[float] = []
+
+    def timed(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        start = time.perf_counter()
+        original(trainer, pl_module)
+        spent.append(time.perf_counter() - start)
+
+    report.on_fit_end = timed  # type: ignore[method-assign]
+    _fit(str(root), steps, [monitor, report])
+    return spent[0]
