@@ -10,11 +10,10 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_boost import StepTimeMonitor
-from lightning_boost.callbacks import step_time_monitor
-from lightning_boost.callbacks.step_time_monitor import CudaClock, HostClock
 from lightning_boost.report import Severity
 from lightning_boost.testing import BoringModel, RandomDataset, tiny_trainer
-from lightning_boost.tuning.step_time import StepTimes, input_bound_fixes, wait_fraction
+from lightning_boost.tuning import step_time
+from lightning_boost.tuning.step_time import CudaClock, HostClock, StepTimes, input_bound_fixes, wait_fraction
 
 #: With ``limit_val_batches=0``: the model has a validation_step, this run skips it.
 NO_VAL = DataLoader(RandomDataset(length=8), batch_size=8)
@@ -192,7 +191,7 @@ def test_patched_clock_gives_the_exact_data_wait_fraction(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     clock = FakeClock()
-    monkeypatch.setattr(step_time_monitor, "_now", clock.now)
+    monkeypatch.setattr(step_time, "_now", clock.now)
     monitor = StepTimeMonitor(warmup_steps=0)
     loader = DataLoader(SlowDataset(0.01, clock, length=24), batch_size=4)  # 6 batches, 0.04 s each
     trainer = tiny_trainer(tmp_path, callbacks=[monitor], limit_train_batches=None, limit_val_batches=0)

@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import time
-from collections import deque
-from collections.abc import Callable
 from typing import Any
 
 import lightning as L
-import torch
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -18,90 +14,7 @@ from lightning_boost.callbacks.boost_report import attach_report
 from lightning_boost.data.datamodule import BoostedDataModule
 from lightning_boost.data.tuner import hardware_for
 from lightning_boost.report import Finding, Severity, plot_data
-from lightning_boost.tuning.step_time import StepTimes, input_bound_fixes
-
-Sample = tuple[float, float]
-
-
-def _now() -> float:
-    return time.perf_counter()
-
-
-class HostClock:
-    """Wait and step seconds from the host's clock: exact on CPU, where the host does the work."""
-
-    def __init__(self, now: Callable[[], float] | None = None) -> None:
-        self.now = now or _now
-        self._last_end: float | None = None
-        self._start = 0.0
-
-    def idle(self) -> None:
-        """Start timing the wait for the next batch from now (the epoch starts)."""
-        self._last_end = self.now()
-
-    def skip(self) -> None:
-        """The next batch's wait is not measured (validation or checkpointing ran before it)."""
-        self._last_end = None
-
-    def batch_start(self) -> None:
-        self._start = self.now()
-
-    def batch_end(self) -> list[Sample]:
-        end = self.now()
-        samples = [] if self._last_end is None else [(self._start - self._last_end, end - self._start)]
-        self._last_end = end
-        return samples
-
-    def flush(self) -> list[Sample]:
-        return []
-
-
-class CudaClock:
-    """GPU-side timing from CUDA events, read a few steps late so the host never waits.
-
-    The wait is the GPU's idle gap between one step's last kernel and the next step's first: a
-    host that is late with data leaves a gap, a host that is ahead leaves none. `batch_end`
-    returns the samples whose events have completed (``Event.query()`` does not block).
-    """
-
-    def __init__(self, event: Callable[[], Any] | None = None, max_pending: int = 64) -> None:
-        self.event = event or (lambda: torch.cuda.Event(enable_timing=True))
-        self.pending: deque[tuple[Any, Any, Any]] = deque(maxlen=max_pending)
-        self._last_end: Any = None
-        self._start: Any = None
-
-    def _record(self) -> Any:
-        event = self.event()
-        event.record()
-        return event
-
-    def idle(self) -> None:
-        self._last_end = self._record()
-
-    def skip(self) -> None:
-        self._last_end = None
-
-    def batch_start(self) -> None:
-        self._start = self._record()
-
-    def batch_end(self) -> list[Sample]:
-        end = self._record()
-        if self._last_end is not None:
-            self.pending.append((self._last_end, self._start, end))
-        self._last_end = end
-        samples = []
-        while self.pending and self.pending[0][2].query():
-            before, start, after = self.pending.popleft()
-            samples.append((before.elapsed_time(start) / 1000, start.elapsed_time(after) / 1000))
-        return samples
-
-    def flush(self) -> list[Sample]:
-        """Everything still pending (one wait for the GPU, at the end of training)."""
-        if self.pending:
-            self.pending[-1][2].synchronize()
-        samples = [(b.elapsed_time(s) / 1000, s.elapsed_time(a) / 1000) for b, s, a in self.pending]
-        self.pending.clear()
-        return samples
+from lightning_boost.tuning.step_time import CudaClock, HostClock, StepTimes, input_bound_fixes
 
 
 class StepTimeMonitor(L.Callback):
