@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_boost._lightning import datamodule_of, rebuild_dataloaders, reload_every_n_epochs
-from lightning_boost.callbacks.boost_report import attach_report
+from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataModule
 from lightning_boost.data.loaders import (
     MEASURED_SETTINGS,
@@ -25,7 +25,7 @@ from lightning_boost.report import Finding, Severity
 from lightning_boost.tuning.workers import WorkerTuning
 
 
-class AutoNumWorkers(L.Callback):
+class AutoNumWorkers(BoostCallback):
     """Re-creates the train and val DataLoaders with measured ``num_workers`` and ``prefetch_factor``.
 
     For users who do not subclass `BoostedDataModule`: whatever returns the loaders (a datamodule,
@@ -60,22 +60,16 @@ class AutoNumWorkers(L.Callback):
         self.retune = retune
         self.cache_dir = cache_dir
         self.worker_tuner = WorkerTuner(type(self).__name__, self.tuning, cache_dir, retune)
-        self._state_key = self._generate_state_key(tuning=self.tuning)
+        self._set_state_key(tuning=self.tuning)
         self._undo: Any = None
 
     @property
     def findings(self) -> list[Finding]:
         return self.worker_tuner.findings
 
-    @property
-    @override
-    def state_key(self) -> str:
-        # Built once: Lightning reads it for every hook it calls, several times per step.
-        return self._state_key
-
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        attach_report(trainer)
+        super().setup(trainer, pl_module, stage)  # attaches the report
         if isinstance(datamodule_of(trainer), BoostedDataModule):
             return  # it tunes its own loaders, or the user fixed `num_workers` on it
         self._undo = rebuild_dataloaders(

@@ -119,7 +119,7 @@ class BoostReport(L.Callback):
 
 
 def attach_report(trainer: L.Trainer) -> None:
-    """Add a `BoostReport` to `trainer` unless it has one (boost callbacks call this in ``setup``).
+    """Add a `BoostReport` to `trainer` unless it has one (`BoostCallback.setup` calls this).
 
     Lightning runs the ``setup`` hooks of callbacks appended while they run, so the new report
     joins the same fit.

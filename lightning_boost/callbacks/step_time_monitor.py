@@ -10,14 +10,14 @@ from typing_extensions import override
 
 from lightning_boost._lightning import callbacks_of, datamodule_of, training_log_step
 from lightning_boost.callbacks.auto_num_workers import AutoNumWorkers
-from lightning_boost.callbacks.boost_report import attach_report
+from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataModule
 from lightning_boost.data.tuner import hardware_for
 from lightning_boost.report import Finding, Severity, plot_data
 from lightning_boost.tuning.step_time import CudaClock, HostClock, StepTimes, input_bound_fixes
 
 
-class StepTimeMonitor(L.Callback):
+class StepTimeMonitor(BoostCallback):
     """Measures, per training step, the time spent waiting for the batch vs computing it.
 
     The wait is measured from the end of one step to the start of the next (loading, collating
@@ -63,18 +63,8 @@ class StepTimeMonitor(L.Callback):
         self.warmup_steps = warmup_steps
         self.times = StepTimes(warmup_steps)
         self.findings: list[Finding] = []
-        self._state_key = self._generate_state_key(threshold=self.threshold, warmup_steps=warmup_steps)
+        self._set_state_key(threshold=self.threshold, warmup_steps=warmup_steps)
         self._clock: HostClock | CudaClock | None = None
-
-    @property
-    @override
-    def state_key(self) -> str:
-        # Built once: Lightning reads it for every hook it calls, several times per step.
-        return self._state_key
-
-    @override
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        attach_report(trainer)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
