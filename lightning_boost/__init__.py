@@ -1,6 +1,13 @@
 """lightning-boost: fast PyTorch Lightning training without becoming a performance engineer."""
 
-from lightning_boost.callbacks import AutoNumWorkers, BoostReport, StepTimeMonitor, boost_callbacks
+from lightning_boost.callbacks import (
+    AutoNumWorkers,
+    BoostReport,
+    LossLoggingGuard,
+    RetainedGraphError,
+    StepTimeMonitor,
+    boost_callbacks,
+)
 from lightning_boost.data import BoostedDataModule
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.precision import auto_precision
@@ -17,7 +24,9 @@ __all__ = [
     "BoostedDataModule",
     "Finding",
     "HardwareInfo",
+    "LossLoggingGuard",
     "Report",
+    "RetainedGraphError",
     "Severity",
     "StepTimeMonitor",
     "WorkerTuning",

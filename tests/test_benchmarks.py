@@ -37,3 +37,15 @@ def test_monitor_overhead_runs_at_tiny_size() -> None:
     assert names == ["StepTimeMonitor (+ the BoostReport it attaches)", "StepTimeMonitor (+ BoostReport)"]
     assert all(row.ratio > 0 and row.command == monitor_overhead.COMMAND for row in rows)
     assert "end-of-fit work" in rows[0].detail
+
+
+def test_guard_overhead_runs_at_tiny_size() -> None:
+    from benchmarks import guard_overhead
+
+    rows = guard_overhead.run(steps=20, repeats=1, every_step_steps=5, every_step_repeats=1)
+    assert [row.benchmark.split(":")[0] for row in rows] == [
+        "LossLoggingGuard default (first 3 steps, then 0.5 % budget)",
+        "LossLoggingGuard default",
+        "LossLoggingGuard every step (every_n_steps=1, GC scan each step)",
+    ]
+    assert all(row.ratio > 0 and row.command == guard_overhead.COMMAND for row in rows)

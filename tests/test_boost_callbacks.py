@@ -2,21 +2,40 @@ from typing import Any
 
 import pytest
 
-from lightning_boost import AutoNumWorkers, BoostReport, StepTimeMonitor, WorkerTuning, boost_callbacks
+from lightning_boost import (
+    AutoNumWorkers,
+    BoostReport,
+    LossLoggingGuard,
+    StepTimeMonitor,
+    WorkerTuning,
+    boost_callbacks,
+)
 
 
-def test_default_set_is_tuning_monitoring_and_the_report() -> None:
-    assert [type(c) for c in boost_callbacks()] == [AutoNumWorkers, StepTimeMonitor, BoostReport]
+def test_default_set_is_tuning_monitoring_the_guard_and_the_report() -> None:
+    assert [type(c) for c in boost_callbacks()] == [
+        AutoNumWorkers,
+        StepTimeMonitor,
+        LossLoggingGuard,
+        BoostReport,
+    ]
 
 
 def test_options_configure_or_drop_each_callback() -> None:
     tuning = WorkerTuning(window_s=0.2)
-    workers, report = boost_callbacks(
-        auto_num_workers={"tuning": tuning}, step_time_monitor=False, boost_report={"console": False}
+    workers, guard, report = boost_callbacks(
+        auto_num_workers={"tuning": tuning},
+        step_time_monitor=False,
+        loss_logging_guard={"mode": "error"},
+        boost_report={"console": False},
     )
     assert isinstance(workers, AutoNumWorkers) and workers.tuning is tuning
+    assert isinstance(guard, LossLoggingGuard) and guard.mode == "error"
     assert isinstance(report, BoostReport) and not report.console
-    assert boost_callbacks(auto_num_workers=False, step_time_monitor=False, boost_report=False) == []
+    off = dict.fromkeys(
+        ["auto_num_workers", "step_time_monitor", "loss_logging_guard", "boost_report"], False
+    )
+    assert boost_callbacks(**off) == []
 
 
 @pytest.mark.parametrize(

@@ -32,12 +32,18 @@ CALLBACKS: list[type[L.Callback]] = sorted(
 CLI_ARGS: dict[str, tuple[dict[str, Any], Callable[[Any], bool]]] = {
     "AutoNumWorkers": ({"tuning": {"window_s": 0.2}, "retune": True}, lambda c: c.tuning.window_s == 0.2),
     "BoostReport": ({"console": False, "plots": False}, lambda c: not c.console and not c.plots),
+    "LossLoggingGuard": ({"mode": "report", "allow": ["hidden"]}, lambda c: c.allow == ("hidden",)),
     "StepTimeMonitor": ({"threshold": 0.25}, lambda c: c.threshold == 0.25),
 }
 
 
 def test_discovery_finds_every_public_callback() -> None:
-    assert {cls.__name__ for cls in CALLBACKS} >= {"AutoNumWorkers", "BoostReport", "StepTimeMonitor"}
+    assert {cls.__name__ for cls in CALLBACKS} >= {
+        "AutoNumWorkers",
+        "BoostReport",
+        "LossLoggingGuard",
+        "StepTimeMonitor",
+    }
     assert {cls.__name__ for cls in CALLBACKS} == set(CLI_ARGS), "add each new callback to CLI_ARGS"
 
 

@@ -2,7 +2,15 @@
 
 from lightning_boost.callbacks.auto_num_workers import AutoNumWorkers
 from lightning_boost.callbacks.boost_report import BoostReport
+from lightning_boost.callbacks.loss_logging_guard import LossLoggingGuard, RetainedGraphError
 from lightning_boost.callbacks.recommended import boost_callbacks
 from lightning_boost.callbacks.step_time_monitor import StepTimeMonitor
 
-__all__ = ["AutoNumWorkers", "BoostReport", "StepTimeMonitor", "boost_callbacks"]
+__all__ = [
+    "AutoNumWorkers",
+    "BoostReport",
+    "LossLoggingGuard",
+    "RetainedGraphError",
+    "StepTimeMonitor",
+    "boost_callbacks",
+]

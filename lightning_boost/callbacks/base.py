@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from lightning_boost.callbacks.boost_report import attach_report
+from lightning_boost.report import BoostWarning
+from lightning_boost.tuning.sources import Site
 
 
 class BoostCallback(L.Callback):
@@ -15,7 +19,8 @@ class BoostCallback(L.Callback):
 
     - ``setup`` attaches one `BoostReport` to the trainer (subclasses call ``super().setup``);
     - the ``state_key`` is built once from the identifying arguments (`_set_state_key`), since
-      Lightning reads it on every hook call it makes, several times per step.
+      Lightning reads it on every hook call it makes, several times per step;
+    - `_warn` gives a `BoostWarning` on rank zero that points at the user's line.
     """
 
     _state_key: str
@@ -31,3 +36,12 @@ class BoostCallback(L.Callback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         attach_report(trainer)
+
+    def _warn(self, trainer: L.Trainer, message: str, site: Site | None = None) -> None:
+        """A `BoostWarning` on rank zero, attributed to the user's line `site` when known."""
+        if not trainer.is_global_zero:
+            return
+        if site is None:
+            rank_zero_warn(message, category=BoostWarning)
+        else:
+            warnings.warn_explicit(message, BoostWarning, site.file, site.line)

@@ -10,29 +10,32 @@ import lightning as L
 from lightning_boost._validation import unknown_choice_error
 from lightning_boost.callbacks.auto_num_workers import AutoNumWorkers
 from lightning_boost.callbacks.boost_report import BoostReport
+from lightning_boost.callbacks.loss_logging_guard import LossLoggingGuard
 from lightning_boost.callbacks.step_time_monitor import StepTimeMonitor
 
 #: Option name -> the callback it turns on, in the order they are returned.
 RECOMMENDED: dict[str, Callable[..., L.Callback]] = {
     "auto_num_workers": AutoNumWorkers,
     "step_time_monitor": StepTimeMonitor,
+    "loss_logging_guard": LossLoggingGuard,
     "boost_report": BoostReport,
 }
 
 
 def boost_callbacks(**options: bool | Mapping[str, Any]) -> list[L.Callback]:
-    """The recommended callbacks: worker tuning, step-time monitoring and the report.
+    """The recommended callbacks: worker tuning, step-time monitoring, the retained-graph guard, the report.
 
     Each option is named after a callback and is ``True`` (on, with its defaults, the default),
     ``False`` (off) or a dict of its keyword arguments.
 
-    ===================== =================== ================================================
-    option                callback            what it does
-    ===================== =================== ================================================
-    ``auto_num_workers``  `AutoNumWorkers`    measured ``num_workers`` for plain DataLoaders
-    ``step_time_monitor`` `StepTimeMonitor`   data wait vs compute per step, input-bound check
-    ``boost_report``      `BoostReport`       console table, JSON/Markdown/plots, hparams
-    ===================== =================== ================================================
+    ====================== ==================== ================================================
+    option                 callback             what it does
+    ====================== ==================== ================================================
+    ``auto_num_workers``   `AutoNumWorkers`     measured ``num_workers`` for plain DataLoaders
+    ``step_time_monitor``  `StepTimeMonitor`    data wait vs compute per step, input-bound check
+    ``loss_logging_guard`` `LossLoggingGuard`   values kept between steps that hold a graph
+    ``boost_report``       `BoostReport`        console table, JSON/Markdown/plots, hparams
+    ====================== ==================== ================================================
 
     Raises:
         ValueError: for an unknown option (with close matches).
@@ -40,9 +43,9 @@ def boost_callbacks(**options: bool | Mapping[str, Any]) -> list[L.Callback]:
 
     Example:
         >>> [type(c).__name__ for c in boost_callbacks(step_time_monitor={"threshold": 0.2})]
-        ['AutoNumWorkers', 'StepTimeMonitor', 'BoostReport']
+        ['AutoNumWorkers', 'StepTimeMonitor', 'LossLoggingGuard', 'BoostReport']
         >>> [type(c).__name__ for c in boost_callbacks(auto_num_workers=False)]
-        ['StepTimeMonitor', 'BoostReport']
+        ['StepTimeMonitor', 'LossLoggingGuard', 'BoostReport']
     """
     for name, value in options.items():
         if name not in RECOMMENDED:

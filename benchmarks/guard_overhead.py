@@ -1,0 +1,91 @@
+"""What the guards cost per step against plain Lightning: default sampling, and checking every step.
+
+The MLP of `monitor_overhead` (1 ms steps on 2 CPUs, so any per-step cost shows) fitted with no
+guard, with two no-op callbacks (Lightning's cost of calling any two callbacks' hooks), with
+``LossLoggingGuard()`` as shipped and with ``LossLoggingGuard(every_n_steps=1)``, alternating in one
+process; each guard run carries a silent `BoostReport`, so it is two callbacks too. Every-step
+checking includes the garbage-collector scan of the growth watch, tens of milliseconds, so it is
+timed on shorter fits. Run: ``python -m benchmarks guard_overhead``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import tempfile
+from collections.abc import Callable
+
+import lightning as L
+
+from benchmarks.common import Row
+from benchmarks.monitor_overhead import fit_per_step
+from lightning_boost import BoostReport, LossLoggingGuard
+
+COMMAND = "python -m benchmarks guard_overhead"
+
+
+def _silent_report() -> BoostReport:
+    return BoostReport(console=False, files=False, log_hyperparams=False)
+
+
+def _paired(
+    variants: dict[str, Callable[[], list[L.Callback]]], steps: int, repeats: int
+) -> dict[str, list[float]]:
+    """Seconds per step of each variant, fitted in rotating order within each repeat."""
+    per_step: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
+    with tempfile.TemporaryDirectory() as root:
+        fit_per_step(root, 50, [])  # warm-up: imports, allocator, first-fit costs
+        for repeat in range(repeats):
+            shift = repeat % len(names)
+            for name in names[shift:] + names[:shift]:
+                per_step[name].append(fit_per_step(root, steps, variants[name]()))
+    return per_step
+
+
+def _ratio(a: list[float], b: list[float]) -> float:
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+def run(
+    steps: int = 1000, repeats: int = 11, every_step_steps: int = 60, every_step_repeats: int = 3
+) -> list[Row]:
+    default = _paired(
+        {
+            "plain": list,
+            "two no-op callbacks": lambda: [L.Callback(), L.Callback()],
+            "guard": lambda: [LossLoggingGuard(), _silent_report()],
+        },
+        steps,
+        repeats,
+    )
+    every = _paired(
+        {"plain": list, "guard": lambda: [LossLoggingGuard(every_n_steps=1), _silent_report()]},
+        every_step_steps,
+        every_step_repeats,
+    )
+    plain_ms = 1e3 * statistics.median(default["plain"])
+    setup = (
+        f"median of {repeats} paired fits of {steps} steps; 3-layer MLP, batch 32, in-memory data,"
+        f" {plain_ms:.3f} ms per plain step"
+    )
+    return [
+        Row(
+            "LossLoggingGuard default (first 3 steps, then 0.5 % budget): step time / plain Lightning",
+            _ratio(default["guard"], default["plain"]),
+            f"{setup}; includes Lightning calling the hooks of two more callbacks (guard + BoostReport)",
+            COMMAND,
+        ),
+        Row(
+            "LossLoggingGuard default: step time / two no-op callbacks (own cost; target <= 1.01)",
+            _ratio(default["guard"], default["two no-op callbacks"]),
+            f"{setup}; against two callbacks that do nothing, this is the guard's own work",
+            COMMAND,
+        ),
+        Row(
+            "LossLoggingGuard every step (every_n_steps=1, GC scan each step): step time / plain Lightning",
+            _ratio(every["guard"], every["plain"]),
+            f"median of {every_step_repeats} paired fits of {every_step_steps} steps, same MLP: the cost"
+            " the budget avoids; the growth watch's scan of every live object dominates",
+            COMMAND,
+        ),
+    ]
