@@ -383,3 +383,26 @@ class LeaksOnRankOne(BoringModel):
         if self.global_rank == 1 and batch_idx >= 1:
             self.kept.append(loss)
         return loss
+
+
+@pytest.mark.gpu
+def test_cuda_growth_watch_reads_the_allocator(tmp_path: Path) -> None:
+    LEAKED.clear()
+    try:
+        guard = LossLoggingGuard(mode="report", every_n_steps=1)
+        trainer = tiny_trainer(
+            tmp_path,
+            accelerator="gpu",
+            devices=1,
+            callbacks=[guard],
+            limit_train_batches=8,
+            limit_val_batches=0,
+        )
+        trainer.fit(LeaksOutsideTheModule(), datamodule=BoringDataModule())
+    finally:
+        LEAKED.clear()
+    (finding,) = guard.findings
+    assert (
+        finding.title.startswith("Allocated GPU memory grows by")
+        and finding.data["unit"] == "allocated bytes"
+    )

@@ -171,7 +171,7 @@ class LossLoggingGuard(BoostCallback):
         self._undo_spies = lambda: None
         self._logged.clear()
         self._weights = []
-        self.findings = self._make_findings(pl_module)
+        self.findings = self._make_findings(pl_module) if self._steps else []  # no step, nothing to say
 
     # -- checking ------------------------------------------------------------------------------
 
