@@ -264,6 +264,13 @@ def test_boring_model_is_clean_with_default_sampling(tmp_path: Path) -> None:
     assert 3 <= finding.data["checks"] < finding.data["steps"] == 32
 
 
+def test_default_sampling_still_reports_the_state_at_the_end(tmp_path: Path) -> None:
+    guard = fit(ListAppend(), tmp_path, LossLoggingGuard(mode="report"), limit_train_batches=8, max_epochs=4)
+    (finding,) = guard.findings
+    assert finding.data["graphs"] == finding.data["last_step"] == 32  # a last check at the end of training
+    assert finding.title == "`self.losses` keeps 32 autograd graphs alive, +1 per step"
+
+
 # -- modes -----------------------------------------------------------------------------------
 
 
