@@ -270,7 +270,8 @@ class LossLoggingGuard(BoostCallback):
     def _make_findings(self, pl_module: L.LightningModule) -> list[Finding]:
         source = type(self).__name__
         checks = f"{self._sampler.checks} checked step(s) of {self._steps}"
-        cost = f"{self._sampler.spent_s:.2f} s checking"
+        spent = self._sampler.spent_s
+        cost = f"{spent:.2f} s checking" if spent >= 1 else f"{1000 * spent:.1f} ms checking"
         findings = [
             Finding(
                 source,
