@@ -199,11 +199,16 @@ class LossLoggingGuard(BoostCallback):
         allowed: list[Tensor] = []
         new: list[Holder] = []
         for root, (kind, value) in roots.items():
-            found = graph_tensors({root: value})
-            kept = [(path, t) for path, t in found if not self._allowed(path)]
-            allowed.extend(t for path, t in found if self._allowed(path))
+            paths: list[str] = []
+            kept: list[Tensor] = []
+            for path, tensor in graph_tensors({root: value}):
+                if self._allowed(path):
+                    allowed.append(tensor)
+                else:
+                    paths.append(path)
+                    kept.append(tensor)
             if kept:
-                new += self._note(pl_module, root, kind, [path for path, _ in kept], [t for _, t in kept])
+                new += self._note(pl_module, root, kind, paths, kept)
         for name, tensor, site in self._logged:
             new += self._note(pl_module, name, "logger", [name], [tensor], site)
         self._logged.clear()
@@ -340,9 +345,8 @@ class LossLoggingGuard(BoostCallback):
 
 def _sites(cls: type, kind: str, name: str) -> list[Site]:
     """The user's lines behind a holder: the stores into the attribute, or ``training_step``'s return."""
-    if kind == "attribute":
-        attribute = name.removeprefix("self.").split("[")[0].split(".")[0]
-        return store_sites(cls, attribute)
+    if kind == "attribute":  # holders are named by their root attribute: ``self.<attribute>``
+        return store_sites(cls, name.removeprefix("self."))
     if kind == "output":
         return return_sites(cls, "training_step")
     return []

@@ -46,10 +46,9 @@ def holds_graph(value: object) -> bool:
 def _children(value: object, max_items: int) -> Iterator[tuple[str, object]]:
     """``(path suffix, item)`` for the items of a plain container; nothing for anything else."""
     if isinstance(value, (list, tuple, deque)):
-        start = max(0, len(value) - max_items)
-        for index in range(start, len(value)):
-            name = getattr(value, "_fields", None)  # a namedtuple names its fields
-            yield (f".{name[index]}" if name else f"[{index}]"), value[index]
+        fields = getattr(value, "_fields", None)  # a namedtuple names its fields
+        for index in range(max(0, len(value) - max_items), len(value)):
+            yield (f".{fields[index]}" if fields else f"[{index}]"), value[index]
     elif isinstance(value, Mapping):
         items = list(value.items())[-max_items:]
         for key, item in items:
