@@ -6,6 +6,8 @@ from lightning_boost.callbacks import (
     LossLoggingGuard,
     RetainedGraphError,
     StepTimeMonitor,
+    SyncError,
+    SyncGuard,
     boost_callbacks,
 )
 from lightning_boost.data import BoostedDataModule
@@ -29,6 +31,8 @@ __all__ = [
     "RetainedGraphError",
     "Severity",
     "StepTimeMonitor",
+    "SyncError",
+    "SyncGuard",
     "WorkerTuning",
     "__version__",
     "auto_precision",

@@ -7,33 +7,37 @@ from lightning_boost import (
     BoostReport,
     LossLoggingGuard,
     StepTimeMonitor,
+    SyncGuard,
     WorkerTuning,
     boost_callbacks,
 )
 
 
-def test_default_set_is_tuning_monitoring_the_guard_and_the_report() -> None:
+def test_default_set_is_tuning_monitoring_the_guards_and_the_report() -> None:
     assert [type(c) for c in boost_callbacks()] == [
         AutoNumWorkers,
         StepTimeMonitor,
         LossLoggingGuard,
+        SyncGuard,
         BoostReport,
     ]
 
 
 def test_options_configure_or_drop_each_callback() -> None:
     tuning = WorkerTuning(window_s=0.2)
-    workers, guard, report = boost_callbacks(
+    workers, guard, syncs, report = boost_callbacks(
         auto_num_workers={"tuning": tuning},
         step_time_monitor=False,
         loss_logging_guard={"mode": "error"},
+        sync_guard={"allow": ["model.py:12"]},
         boost_report={"console": False},
     )
     assert isinstance(workers, AutoNumWorkers) and workers.tuning is tuning
     assert isinstance(guard, LossLoggingGuard) and guard.mode == "error"
+    assert isinstance(syncs, SyncGuard) and syncs.allow == ("model.py:12",)
     assert isinstance(report, BoostReport) and not report.console
     off = dict.fromkeys(
-        ["auto_num_workers", "step_time_monitor", "loss_logging_guard", "boost_report"], False
+        ["auto_num_workers", "step_time_monitor", "loss_logging_guard", "sync_guard", "boost_report"], False
     )
     assert boost_callbacks(**off) == []
 

@@ -34,6 +34,7 @@ CLI_ARGS: dict[str, tuple[dict[str, Any], Callable[[Any], bool]]] = {
     "BoostReport": ({"console": False, "plots": False}, lambda c: not c.console and not c.plots),
     "LossLoggingGuard": ({"mode": "report", "allow": ["hidden"]}, lambda c: c.allow == ("hidden",)),
     "StepTimeMonitor": ({"threshold": 0.25}, lambda c: c.threshold == 0.25),
+    "SyncGuard": ({"mode": "report", "allow": ["model.py:12"]}, lambda c: c.allow == ("model.py:12",)),
 }
 
 
@@ -43,6 +44,7 @@ def test_discovery_finds_every_public_callback() -> None:
         "BoostReport",
         "LossLoggingGuard",
         "StepTimeMonitor",
+        "SyncGuard",
     }
     assert {cls.__name__ for cls in CALLBACKS} == set(CLI_ARGS), "add each new callback to CLI_ARGS"
 

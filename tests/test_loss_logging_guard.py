@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAccuracy
 
-from lightning_boost import BoostWarning, LossLoggingGuard, RetainedGraphError, Severity
+from lightning_boost import BoostWarning, LossLoggingGuard, RetainedGraphError, Severity, testing
 from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
 
 THIS_FILE = str(Path(__file__).resolve())
@@ -26,10 +26,7 @@ THIS_FILE = str(Path(__file__).resolve())
 
 def marked_line(tag: str) -> str:
     """``file:line`` of the line in this file that ends with ``# keeps: <tag>``."""
-    for number, text in enumerate(Path(THIS_FILE).read_text().splitlines(), 1):
-        if text.rstrip().endswith(f"# keeps: {tag}"):
-            return f"{THIS_FILE}:{number}"
-    raise LookupError(tag)
+    return testing.marked_line(THIS_FILE, f"keeps: {tag}")
 
 
 def fit(

@@ -5,6 +5,7 @@ from lightning_boost.callbacks.boost_report import BoostReport
 from lightning_boost.callbacks.loss_logging_guard import LossLoggingGuard, RetainedGraphError
 from lightning_boost.callbacks.recommended import boost_callbacks
 from lightning_boost.callbacks.step_time_monitor import StepTimeMonitor
+from lightning_boost.callbacks.sync_guard import SyncError, SyncGuard
 
 __all__ = [
     "AutoNumWorkers",
@@ -12,5 +13,7 @@ __all__ = [
     "LossLoggingGuard",
     "RetainedGraphError",
     "StepTimeMonitor",
+    "SyncError",
+    "SyncGuard",
     "boost_callbacks",
 ]

@@ -27,7 +27,20 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-__all__ = ["BoringDataModule", "BoringModel", "RandomDataset", "tiny_trainer"]
+__all__ = ["BoringDataModule", "BoringModel", "RandomDataset", "marked_line", "tiny_trainer"]
+
+
+def marked_line(file: str | Path, mark: str) -> str:
+    """``file:line`` of the line in `file` that ends with the comment ``# <mark>``.
+
+    Tests of the guards mark the line they expect a finding at (``loss.item()  # syncs: item``)
+    and compare it with the finding's ``location``.
+    """
+    path = Path(file).resolve()
+    for number, text in enumerate(path.read_text().splitlines(), 1):
+        if text.rstrip().endswith(f"# {mark}"):
+            return f"{path}:{number}"
+    raise LookupError(f"no line of {path} ends with '# {mark}'")
 
 
 class RandomDataset(Dataset[tuple[Tensor, Tensor]]):

@@ -1,0 +1,356 @@
+"""`SyncGuard`: every host-device sync in the step, at the user's line, at an overhead users leave on."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import lightning as L
+from typing_extensions import override
+
+from lightning_boost._validation import unknown_choice_error
+from lightning_boost.callbacks.base import BoostCallback
+from lightning_boost.report import Finding, Severity
+from lightning_boost.tuning.sampling import Sampler
+from lightning_boost.tuning.sources import Site
+from lightning_boost.tuning.sync_watch import SyncWatch
+from lightning_boost.tuning.syncs import (
+    PATTERNS,
+    Attribution,
+    Packages,
+    SyncGroup,
+    attribute,
+    code_at,
+    frames_from,
+)
+
+MODES = ("warn", "error", "report")
+SCOPES = ("steps", "fit")
+
+
+class SyncError(RuntimeError):
+    """Raised by ``SyncGuard(mode="error")`` at the first host-device sync in the user's step code."""
+
+
+@dataclass
+class _Phase:
+    """Training or validation: which of its steps are checked, and what a plain step costs."""
+
+    sampler: Sampler
+    steps: int = 0
+    checked: int = 0
+    last_begin: float | None = None
+    last_checked: bool = False
+    plain_s: deque[float] = field(default_factory=lambda: deque(maxlen=16))
+
+    def begin(self, now: float) -> bool:
+        """Count a step starting at `now`; return whether to check it."""
+        if self.last_begin is not None and not self.last_checked:
+            self.plain_s.append(now - self.last_begin)
+        self.steps += 1
+        self.last_begin = now
+        self.last_checked = self.sampler.due(self.steps)
+        return self.last_checked
+
+    def end_check(self, seconds: float) -> None:
+        """A checked step took `seconds`; what it took beyond a plain step is the check's cost."""
+        self.checked += 1
+        plain = statistics.median(self.plain_s) if self.plain_s else 0.0
+        self.sampler.record(self.steps, max(seconds - plain, 0.0))
+
+
+class SyncGuard(BoostCallback):
+    """Finds every host-device sync in the training and validation steps and names the line.
+
+    ``.item()``, ``float(loss)``, ``print(loss)``, ``if loss > x:``, ``.cpu()``/``.tolist()``,
+    ``x[mask]``, ``nonzero``, ``unique``, ``one_hot`` without ``num_classes``, ``torch.equal``,
+    ``torch.cuda.synchronize()`` and ``empty_cache()`` make the CPU wait for the GPU, which then
+    starves. During checked steps (from ``on_train_batch_start`` to the next one, so the step,
+    its backward, optimizer step and Lightning's work around them; the same for validation
+    batches) a ``TorchFunctionMode`` sees each such call, and wrappers see the CUDA and
+    ``torch.distributed`` calls that sync. On CUDA, ``torch.cuda.set_sync_debug_mode`` adds the
+    syncs inside kernels, and the allocator's retry counters the ones from memory pressure.
+
+    It works on CPU too: the same calls are reported as "would sync on a GPU", so CPU-only CI
+    catches them; checks only the CPU kernels make (``one_hot(x, num_classes)`` validates its
+    range on the CPU, not on CUDA) are not reported, since the guard sees calls, not kernels.
+
+    Each sync is attributed to the user's line (``file:line``, the code, the hook it ran in) and
+    counted per checked step. A sync inside a library called from the step is reported at the
+    user's calling line with the library's setting that removes it (torchmetrics aggregators'
+    NaN check: ``nan_strategy="disable"``; input checks: ``validate_args=False``). Lightning's
+    own syncs (progress-bar values read with ``.item()``, the DDP SIGTERM broadcast before every
+    batch, ``sync_dist=True``, ``ModelCheckpoint(train_time_interval=...)``, logging every
+    ``log_every_n_steps``, the fp16 GradScaler) are reported apart, each with its setting.
+
+    Checking is sampled: the first 3 steps of each phase, then as often as `max_overhead`
+    allows (a checked step's time beyond a plain one sets the gap to the next). The guard only
+    watches: results are the same with or without it.
+
+    Args:
+        mode: ``"warn"`` (a `BoostWarning` on rank zero, once per line, at that line),
+            ``"error"`` (raise `SyncError` at the first sync in the user's code; for CI; under
+            DDP every rank raises at the end of that step) or ``"report"`` (findings only).
+            Framework syncs are only reported.
+        allow: the user's lines whose syncs are deliberate, as the end of their location
+            (``["model.py:57"]``).
+        every_n_steps: check every n-th step after the first 3 instead of following the budget.
+        max_overhead: the share of step time checks may take (0 to 1).
+        scope: ``"steps"`` (training and validation steps with their backward and optimizer
+            step) or ``"fit"`` (everything from the start to the end of training, every step
+            checked; an audit, not for long runs).
+
+    Raises:
+        ValueError: for an unknown `mode` or `scope`, a bad `every_n_steps` or `max_overhead`.
+        TypeError: for `allow` given as one string or holding something other than locations.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[SyncGuard(mode="error")])  # in CI
+    """
+
+    def __init__(
+        self,
+        mode: str = "warn",
+        allow: Sequence[str] = (),
+        every_n_steps: int | None = None,
+        max_overhead: float = 0.01,
+        scope: str = "steps",
+    ) -> None:
+        if mode not in MODES:
+            raise unknown_choice_error("mode", mode, MODES)
+        if scope not in SCOPES:
+            raise unknown_choice_error("scope", scope, SCOPES)
+        if isinstance(allow, str) or not all(_is_location(entry) for entry in allow):
+            raise TypeError(
+                f"`allow` expected a list of locations like 'model.py:57', got {allow!r};"
+                " e.g. `allow=['model.py:57']`."
+            )
+        if every_n_steps is not None and (
+            isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1
+        ):
+            raise ValueError(f"`every_n_steps` expected an int >= 1 or None, got {every_n_steps!r}.")
+        if (
+            isinstance(max_overhead, bool)
+            or not isinstance(max_overhead, (int, float))
+            or not 0 < max_overhead < 1
+        ):
+            raise ValueError(f"`max_overhead` expected a fraction between 0 and 1, got {max_overhead!r}.")
+        self.mode = mode
+        self.allow = tuple(allow)
+        self.every_n_steps = every_n_steps
+        self.max_overhead = float(max_overhead)
+        self.scope = scope
+        self.findings: list[Finding] = []
+        self._set_state_key(mode=mode, scope=scope)
+        self._reset(cuda=False, world_size=1)
+
+    def _reset(self, cuda: bool, world_size: int) -> None:
+        every = 1 if self.scope == "fit" else self.every_n_steps
+        self._phases = {
+            name: _Phase(Sampler(first=3, every_n_steps=every, budget=self.max_overhead))
+            for name in ("training", "validation")
+        }
+        self._groups: dict[tuple[str, ...], SyncGroup] = {}
+        self._new: list[SyncGroup] = []
+        self._allocator: dict[str, int] = {}
+        self._window: tuple[str, float] | None = None
+        self._phase = "training"
+        self._error: str | None = None
+        self._cuda = cuda
+        self._world_size = world_size
+        self._packages: Packages | None = None
+        self._watch: SyncWatch | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_watch"] = state["_packages"] = None  # rebuilt at the next fit
+        return state
+
+    @property
+    def checked_steps(self) -> dict[str, int]:
+        """How many training and validation steps were checked in the last fit."""
+        return {name: phase.checked for name, phase in self._phases.items()}
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._reset(cuda=pl_module.device.type == "cuda", world_size=trainer.world_size)
+        self.findings = []
+        self._packages = Packages()
+        self._watch = SyncWatch(self._on_sync, cuda=self._cuda)
+        if self.scope == "fit":
+            self._watch.start()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._close(trainer)
+        self._begin("training")
+
+    @override
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._close(trainer, interrupted=True)
+
+    @override
+    def on_validation_batch_start(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        if trainer.sanity_checking:
+            return
+        self._close(trainer)
+        self._begin("validation")
+
+    @override
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._close(trainer, interrupted=True)  # before Lightning logs the epoch's values
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._close(trainer, interrupted=True)
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._close(trainer, interrupted=True)
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._close(trainer, interrupted=True)
+        self._finish()
+
+    @override
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self._finish()
+
+    # -- windows -------------------------------------------------------------------------------
+
+    def _begin(self, phase: str) -> None:
+        self._phase = phase
+        now = time.perf_counter()
+        if self._phases[phase].begin(now) and self._watch is not None:
+            self._window = (phase, now)
+            self._watch.start()
+
+    def _close(self, trainer: L.Trainer, interrupted: bool = False) -> None:
+        """End the open check (its step and the work after it), then warn or raise for it."""
+        if interrupted:  # the next step's time would include validation or the epoch's end
+            for each in self._phases.values():
+                each.last_begin = None
+        if self._window is None:
+            return
+        phase, start = self._window
+        self._window = None
+        if self.scope == "steps":
+            self._stop_watch()
+        self._phases[phase].end_check(time.perf_counter() - start)
+        if self.mode == "error":
+            self._raise_if_found(trainer, self._phases[phase])
+        elif self.mode == "warn":
+            for group in self._new:
+                site = group.attribution.site
+                where = Site(site.file, site.line, site.function, group.code) if site else None
+                self._warn(trainer, f"SyncGuard: {group.title(1)}. {group.fix()}", where)
+        self._new = []
+
+    def _on_sync(self, pattern: str, frame: FrameType | None) -> None:
+        attribution = attribute(frames_from(frame), self._packages or Packages())
+        if attribution is None or (not attribution.framework and self._allowed(attribution)):
+            return
+        key = SyncGroup.key(self._phase, attribution)
+        group = self._groups.get(key)
+        if group is None:
+            code = code_at(attribution.site) if attribution.site else ""
+            group = self._groups[key] = SyncGroup(self._phase, attribution, code)
+            if not attribution.framework:
+                self._new.append(group)
+        group.add(pattern)
+        if self.mode == "error" and not group.framework and self._error is None:
+            self._error = _error_message(group, pattern)
+            if self._world_size == 1:  # alone: stop right at the user's line
+                raise SyncError(self._error)
+
+    def _allowed(self, attribution: Attribution) -> bool:
+        site = attribution.site
+        return bool(self.allow) and site is not None and site.location.endswith(self.allow)
+
+    def _raise_if_found(self, trainer: L.Trainer, phase: _Phase) -> None:
+        found = self._error is not None
+        if trainer.world_size > 1:  # every rank checks the same steps: agree, then all raise together
+            found = trainer.strategy.reduce_boolean_decision(found, all=False)
+            phase.sampler.next_step = trainer.strategy.broadcast(phase.sampler.next_step)
+        if found:
+            self._finish()
+            raise SyncError(self._error or "SyncGuard: another rank found a host-device sync in its step.")
+
+    def _stop_watch(self) -> None:
+        if self._watch is not None:
+            for pattern, count in self._watch.stop().items():  # the allocator's syncs (CUDA)
+                self._allocator[pattern] = self._allocator.get(pattern, 0) + count
+
+    def _finish(self) -> None:
+        self._stop_watch()
+        self._watch = None  # a later `trainer.validate` is not checked: the guard watches fits
+        self._window = None
+        self.findings = self._make_findings()
+
+    # -- findings ------------------------------------------------------------------------------
+
+    def _make_findings(self) -> list[Finding]:
+        source = type(self).__name__
+        findings = []
+        for group in sorted(self._groups.values(), key=lambda g: (g.framework, g.phase, g.location or "")):
+            steps = self._phases[group.phase].checked
+            findings.append(
+                Finding(
+                    source,
+                    "syncs",
+                    Severity.INFO if group.framework else Severity.WARN,
+                    group.title(steps),
+                    group.detail(steps, cpu_run=not self._cuda),
+                    group.fix(),
+                    group.location,
+                    data=group.to_data(steps),
+                )
+            )
+        steps = self._phases["training"].checked
+        for pattern, count in self._allocator.items():
+            findings.append(
+                Finding(
+                    source,
+                    "syncs",
+                    Severity.WARN,
+                    f"{PATTERNS[pattern].what} ({count / max(steps, 1):.3g}x per checked step)",
+                    f"{count} time(s) over {steps} checked training step(s), by the CUDA allocator's"
+                    " counters.",
+                    PATTERNS[pattern].fix,
+                    data={"pattern": pattern, "count": count, "checked_steps": steps},
+                )
+            )
+        return findings
+
+
+def _is_location(entry: object) -> bool:
+    if not isinstance(entry, str) or ":" not in entry:
+        return False
+    file, _, line = entry.rpartition(":")
+    return bool(file) and line.isdigit()
+
+
+def _error_message(group: SyncGroup, pattern: str) -> str:
+    site = group.attribution.site
+    where = f" at {site.location} in {group.attribution.hook}: `{group.code}`" if site else ""
+    return f"SyncGuard: {PATTERNS[pattern].what}{where}. {group.fix()}"

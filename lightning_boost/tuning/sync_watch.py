@@ -1,0 +1,209 @@
+"""`SyncWatch`: while active, every host-device sync is reported with its stack frame.
+
+Three sources, each switched on by `start` and off by `stop`:
+
+- a `TorchFunctionMode` that sees tensor calls at the Python API (``.item()``, ``print``,
+  ``x[mask]``, ``.tolist()``, ...) and names them with `classify`. It sees the call, not the
+  kernels behind it, so it works the same on CPU tensors ("would sync on a GPU");
+- wrappers around the calls that sync without a tensor: ``torch.cuda.synchronize``,
+  ``empty_cache``, ``Event``/``Stream.synchronize`` and the blocking ``torch.distributed``
+  collectives;
+- on CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` for syncs inside kernels the API does not
+  show, and the caching allocator's retry and stream-sync counters.
+
+A sync the mode or a wrapper already reported is not reported again by the debug mode. No
+Lightning here.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+import weakref
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from lightning_boost.tuning.syncs import classify
+
+#: ``(pattern, frame of the call)``; may raise to stop at the sync (error mode).
+OnSync = Callable[[str, FrameType | None], None]
+
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "gather",
+    "scatter",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+)
+_DEBUG_MESSAGE = r".*called a synchronizing CUDA operation"
+#: Patterns whose result is a real host tensor, on a GPU run too: reading it later does not sync.
+HOST_COPIES = frozenset({"cpu", "to_cpu"})
+ALLOCATOR_COUNTERS = {"num_alloc_retries": "alloc_retry", "num_sync_all_streams": "sync_all_streams"}
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, watch: SyncWatch) -> None:
+        super().__init__()
+        self.watch = watch
+
+    def __torch_function__(
+        self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        pattern = classify(func, args, kwargs, self.watch.cuda)
+        if pattern is None or self.watch.on_host(args[0]):
+            return func(*args, **kwargs)
+        result = self.watch.report(pattern, sys._getframe(1), func, args, kwargs)
+        if pattern in HOST_COPIES and isinstance(result, torch.Tensor):
+            self.watch.mark_host(result)
+        return result
+
+
+class SyncWatch:
+    """Reports each host-device sync made while it is active to `on_sync`.
+
+    Args:
+        on_sync: called with the `PATTERNS` name and the caller's frame of each sync.
+        cuda: the run is on CUDA: only syncs involving CUDA tensors count, and the debug mode and
+            allocator counters are read. ``False`` models a GPU run on CPU tensors.
+
+    Example:
+        >>> import torch
+        >>> seen = []
+        >>> watch = SyncWatch(lambda pattern, frame: seen.append(pattern), cuda=False)
+        >>> watch.start()
+        >>> loss = torch.ones(2).sum()
+        >>> value = loss.item()
+        >>> watch.stop()
+        {}
+        >>> seen
+        ['item']
+    """
+
+    def __init__(self, on_sync: OnSync, cuda: bool) -> None:
+        self.on_sync = on_sync
+        self.cuda = cuda
+        self._mode: _Mode | None = None
+        self._undo: list[Callable[[], None]] = []
+        self._quiet = 0
+        self._counters: dict[str, int] = {}
+        self._host: dict[int, weakref.ref[torch.Tensor]] = {}
+
+    @property
+    def active(self) -> bool:
+        return self._mode is not None
+
+    def mark_host(self, tensor: torch.Tensor) -> None:
+        """Note that `tensor` is a copy on the host (on a CPU run, where devices cannot tell)."""
+        if not self.cuda:
+            key = id(tensor)
+            self._host[key] = weakref.ref(tensor, lambda _: self._host.pop(key, None))
+
+    def on_host(self, value: object) -> bool:
+        ref = self._host.get(id(value))
+        return ref is not None and ref() is value
+
+    def report(self, pattern: str, frame: FrameType | None, func: Any, args: Any, kwargs: Any) -> Any:
+        """Tell `on_sync`, then make the call (the debug mode is quiet for it: already reported)."""
+        self.on_sync(pattern, frame)
+        self._quiet += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            self._quiet -= 1
+
+    def start(self) -> None:
+        if self.active:
+            return
+        self._patch(torch.cuda, "synchronize", "synchronize")
+        self._patch(torch.cuda, "empty_cache", "empty_cache")
+        self._patch(torch.cuda.Event, "synchronize", "stream_sync")
+        self._patch(torch.cuda.Stream, "synchronize", "stream_sync")
+        if torch.distributed.is_available():
+            for name in COLLECTIVES:
+                self._patch(torch.distributed, name, "collective")
+        if self.cuda:
+            self._start_cuda()
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+
+    def stop(self) -> dict[str, int]:
+        """Switch everything off; return the allocator's sync counters since `start` (CUDA only)."""
+        if self._mode is not None:
+            self._mode.__exit__(None, None, None)
+            self._mode = None
+        while self._undo:
+            self._undo.pop()()
+        counts = self._counter_deltas() if self.cuda else {}
+        self._counters = {}
+        self._host.clear()
+        return counts
+
+    def _patch(self, owner: Any, name: str, pattern: str) -> None:
+        original = owner.__dict__.get(name) if isinstance(owner, type) else getattr(owner, name, None)
+        if original is None:
+            return
+        watch = self
+
+        def synced(*args: Any, **kwargs: Any) -> Any:
+            if kwargs.get("async_op"):
+                return original(*args, **kwargs)
+            return watch.report(pattern, sys._getframe(1), original, args, kwargs)
+
+        setattr(owner, name, synced)
+        self._undo.append(lambda: setattr(owner, name, original))
+
+    # -- CUDA ----------------------------------------------------------------------------------
+
+    def _start_cuda(self) -> None:
+        previous_mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
+        catcher = warnings.catch_warnings()
+        catcher.__enter__()
+        warnings.filterwarnings("always", message=_DEBUG_MESSAGE, category=UserWarning)
+        show = warnings.showwarning
+
+        def showwarning(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+            if category is UserWarning and "called a synchronizing CUDA operation" in str(message):
+                if not self._quiet:
+                    self.on_sync("cuda", sys._getframe(1))
+                return
+            show(message, category, *args, **kwargs)
+
+        warnings.showwarning = showwarning
+
+        def undo() -> None:
+            catcher.__exit__(None, None, None)
+            torch.cuda.set_sync_debug_mode(previous_mode)
+
+        self._undo.insert(0, undo)
+        self._counters = _allocator_counters()
+
+    def _counter_deltas(self) -> dict[str, int]:
+        now = _allocator_counters()
+        return {
+            ALLOCATOR_COUNTERS[key]: now[key] - self._counters.get(key, 0)
+            for key in ALLOCATOR_COUNTERS
+            if now.get(key, 0) > self._counters.get(key, 0)
+        }
+
+
+def _allocator_counters() -> dict[str, int]:
+    stats = torch.cuda.memory_stats()
+    return {key: int(stats.get(key, 0)) for key in ALLOCATOR_COUNTERS}

@@ -1,0 +1,689 @@
+"""Host-device syncs: which calls make the CPU wait for the GPU, and whose code made them.
+
+`classify` names the sync a torch call makes (``"item"``, ``"mask_index"``, ...) from the function
+and its arguments, modelling a GPU run when the tensors are on the CPU: the same patterns are
+flagged as "would sync on a GPU", while checks that only the CPU kernels make (``one_hot`` *with*
+``num_classes`` validates its range with ``.item()`` on the CPU, not on CUDA) never reach it,
+since it sees the call, not the kernels behind it. `attribute` reads the stack of a sync: the
+user's line, the hook it ran in, the library in between (named with the setting that removes the
+sync) and whether the framework made it. No Lightning imports here: frames are plain data.
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import linecache
+import os
+import sys
+import sysconfig
+import tokenize
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Pattern:
+    """A kind of sync.
+
+    Args:
+        name: its key in `PATTERNS`.
+        what: what the call does to the host, one sentence.
+        fix: how to keep the step free of it.
+    """
+
+    name: str
+    what: str
+    fix: str
+
+
+_KEEP_ON_DEVICE = (
+    "Keep it a tensor: `self.log(name, value)` (Lightning reads it only when it logs) or a torchmetrics"
+    " metric on the device; read numbers once per epoch."
+)
+_HOST_ONCE = (
+    "Keep tensors on the device through the step; move what you need to the host once per epoch"
+    " (an epoch-end hook), or with `.to('cpu', non_blocking=True)` into a buffer read later."
+)
+_FIXED_SHAPE = (
+    "Keep shapes fixed: multiply by the mask or use `torch.where(mask, x, 0)`; a masked mean is"
+    " `(x * mask).sum() / mask.sum()`."
+)
+_NO_SYNC_CALL = (
+    "Remove it from the step. To time GPU work, use `torch.cuda.Event(enable_timing=True)` read after"
+    " the step, or the profiler."
+)
+_ALLOCATOR = (
+    "Leave memory headroom: a smaller batch (`AutoBatchSize` keeps 10 %), or"
+    " `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True` against fragmentation."
+)
+
+PATTERNS: dict[str, Pattern] = {
+    p.name: p
+    for p in (
+        Pattern("item", "`.item()` copies a value to the host and waits for the GPU", _KEEP_ON_DEVICE),
+        Pattern(
+            "float", "`float()`/`int()` of a tensor waits for the GPU to read the value", _KEEP_ON_DEVICE
+        ),
+        Pattern(
+            "bool",
+            "A Python branch on a tensor (`if loss > x:`, `bool()`, `and`/`or`) waits for the GPU",
+            "Decide on the device (`torch.where`, masks) or every N steps; to stop training on a value,"
+            " log it and use `EarlyStopping`.",
+        ),
+        Pattern(
+            "index",
+            "A tensor used as a Python int (`range(t)`, `my_list[t]`) waits for the GPU",
+            "Use Python ints for sizes and indices, or index on the device (`index_select`, `gather`).",
+        ),
+        Pattern(
+            "format",
+            'Formatting a tensor (`f"{loss:.3f}"`) copies it to the host',
+            "Log it with `self.log(...)`: the progress bar and loggers format it when they show it.",
+        ),
+        Pattern(
+            "print",
+            "`print()`/`str()`/`repr()` of a tensor copies it to the host",
+            "Drop the print from the step: `self.log(name, value, prog_bar=True)` shows it, or print"
+            " in an epoch-end hook.",
+        ),
+        Pattern("cpu", "`.cpu()` copies device memory to the host and waits for it", _HOST_ONCE),
+        Pattern("to_cpu", "`.to('cpu')` copies device memory to the host and waits for it", _HOST_ONCE),
+        Pattern("tolist", "`.tolist()` copies to the host and builds Python numbers", _HOST_ONCE),
+        Pattern("numpy", "`.numpy()` needs the values on the host", _HOST_ONCE),
+        Pattern(
+            "nonzero",
+            "`nonzero()`/`argwhere()`/`torch.where(cond)` return a size known only once the GPU is done",
+            _FIXED_SHAPE + " With a bound on the count, `torch.nonzero_static(x, size=k)`.",
+        ),
+        Pattern("mask_index", "Boolean-mask indexing (`x[mask]`) has a data-dependent size", _FIXED_SHAPE),
+        Pattern(
+            "mask_assign",
+            "Assigning through a boolean mask (`x[mask] = v`) finds the indices with a hidden `nonzero`",
+            "`x.masked_fill_(mask, v)` or `x = torch.where(mask, v, x)`: no sync.",
+        ),
+        Pattern("masked_select", "`masked_select` has a data-dependent size", _FIXED_SHAPE),
+        Pattern(
+            "unique",
+            "`unique()` has a data-dependent size",
+            "Count with a known number of classes instead: `F.one_hot(x, num_classes=n).sum(0)`.",
+        ),
+        Pattern(
+            "repeat_interleave",
+            "`repeat_interleave` with tensor repeats sizes its output from the GPU's values",
+            "Pass `output_size=` (the total, known on the host).",
+        ),
+        Pattern(
+            "one_hot",
+            "`F.one_hot` without `num_classes` reads the largest label from the GPU",
+            "Pass `num_classes=`.",
+        ),
+        Pattern(
+            "bincount",
+            "`bincount` reads the largest value from the GPU to size its output",
+            "With n classes, count on the device: `F.one_hot(x, num_classes=n).sum(0)`.",
+        ),
+        Pattern(
+            "equal",
+            "`torch.equal`/`allclose` return a Python bool read from the GPU",
+            "Compare on the device and keep the result a tensor (`torch.isclose(a, b).all()`), or"
+            " compare once per epoch.",
+        ),
+        Pattern(
+            "synchronize", "`torch.cuda.synchronize()` blocks the host until the GPU is idle", _NO_SYNC_CALL
+        ),
+        Pattern("stream_sync", "`Event.synchronize()`/`Stream.synchronize()` blocks the host", _NO_SYNC_CALL),
+        Pattern(
+            "empty_cache",
+            "`torch.cuda.empty_cache()` syncs and hands cached memory back, so the next step pays for"
+            " `cudaMalloc` again",
+            "Remove it: the caching allocator reuses the memory. Against fragmentation, set"
+            " `PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True`.",
+        ),
+        Pattern(
+            "collective",
+            "A blocking collective (`all_reduce`, `broadcast`, `barrier`, ...) waits for every rank",
+            "Reduce once per epoch, or pass `async_op=True` and wait later; torchmetrics metrics"
+            " sync only at `compute()`.",
+        ),
+        Pattern(
+            "cuda",
+            "A synchronizing CUDA operation, reported by `torch.cuda.set_sync_debug_mode`",
+            "Look at the line: a copy to the host, a data-dependent size, or a blocking copy"
+            " (`non_blocking=True` from pinned memory avoids that).",
+        ),
+        Pattern(
+            "alloc_retry",
+            "The caching allocator ran out of cached blocks, freed them and retried `cudaMalloc`"
+            " (a full sync)",
+            _ALLOCATOR,
+        ),
+        Pattern(
+            "sync_all_streams", "The caching allocator synchronized every stream to free memory", _ALLOCATOR
+        ),
+    )
+}
+
+# -- classify: which torch calls sync ----------------------------------------------------------
+
+Rule = Callable[[Sequence[Any], dict[str, Any], bool], "str | None"]
+
+
+def _on_device(value: object, cuda: bool) -> bool:
+    """Whether `value` is a tensor a GPU run would hold on the GPU (every tensor, on a CPU run)."""
+    return isinstance(value, Tensor) and (value.is_cuda if cuda else True)
+
+
+def _always(name: str) -> Rule:
+    return lambda args, kwargs, cuda: name if args and _on_device(args[0], cuda) else None
+
+
+def _either(name: str) -> Rule:
+    return lambda args, kwargs, cuda: name if any(_on_device(a, cuda) for a in args[:2]) else None
+
+
+def _is_mask(index: object) -> bool:
+    if isinstance(index, (tuple, list)):
+        return any(_is_mask(i) for i in index)
+    return isinstance(index, Tensor) and index.dtype in (torch.bool, torch.uint8)
+
+
+def _to(args: Sequence[Any], kwargs: dict[str, Any], cuda: bool) -> str | None:
+    """``t.to("cpu")`` syncs; on a CPU run only a device *written* as CPU does (``t.to(self.device)``
+    moves to the GPU on a GPU run, and Lightning moves batches with device objects)."""
+    if not args or not _on_device(args[0], cuda) or kwargs.get("non_blocking"):
+        return None
+    if any(a is True for a in args[1:]):  # non_blocking given by position
+        return None
+    device = kwargs.get("device")
+    for arg in args[1:]:
+        if isinstance(arg, (str, torch.device)) or (cuda and isinstance(arg, Tensor)):
+            device = arg.device if isinstance(arg, Tensor) else arg
+    if device is None or (not cuda and not isinstance(device, str)):
+        return None
+    return "to_cpu" if torch.device(device).type == "cpu" else None
+
+
+def _getitem(args: Sequence[Any], kwargs: dict[str, Any], cuda: bool) -> str | None:
+    return "mask_index" if len(args) > 1 and _on_device(args[0], cuda) and _is_mask(args[1]) else None
+
+
+def _setitem(args: Sequence[Any], kwargs: dict[str, Any], cuda: bool) -> str | None:
+    return "mask_assign" if len(args) > 1 and _on_device(args[0], cuda) and _is_mask(args[1]) else None
+
+
+def _where(args: Sequence[Any], kwargs: dict[str, Any], cuda: bool) -> str | None:
+    return "nonzero" if len(args) == 1 and not kwargs and _on_device(args[0], cuda) else None
+
+
+def _repeat_interleave(args: Sequence[Any], kwargs: dict[str, Any], cuda: bool) -> str | None:
+    repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if args else None)
+    if kwargs.get("output_size") is not None or not _on_device(repeats, cuda):
+        return None
+    return "repeat_interleave"
+
+
+def _one_hot(args: Sequence[Any], kwargs: dict[str, Any], cuda: bool) -> str | None:
+    num_classes = args[1] if len(args) > 1 else kwargs.get("num_classes", -1)
+    return "one_hot" if num_classes == -1 and args and _on_device(args[0], cuda) else None
+
+
+@functools.cache
+def _rules() -> dict[Callable[..., Any], Rule]:
+    T = torch.Tensor
+    by_name: dict[str, Rule] = {
+        "item": _always("item"),
+        "__float__": _always("float"),
+        "__int__": _always("float"),
+        "__complex__": _always("float"),
+        "__bool__": _always("bool"),
+        "is_nonzero": _always("bool"),
+        "__index__": _always("index"),
+        "__format__": _always("format"),
+        "__repr__": _always("print"),
+        "cpu": _always("cpu"),
+        "to": _to,
+        "tolist": _always("tolist"),
+        "numpy": _always("numpy"),
+        "__array__": _always("numpy"),
+        "nonzero": _always("nonzero"),
+        "argwhere": _always("nonzero"),
+        "masked_select": _always("masked_select"),
+        "__getitem__": _getitem,
+        "__setitem__": _setitem,
+        "unique": _always("unique"),
+        "unique_consecutive": _always("unique"),
+        "repeat_interleave": _repeat_interleave,
+        "bincount": _always("bincount"),
+        "equal": _either("equal"),
+        "allclose": _either("equal"),
+    }
+    rules: dict[Callable[..., Any], Rule] = {}
+    for name, rule in by_name.items():
+        for owner in (T, torch):
+            function = getattr(owner, name, None)
+            if function is not None:
+                rules[function] = rule
+    rules[torch.where] = _where
+    rules[T.index_put_] = rules[T.index_put] = lambda args, kwargs, cuda: _setitem(args, kwargs, cuda)
+    rules[F.one_hot] = _one_hot
+    return rules
+
+
+def classify(
+    func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None, cuda: bool
+) -> str | None:
+    """The `PATTERNS` name of the sync that calling `func` makes, or ``None``.
+
+    With ``cuda=False`` every tensor is taken as one a GPU run would hold on the GPU, except where
+    the device is given as an object (``.to(self.device)``), which a GPU run points at the GPU.
+
+    Example:
+        >>> import torch
+        >>> x = torch.ones(3)
+        >>> classify(torch.Tensor.item, (x,), None, cuda=False)
+        'item'
+        >>> classify(torch.Tensor.__getitem__, (x, x > 0), None, cuda=False)
+        'mask_index'
+        >>> classify(torch.nn.functional.one_hot, (x.long(), 4), None, cuda=False) is None
+        True
+        >>> classify(torch.Tensor.item, (x,), None, cuda=True) is None  # a CPU tensor on a GPU run
+        True
+    """
+    rule = _rules().get(func)
+    return None if rule is None else rule(args, kwargs or {}, cuda)
+
+
+# -- attribute: whose code made it -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One stack frame as plain data: ``file``, ``line``, ``function``."""
+
+    file: str
+    line: int
+    function: str
+
+    @property
+    def location(self) -> str:
+        return f"{self.file}:{self.line}"
+
+
+def frames_from(frame: Any) -> list[Frame]:
+    """The stack from `frame` (a Python frame object) outwards, as `Frame`s."""
+    frames = []
+    while frame is not None:
+        frames.append(Frame(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frame = frame.f_back
+    return frames
+
+
+@dataclass(frozen=True)
+class Cause:
+    """A library's or the framework's reason for a sync, and the setting that removes it.
+
+    Args:
+        key: short name (``"progress_bar"``).
+        package: the top-level package whose frame shows it.
+        file: a fragment of that frame's path (``"/"``-separated).
+        functions: the frame's function names; empty for any.
+        framework: whether it is the training framework's own sync (not the user's code).
+        title: what it is.
+        fix: the setting that removes it.
+    """
+
+    key: str
+    package: str
+    file: str
+    functions: tuple[str, ...]
+    framework: bool
+    title: str
+    fix: str
+
+    def matches(self, frame: Frame, package: str | None) -> bool:
+        return (
+            package == self.package
+            and self.file in frame.file.replace(os.sep, "/")
+            and (not self.functions or frame.function in self.functions)
+        )
+
+
+#: Known causes, most specific first: the first one any frame of the step matches is taken.
+CAUSES: tuple[Cause, ...] = (
+    Cause(
+        "sigterm",
+        "lightning",
+        "/loops/training_epoch_loop.py",
+        ("_broadcast_sigterm_tensor",),
+        True,
+        "DDP: Lightning broadcasts a SIGTERM flag before every training batch and reads it with `.item()`",
+        "Lightning 2.6 has no setting for it; it is one one-element broadcast per batch, so larger"
+        " batches (`AutoBatchSize`) make it rarer.",
+    ),
+    Cause(
+        "sync_dist",
+        "lightning",
+        "/logger_connector/result.py",
+        ("update", "compute"),
+        True,
+        "`self.log(..., sync_dist=True)` reduces the value across ranks at every logged step",
+        "Log step values without `sync_dist`; for epoch values use `on_step=False, on_epoch=True,"
+        " sync_dist=True` (one reduction per epoch), or a torchmetrics metric (syncs at `compute()`).",
+    ),
+    Cause(
+        "checkpoint_timer",
+        "lightning",
+        "/callbacks/model_checkpoint.py",
+        (),
+        True,
+        "`ModelCheckpoint(train_time_interval=...)` broadcasts its timer decision every step",
+        "Checkpoint by steps or epochs: `ModelCheckpoint(every_n_train_steps=...)` or `every_n_epochs=`.",
+    ),
+    Cause(
+        "progress_bar",
+        "lightning",
+        "/callbacks/progress/",
+        (),
+        True,
+        "The progress bar reads every `prog_bar=True` value with `.item()` at each refresh",
+        "Put fewer values on the bar (`prog_bar=False`), refresh less often"
+        " (`TQDMProgressBar(refresh_rate=50)`), or `Trainer(enable_progress_bar=False)`.",
+    ),
+    Cause(
+        "grad_scaler",
+        "torch",
+        "/amp/grad_scaler.py",
+        (),
+        True,
+        "fp16 AMP: the GradScaler reads its inf/NaN check at every optimizer step",
+        '`precision="bf16-mixed"` needs no scaler where the GPU has bf16 (`preset("auto")` picks it).',
+    ),
+    Cause(
+        "metric_nan_check",
+        "torchmetrics",
+        "/aggregation.py",
+        ("_cast_and_nan_check_input",),
+        False,
+        "torchmetrics aggregators (`MeanMetric`, `SumMetric`, ...) check every `update()` for NaN",
+        'Build them with `nan_strategy="disable"`.',
+    ),
+    Cause(
+        "metric_validation",
+        "torchmetrics",
+        "/functional/",
+        (),
+        False,
+        "torchmetrics validates its inputs at every `update()` (`torch.unique`, range checks)",
+        "`validate_args=False` once the inputs are known to be right.",
+    ),
+    Cause(
+        "metric_bincount",
+        "torchmetrics",
+        "/utilities/data.py",
+        ("_bincount",),
+        False,
+        "torchmetrics counts per class with `torch.bincount` (macro and weighted averages, confusion"
+        " matrices), which sizes its output from the GPU's values",
+        '`average="micro"` needs no per-class counts; `torch.use_deterministic_algorithms(True)` makes'
+        " torchmetrics count by comparison instead (it also changes other kernels).",
+    ),
+    Cause(
+        "metric_forward",
+        "torchmetrics",
+        "/torchmetrics/metric.py",
+        ("_forward_reduce_state_update", "_forward_full_state_update"),
+        False,
+        "Calling a torchmetrics metric (`metric(preds, target)`) also computes the batch's value",
+        "Call `metric.update(preds, target)` in the step and log the metric object"
+        " (`self.log(name, metric)`): it is computed once per epoch.",
+    ),
+    Cause(
+        "clip_grad",
+        "torch",
+        "/nn/utils/clip_grad.py",
+        (),
+        False,
+        "`clip_grad_norm_(error_if_nonfinite=True)` reads the norm to check it",
+        "`error_if_nonfinite=False` (the default); Lightning's `gradient_clip_val` does not sync.",
+    ),
+    Cause(
+        "logging",
+        "lightning",
+        "/logger_connector/",
+        (),
+        True,
+        "Logged values are read with `.item()` every `log_every_n_steps`",
+        "`Trainer(log_every_n_steps=...)`: a larger interval means fewer reads.",
+    ),
+)
+
+#: Files of torch that only route a call (the tensor API, its formatting), never a library's choice.
+_TORCH_API = ("/_tensor.py", "/_tensor_str.py", "/functional.py", "/overrides.py", "/_jit_internal.py")
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Whose code made a sync.
+
+    Args:
+        site: the user's innermost line in the step, if any.
+        hook: the outermost user function of the step's stack (``training_step``,
+            ``on_train_batch_end``), if any.
+        library: the innermost library frame below the user's line (not torch's tensor API).
+        package: that frame's top-level package.
+        cause: the known `Cause`, if one matched.
+        framework: whether the framework made it (no user line, or Lightning in between).
+    """
+
+    site: Frame | None
+    hook: str | None
+    library: Frame | None
+    package: str | None
+    cause: Cause | None
+    framework: bool
+
+
+class Packages:
+    """Which installed package a source file belongs to (``None``: the user's own code)."""
+
+    def __init__(self, extra: Iterable[str] = ()) -> None:
+        paths = sysconfig.get_paths()
+        self._stdlib = tuple({paths["stdlib"], paths["platstdlib"]})
+        self._site = tuple({paths["purelib"], paths["platlib"]})
+        self._known: list[tuple[str, str]] = []
+        for name in (
+            "lightning_boost",
+            "lightning",
+            "pytorch_lightning",
+            "torchmetrics",
+            "torchvision",
+            "torch",
+            *extra,
+        ):
+            module = sys.modules.get(name)
+            if module is not None and getattr(module, "__file__", None):
+                self._known.append((str(Path(module.__file__).parent), name))  # type: ignore[arg-type]
+        self._cache: dict[str, str | None] = {}
+
+    def __call__(self, file: str) -> str | None:
+        if file not in self._cache:
+            self._cache[file] = self._package(file)
+        return self._cache[file]
+
+    def _package(self, file: str) -> str | None:
+        for directory, name in self._known:
+            if file.startswith(directory + os.sep):
+                return name
+        for directory in self._site:
+            if file.startswith(directory + os.sep):
+                return file[len(directory) + 1 :].split(os.sep)[0].removesuffix(".py")
+        if file.startswith(self._stdlib) or file.startswith("<"):
+            return "python"
+        return None
+
+
+def _is_loop(frame: Frame, package: str | None) -> bool:
+    """Lightning's loops: the edge of the step (``trainer.fit`` and the user's script lie beyond)."""
+    return package in ("lightning", "pytorch_lightning") and "/loops/" in frame.file.replace(os.sep, "/")
+
+
+def _is_data_loading(frame: Frame, package: str | None) -> bool:
+    return package == "torch" and "/utils/data/" in frame.file.replace(os.sep, "/")
+
+
+def attribute(frames: Sequence[Frame], packages: Callable[[str], str | None]) -> Attribution | None:
+    """Read a sync's stack, innermost frame first; ``None`` when it belongs to data loading.
+
+    The walk stops at Lightning's loops, so the user's script that called ``trainer.fit`` is never
+    taken for the step's code. Data loading (``torch.utils.data``) runs on the host by design.
+
+    Example:
+        >>> pkgs = {"/venv/torchmetrics/aggregation.py": "torchmetrics",
+        ...         "/venv/lightning/pytorch/loops/fit_loop.py": "lightning"}.get
+        >>> a = attribute([Frame("/venv/torchmetrics/aggregation.py", 93, "_cast_and_nan_check_input"),
+        ...                Frame("/home/me/model.py", 41, "training_step"),
+        ...                Frame("/venv/lightning/pytorch/loops/fit_loop.py", 200, "run"),
+        ...                Frame("/home/me/train.py", 9, "<module>")], pkgs)
+        >>> a.site.location, a.hook, a.package, a.cause.key, a.framework
+        ('/home/me/model.py:41', 'training_step', 'torchmetrics', 'metric_nan_check', False)
+    """
+    site = hook = library = package = None
+    causes: set[int] = set()
+    for frame in frames:
+        pkg = packages(frame.file)
+        if _is_data_loading(frame, pkg):
+            return None
+        causes.update(i for i, c in enumerate(CAUSES) if c.matches(frame, pkg))
+        if _is_loop(frame, pkg):
+            break
+        if pkg is None:
+            site = site or frame
+            hook = frame.function
+        elif site is None and library is None and pkg not in ("python",) and not _torch_api(frame, pkg):
+            library, package = frame, pkg
+    cause = CAUSES[min(causes)] if causes else None
+    framework = (
+        site is None or package in ("lightning", "pytorch_lightning") or bool(cause and cause.framework)
+    )
+    return Attribution(site, hook, library, package, cause, framework)
+
+
+def _torch_api(frame: Frame, package: str | None) -> bool:
+    return package == "torch" and frame.file.replace(os.sep, "/").endswith(_TORCH_API)
+
+
+def code_at(frame: Frame) -> str:
+    """The text of `frame`'s line without its comment (``""`` when the source cannot be read).
+
+    Example:
+        >>> import inspect
+        >>> here = Frame(__file__, inspect.getsourcelines(code_at)[1], "code_at")
+        >>> code_at(here)
+        'def code_at(frame: Frame) -> str:'
+    """
+    text = linecache.getline(frame.file, frame.line).strip()
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(text).readline):
+            if token.type == tokenize.COMMENT:
+                return text[: token.start[1]].rstrip()
+    except (tokenize.TokenError, SyntaxError):  # a line in the middle of a bracket: keep it whole
+        pass
+    return text
+
+
+# -- group: what the report says ---------------------------------------------------------------
+
+
+@dataclass
+class SyncGroup:
+    """The syncs seen at one place: one user line, or one framework cause.
+
+    Args:
+        phase: ``"training"`` or ``"validation"``.
+        attribution: where they come from.
+        code: the text of the user's line (empty for the framework's own).
+        counts: pattern name -> syncs seen over the checked steps.
+    """
+
+    phase: str
+    attribution: Attribution
+    code: str = ""
+    counts: dict[str, int] = field(default_factory=dict)
+
+    @staticmethod
+    def key(phase: str, attribution: Attribution) -> tuple[str, ...]:
+        a = attribution
+        if a.framework and a.cause is not None:
+            return (phase, "framework", a.cause.key)
+        place = a.site or a.library
+        where = place.location if place else ""
+        return (
+            (phase, "framework", where)
+            if a.framework
+            else (phase, "user", where, a.cause.key if a.cause else "")
+        )
+
+    def add(self, pattern: str, count: int = 1) -> None:
+        self.counts[pattern] = self.counts.get(pattern, 0) + count
+
+    @property
+    def framework(self) -> bool:
+        return self.attribution.framework
+
+    @property
+    def location(self) -> str | None:
+        """The user's line; for the framework's own syncs without a known cause, its line."""
+        a = self.attribution
+        place = a.site or (a.library if a.cause is None else None)
+        return place.location if place else None
+
+    def per_step(self, steps: int) -> float:
+        return sum(self.counts.values()) / max(steps, 1)
+
+    def title(self, steps: int) -> str:
+        rate = f"{self.per_step(steps):.3g}x per {self.phase} step"
+        a = self.attribution
+        if self.framework:
+            where = f"{a.package} syncs in `{a.library.function}`" if a.library else "The framework syncs"
+            what = a.cause.title if a.cause else where
+            return f"{what} ({rate})"
+        return f"`{self.code}` syncs {rate} in {a.hook}"
+
+    def detail(self, steps: int, cpu_run: bool) -> str:
+        parts = [f"{PATTERNS[p].what} ({n}x)" for p, n in self.counts.items()]
+        text = "; ".join(parts) + f", over {steps} checked {self.phase} step(s)."
+        a = self.attribution
+        if a.library is not None and a.package not in (None, "lightning", "pytorch_lightning"):
+            reason = f": {a.cause.title}" if a.cause else ""
+            text += f" Inside {a.package} ({a.library.function} at {a.library.location}){reason}."
+        if self.framework and a.site is not None:
+            text += f" Called from `{self.code}` at {a.site.location}."
+        if cpu_run:
+            text += " This run is on the CPU: on a GPU each would make the host wait."
+        return text
+
+    def fix(self) -> str:
+        if self.attribution.cause is not None:
+            return self.attribution.cause.fix
+        return " ".join(dict.fromkeys(PATTERNS[p].fix for p in self.counts))
+
+    def to_data(self, steps: int) -> dict[str, Any]:
+        a = self.attribution
+        return {
+            "phase": self.phase,
+            "framework": self.framework,
+            "hook": a.hook,
+            "code": self.code,
+            "syncs": dict(self.counts),
+            "per_step": round(self.per_step(steps), 4),
+            "checked_steps": steps,
+            "cause": a.cause.key if a.cause else None,
+            "library": f"{a.package}.{a.library.function}" if a.library else None,
+        }

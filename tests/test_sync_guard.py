@@ -1,0 +1,512 @@
+"""SyncGuard: one LightningModule per sync pattern, on CPU; library and framework syncs; modes; DDP.
+
+Every pattern module marks the line that syncs with a ``# syncs:`` comment; the tests assert the
+guard reports exactly that ``file:line``. This machine has no GPU: the CPU run reports what would
+sync on one, and the ``gpu``-marked tests check the CUDA path where a GPU is lent.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.loggers import CSVLogger
+from torch import Tensor
+from torchmetrics import MeanMetric
+from torchmetrics.classification import BinaryAccuracy
+
+from lightning_boost import BoostWarning, Finding, Severity, SyncError, SyncGuard, testing
+from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
+
+THIS_FILE = str(Path(__file__).resolve())
+
+
+def marked_line(tag: str) -> str:
+    """``file:line`` of the line in this file that ends with ``# syncs: <tag>``."""
+    return testing.marked_line(THIS_FILE, f"syncs: {tag}")
+
+
+def fit(model: BoringModel, tmp_path: Path, guard: SyncGuard | None = None, **trainer: Any) -> SyncGuard:
+    guard = guard or SyncGuard(mode="report", every_n_steps=1)
+    options: dict[str, Any] = {"limit_train_batches": 3, "limit_val_batches": 0, "logger": False}
+    tiny_trainer(tmp_path, callbacks=[guard], **(options | trainer)).fit(model, datamodule=BoringDataModule())
+    return guard
+
+
+def user_syncs(guard: SyncGuard) -> dict[str | None, Finding]:
+    return {f.location: f for f in guard.findings if not f.data.get("framework")}
+
+
+def framework_syncs(guard: SyncGuard) -> dict[str, Finding]:
+    return {f.data["cause"]: f for f in guard.findings if f.data.get("framework")}
+
+
+class OneSync(BoringModel):
+    """Makes the sync of `sync` once per training step (a helper of ``training_step``, as in real code)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.sync(loss, batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        raise NotImplementedError
+
+
+# -- one module per pattern --------------------------------------------------------------------
+
+
+class Item(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        self.value = loss.item()  # syncs: item
+
+
+class Float(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        self.value = float(loss.detach())  # syncs: float
+
+
+class Int(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        self.value = int(batch[1].argmax())  # syncs: int
+
+
+class Branch(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        if loss > 1e9:  # syncs: bool
+            raise AssertionError("never")
+
+
+class Format(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        self.text = f"loss {loss:.3f}"  # syncs: format
+
+
+class Print(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        print(loss)  # noqa: T201  # syncs: print
+
+
+class Cpu(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        self.value = loss.detach().cpu()  # syncs: cpu
+
+
+class ToCpu(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        self.value = loss.detach().to("cpu")  # syncs: to_cpu
+
+
+class ToList(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        self.value = batch[1][:2].tolist()  # syncs: tolist
+
+
+class Numpy(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        self.value = batch[1].numpy()  # syncs: numpy
+
+
+class Nonzero(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        self.value = torch.nonzero(batch[1] > 0)  # syncs: nonzero
+
+
+class MaskIndex(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        self.value = batch[0][batch[0] > 0].sum()  # syncs: mask_index
+
+
+class MaskAssign(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        clipped = batch[0].clone()
+        clipped[clipped < 0] = 0  # syncs: mask_assign
+
+
+class MaskedSelect(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        self.value = torch.masked_select(batch[0], batch[0] > 0)  # syncs: masked_select
+
+
+class Unique(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        self.value = torch.unique((batch[1] > 0).long())  # syncs: unique
+
+
+class RepeatInterleave(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        counts = (batch[1][:, 0] > 0).long()
+        self.value = torch.repeat_interleave(batch[0][:, 0], counts)  # syncs: repeat_interleave
+
+
+class OneHot(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        self.value = F.one_hot((batch[1][:, 0] > 0).long())  # syncs: one_hot
+
+
+class Equal(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        self.value = torch.equal(batch[0], batch[0])  # syncs: equal
+
+
+class AllClose(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        self.value = torch.allclose(batch[0], batch[0] + 1e-9)  # syncs: allclose
+
+
+class Synchronize(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        torch.cuda.synchronize()  # syncs: synchronize
+
+
+class EmptyCache(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        torch.cuda.empty_cache()  # syncs: empty_cache
+
+
+PATTERN_MODULES = [
+    (Item, "item", "item"),
+    (Float, "float", "float"),
+    (Int, "int", "float"),
+    (Branch, "bool", "bool"),
+    (Format, "format", "format"),
+    (Print, "print", "print"),
+    (Cpu, "cpu", "cpu"),
+    (ToCpu, "to_cpu", "to_cpu"),
+    (ToList, "tolist", "tolist"),
+    (Numpy, "numpy", "numpy"),
+    (Nonzero, "nonzero", "nonzero"),
+    (MaskIndex, "mask_index", "mask_index"),
+    (MaskAssign, "mask_assign", "mask_assign"),
+    (MaskedSelect, "masked_select", "masked_select"),
+    (Unique, "unique", "unique"),
+    (RepeatInterleave, "repeat_interleave", "repeat_interleave"),
+    (OneHot, "one_hot", "one_hot"),
+    (Equal, "equal", "equal"),
+    (AllClose, "allclose", "equal"),
+    (Synchronize, "synchronize", "synchronize"),
+    (EmptyCache, "empty_cache", "empty_cache"),
+]
+
+
+@pytest.mark.parametrize(
+    ("module", "tag", "pattern"), PATTERN_MODULES, ids=[tag for _, tag, _ in PATTERN_MODULES]
+)
+def test_each_pattern_is_reported_at_its_line(
+    module: type[OneSync], tag: str, pattern: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if module is Synchronize:  # no GPU here: stand in for the real call, which needs a driver
+        monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    guard = fit(module(), tmp_path)
+    (finding,) = user_syncs(guard).values()
+    assert finding.location == marked_line(tag)
+    assert finding.severity is Severity.WARN and finding.area == "syncs"
+    assert finding.data["syncs"] == {pattern: 3}  # once in each of the 3 checked steps
+    assert finding.data["per_step"] == 1 and finding.data["hook"] == "training_step"
+    assert finding.title.startswith(f"`{finding.data['code']}` syncs 1x per training step in training_step")
+    assert "on a GPU" in finding.detail and finding.fix
+
+
+class NotOnAGpu(OneSync):
+    """Calls that look like syncs on the CPU but are not on a GPU run, or not syncs at all."""
+
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        labels = (batch[1][:, 0] > 0).long()
+        self.encoded = F.one_hot(labels, num_classes=2)  # checks its range with .item() on CPU only
+        self.moved = batch[0].to(self.device)  # to the GPU on a GPU run
+        self.cast = batch[0].to(torch.float64)
+        self.masked = torch.where(batch[0] > 0, batch[0], 0)
+        self.filled = batch[0].masked_fill(batch[0] < 0, 0)
+        self.host = loss.detach().to("cpu", non_blocking=True)
+        self.count = len(batch[0])
+
+
+def test_calls_that_do_not_sync_on_a_gpu_are_not_reported(tmp_path: Path) -> None:
+    assert user_syncs(fit(NotOnAGpu(), tmp_path)) == {}
+
+
+class CopyThenRead(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        host = loss.detach().cpu()  # syncs: copy
+        self.values = (host.numpy(), host.tolist(), host.item())  # already on the host: no sync
+
+
+def test_reads_of_a_host_copy_are_not_reported_again(tmp_path: Path) -> None:
+    (finding,) = user_syncs(fit(CopyThenRead(), tmp_path)).values()
+    assert finding.location == marked_line("copy") and finding.data["syncs"] == {"cpu": 3}
+
+
+class ValidationItem(BoringModel):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        loss = self._loss(batch)
+        self.log("val_loss", loss)
+        self.best = min(getattr(self, "best", 1e9), loss.item())  # syncs: validation
+
+
+def test_validation_steps_are_checked_and_the_sanity_check_is_not(tmp_path: Path) -> None:
+    guard = fit(ValidationItem(), tmp_path, limit_val_batches=2, num_sanity_val_steps=2)
+    (finding,) = user_syncs(guard).values()
+    assert finding.location == marked_line("validation")
+    assert finding.data["phase"] == "validation" and finding.data["hook"] == "validation_step"
+    assert finding.data["syncs"] == {"item": 2} and guard.checked_steps == {"training": 3, "validation": 2}
+
+
+class EpochEndItem(BoringModel):
+    def on_train_epoch_end(self) -> None:
+        self.summary = self.layer.weight.sum().item()  # outside the steps: not flagged
+
+
+def test_syncs_outside_the_steps_are_flagged_only_when_asked(tmp_path: Path) -> None:
+    assert user_syncs(fit(EpochEndItem(), tmp_path / "steps")) == {}
+    guard = fit(EpochEndItem(), tmp_path / "fit", guard=SyncGuard(mode="report", scope="fit"))
+    (finding,) = user_syncs(guard).values()
+    assert finding.data["hook"] == "on_train_epoch_end"
+
+
+# -- libraries ---------------------------------------------------------------------------------
+
+
+class DefaultMeanMetric(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean_loss = MeanMetric()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.mean_loss.update(loss.detach())  # syncs: nan_check
+        return loss
+
+
+def test_a_sync_inside_a_library_is_reported_at_the_calling_line_with_its_setting(tmp_path: Path) -> None:
+    (finding,) = user_syncs(fit(DefaultMeanMetric(), tmp_path)).values()
+    assert finding.location == marked_line("nan_check")
+    assert finding.data["cause"] == "metric_nan_check"
+    assert finding.data["library"] == "torchmetrics._cast_and_nan_check_input"
+    assert 'nan_strategy="disable"' in finding.fix and "Inside torchmetrics" in finding.detail
+
+
+class Clean(BoringModel):
+    """Everything the fixes recommend: logged tensors, metrics on the device, fixed shapes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean_loss = MeanMetric(nan_strategy="disable")
+        self.accuracy = BinaryAccuracy(validate_args=False)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        inputs, targets = batch
+        outputs = self(inputs.to(self.device))
+        loss = F.mse_loss(outputs, targets)
+        positive = targets[:, 0] > 0
+        self.mean_loss.update(loss.detach())
+        self.accuracy.update(outputs[:, 0] > 0, positive)
+        masked = torch.where(positive, outputs[:, 0], 0).sum() / positive.sum().clamp(min=1)
+        self.log("train_loss", loss)
+        self.log("masked_output", masked)
+        self.log("train_acc", self.accuracy, on_step=False, on_epoch=True)
+        self.encoded = F.one_hot(positive.long(), num_classes=2)
+        return loss
+
+
+def test_a_clean_module_yields_zero_findings(tmp_path: Path) -> None:
+    guard = fit(Clean(), tmp_path, limit_train_batches=4, limit_val_batches=2)
+    assert guard.findings == []
+    assert guard.checked_steps == {"training": 4, "validation": 2}
+
+
+# -- framework syncs ---------------------------------------------------------------------------
+
+
+class OnTheProgressBar(BoringModel):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+
+def test_framework_syncs_are_reported_apart_with_their_setting(tmp_path: Path) -> None:
+    logger = CSVLogger(str(tmp_path))
+    guard = fit(OnTheProgressBar(), tmp_path, enable_progress_bar=True, logger=logger, log_every_n_steps=1)
+    assert user_syncs(guard) == {}
+    framework = framework_syncs(guard)
+    assert set(framework) == {"progress_bar", "logging"}
+    bar = framework["progress_bar"]
+    assert bar.severity is Severity.INFO and bar.location is None
+    assert bar.data["syncs"] == {"item": 3} and "refresh_rate" in bar.fix
+    assert "log_every_n_steps" in framework["logging"].fix
+
+
+# -- modes -------------------------------------------------------------------------------------
+
+
+def test_error_mode_raises_at_the_users_line(tmp_path: Path) -> None:
+    guard = SyncGuard(mode="error")
+    with pytest.raises(SyncError, match=r"SyncGuard: `.item\(\)` copies a value") as raised:
+        fit(Item(), tmp_path, guard=guard)
+    location = marked_line("item")
+    assert f"at {location} in training_step: `self.value = loss.item()`" in str(raised.value)
+    file, line = location.rsplit(":", 1)
+    assert any(str(entry.path) == file and entry.lineno + 1 == int(line) for entry in raised.traceback)
+    assert [f.location for f in guard.findings] == [location]  # the failed run's report has it
+
+
+def test_error_mode_ignores_framework_syncs_and_allowed_lines(tmp_path: Path) -> None:
+    allowed = marked_line("item").rsplit("/", 1)[1]  # "test_sync_guard.py:NN"
+    guard = SyncGuard(mode="error", allow=[allowed])
+    fit(Item(), tmp_path, guard=guard, logger=CSVLogger(str(tmp_path)), log_every_n_steps=1)
+    assert {f.data["cause"] for f in guard.findings} == {"logging"}
+
+
+def test_warn_mode_warns_once_per_line_at_that_line(tmp_path: Path) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(Print(), tmp_path, guard=SyncGuard(), limit_train_batches=5)
+    ours = [w for w in caught if issubclass(w.category, BoostWarning)]
+    assert len(ours) == 1
+    assert f"{ours[0].filename}:{ours[0].lineno}" == marked_line("print")
+    assert "SyncGuard: `print(loss)` syncs 1x per training step" in str(ours[0].message)
+
+
+def test_report_mode_is_silent(tmp_path: Path) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        guard = fit(Item(), tmp_path)
+    assert not [w for w in caught if issubclass(w.category, BoostWarning)]
+    assert len(user_syncs(guard)) == 1
+
+
+# -- sampling and side effects -----------------------------------------------------------------
+
+
+def test_default_checks_a_sample_of_steps(tmp_path: Path) -> None:
+    guard = fit(Item(), tmp_path, guard=SyncGuard(mode="report"), limit_train_batches=40)
+    checked = guard.checked_steps["training"]
+    assert 3 <= checked < 40
+    (finding,) = user_syncs(guard).values()
+    assert finding.data["per_step"] == 1 and finding.data["checked_steps"] == checked
+
+
+def test_results_are_the_same_with_and_without_the_guard(tmp_path: Path) -> None:
+    weights = []
+    for name, callbacks in (("plain", []), ("guarded", [SyncGuard(mode="report", every_n_steps=1)])):
+        torch.manual_seed(0)
+        model = Item()
+        trainer = tiny_trainer(tmp_path / name, callbacks=callbacks, limit_val_batches=2)
+        trainer.fit(model, datamodule=BoringDataModule())
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
+
+
+def test_patched_calls_are_restored_after_fit(tmp_path: Path) -> None:
+    synchronize, empty_cache = torch.cuda.synchronize, torch.cuda.empty_cache
+    all_reduce = torch.distributed.all_reduce
+    fit(Item(), tmp_path)
+    assert torch.cuda.synchronize is synchronize and torch.cuda.empty_cache is empty_cache
+    assert torch.distributed.all_reduce is all_reduce
+    assert not torch.overrides._get_current_function_mode_stack()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        (
+            {"mode": "raise"},
+            ValueError,
+            r"`mode` expected one of 'error', 'report', 'warn', got 'raise'",
+        ),
+        ({"scope": "epoch"}, ValueError, r"`scope` expected one of 'fit', 'steps', got 'epoch'"),
+        (
+            {"allow": "model.py:12"},
+            TypeError,
+            r"`allow` expected a list of locations like 'model.py:57', got 'model.py:12'",
+        ),
+        ({"allow": ["model.py"]}, TypeError, r"`allow` expected a list of locations"),
+        ({"every_n_steps": 0}, ValueError, r"`every_n_steps` expected an int >= 1 or None, got 0"),
+        ({"max_overhead": 2}, ValueError, r"`max_overhead` expected a fraction between 0 and 1, got 2"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        SyncGuard(**kwargs)
+
+
+# -- DDP ---------------------------------------------------------------------------------------
+
+
+class SyncDist(BoringModel):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss, sync_dist=True)  # syncs: sync_dist
+        return loss
+
+
+@pytest.mark.ddp
+def test_ddp_framework_syncs_name_sigterm_and_sync_dist(tmp_path: Path) -> None:
+    trainer = tiny_trainer(
+        tmp_path,
+        devices=2,
+        strategy="ddp_spawn",
+        callbacks=[SyncGuard(mode="report", every_n_steps=1)],
+        limit_train_batches=3,
+        limit_val_batches=0,
+        logger=False,
+    )
+    trainer.fit(SyncDist(), datamodule=BoringDataModule())
+    report = json.loads((tmp_path / "boost_report.json").read_text())  # written by rank zero
+    found = {f["data"]["cause"]: f for f in report["findings"] if f["source"] == "SyncGuard"}
+    assert set(found) == {"sigterm", "sync_dist"}
+    # the flag is broadcast before each batch's hooks: the check of step k sees step k + 1's, and
+    # nothing follows the last step
+    assert found["sigterm"]["data"]["syncs"] == {"collective": 2, "item": 2}
+    assert found["sigterm"]["location"] is None and "no setting" in found["sigterm"]["fix"]
+    assert found["sync_dist"]["location"] == marked_line("sync_dist")
+    assert "on_epoch=True" in found["sync_dist"]["fix"]
+
+
+class ItemOnRankOne(BoringModel):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        if self.global_rank == 1 and batch_idx >= 1:
+            self.value = loss.item()
+        return loss
+
+
+@pytest.mark.ddp
+def test_ddp_error_mode_stops_every_rank_when_one_syncs(tmp_path: Path) -> None:
+    trainer = tiny_trainer(
+        tmp_path,
+        devices=2,
+        strategy="ddp_spawn",
+        callbacks=[SyncGuard(mode="error")],
+        limit_val_batches=0,
+    )
+    with pytest.raises(Exception, match="SyncGuard"):  # re-raised from the spawned ranks
+        trainer.fit(ItemOnRankOne(), datamodule=BoringDataModule())
+
+
+# -- CUDA --------------------------------------------------------------------------------------
+
+
+class CudaSyncs(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        self.value = loss.item()  # syncs: cuda_item
+        self.host_value = torch.ones(1).item()  # a CPU tensor on a GPU run: no sync
+        host = torch.empty(1)
+        host.copy_(loss.detach().reshape(1))  # syncs: cuda_copy
+
+
+@pytest.mark.gpu
+def test_cuda_syncs_include_what_only_the_debug_mode_sees(tmp_path: Path) -> None:
+    guard = fit(CudaSyncs(), tmp_path, accelerator="gpu")
+    found = user_syncs(guard)
+    assert set(found) == {marked_line("cuda_item"), marked_line("cuda_copy")}
+    assert found[marked_line("cuda_item")].data["syncs"] == {"item": 3}
+    assert found[marked_line("cuda_copy")].data["syncs"] == {"cuda": 3}
+    assert "on a GPU" not in found[marked_line("cuda_item")].detail
+    assert torch.cuda.get_sync_debug_mode() == 0

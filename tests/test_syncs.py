@@ -1,0 +1,244 @@
+"""The pure parts of SyncGuard: which calls sync (`classify`), whose code made them (`attribute`),
+what the report says (`SyncGroup`), and the recorder (`SyncWatch`)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_boost.tuning.sync_watch import SyncWatch
+from lightning_boost.tuning.syncs import CAUSES, Frame, Packages, SyncGroup, attribute, classify, code_at
+
+T = torch.Tensor
+x = torch.arange(6.0)
+labels = torch.tensor([0, 2, 1])
+mask = x > 2
+
+
+@pytest.mark.parametrize(
+    ("func", "args", "kwargs", "expected"),
+    [
+        (T.item, (x[0],), None, "item"),
+        (T.__float__, (x[0],), None, "float"),
+        (T.__bool__, (mask[0],), None, "bool"),
+        (T.__index__, (labels[0],), None, "index"),
+        (T.__format__, (x[0], ".3f"), None, "format"),
+        (T.__repr__, (x,), None, "print"),
+        (T.cpu, (x,), None, "cpu"),
+        (T.to, (x, "cpu"), None, "to_cpu"),
+        (T.to, (x,), {"device": "cpu"}, "to_cpu"),
+        (T.to, (x, "cpu"), {"non_blocking": True}, None),
+        (T.to, (x, "cpu", torch.float32, True), None, None),  # non_blocking by position
+        (T.to, (x, torch.device("cpu")), None, None),  # a device object: the GPU on a GPU run
+        (T.to, (x, torch.float64), None, None),
+        (T.tolist, (x,), None, "tolist"),
+        (T.numpy, (x,), None, "numpy"),
+        (torch.nonzero, (mask,), None, "nonzero"),
+        (torch.argwhere, (mask,), None, "nonzero"),
+        (torch.where, (mask,), None, "nonzero"),
+        (torch.where, (mask, x, 0.0), None, None),
+        (T.__getitem__, (x, mask), None, "mask_index"),
+        (T.__getitem__, (x, (mask,)), None, "mask_index"),
+        (T.__getitem__, (x, labels), None, None),
+        (T.__getitem__, (x, slice(0, 2)), None, None),
+        (T.__setitem__, (x, mask, 0.0), None, "mask_assign"),
+        (T.index_put_, (x, (mask,), torch.tensor(0.0)), None, "mask_assign"),
+        (torch.masked_select, (x, mask), None, "masked_select"),
+        (torch.unique, (labels,), None, "unique"),
+        (T.unique_consecutive, (labels,), None, "unique"),
+        (torch.repeat_interleave, (x[:3], labels), None, "repeat_interleave"),
+        (torch.repeat_interleave, (x[:3], labels), {"output_size": 3}, None),
+        (torch.repeat_interleave, (x, 2), None, None),
+        (F.one_hot, (labels,), None, "one_hot"),
+        (F.one_hot, (labels, -1), None, "one_hot"),
+        (F.one_hot, (labels, 3), None, None),  # validated with .item() on CPU kernels only
+        (F.one_hot, (labels,), {"num_classes": 3}, None),
+        (torch.bincount, (labels,), None, "bincount"),
+        (torch.equal, (x, x), None, "equal"),
+        (torch.allclose, (x, x), None, "equal"),
+        (torch.add, (x, x), None, None),
+        (T.sum, (x,), None, None),
+    ],
+)
+def test_classify_models_a_gpu_run_on_cpu_tensors(
+    func: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None, expected: str | None
+) -> None:
+    assert classify(func, args, kwargs, cuda=False) == expected
+
+
+def test_on_a_gpu_run_only_calls_on_gpu_tensors_sync() -> None:
+    assert classify(T.item, (x[0],), None, cuda=True) is None
+    assert classify(T.__getitem__, (x, mask), None, cuda=True) is None
+    assert classify(T.to, (x, torch.device("cpu")), None, cuda=True) is None  # already there
+
+
+# -- attribute ---------------------------------------------------------------------------------
+
+VENV = os.sep.join(["", "venv", "site-packages"])
+PACKAGES = {
+    f"{VENV}/torchmetrics/aggregation.py": "torchmetrics",
+    f"{VENV}/torch/_tensor.py": "torch",
+    f"{VENV}/torch/nn/modules/module.py": "torch",
+    f"{VENV}/torch/utils/data/dataloader.py": "torch",
+    f"{VENV}/lightning/fabric/utilities/apply_func.py": "lightning",
+    f"{VENV}/lightning/pytorch/callbacks/progress/tqdm_progress.py": "lightning",
+    f"{VENV}/lightning/pytorch/trainer/call.py": "lightning",
+    f"{VENV}/lightning/pytorch/strategies/strategy.py": "lightning",
+    f"{VENV}/lightning/pytorch/loops/training_epoch_loop.py": "lightning",
+    f"{VENV}/lightning/pytorch/loops/fit_loop.py": "lightning",
+    "/usr/lib/python3.11/threading.py": "python",
+}.get
+
+
+def frame(path: str, line: int = 1, function: str = "f") -> Frame:
+    return Frame(path.replace("/", os.sep) if path.startswith("/") else f"{VENV}/{path}", line, function)
+
+
+LOOP = frame("lightning/pytorch/loops/fit_loop.py", 300, "run")
+SCRIPT = frame("/home/me/train.py", 9, "<module>")
+
+
+def test_a_user_line_inside_nested_user_code_names_the_hook() -> None:
+    a = attribute(
+        [
+            frame("/home/me/model.py", 30, "forward"),
+            frame("torch/nn/modules/module.py", 1, "_call_impl"),
+            frame("/home/me/model.py", 41, "training_step"),
+            frame("lightning/pytorch/strategies/strategy.py", 2, "training_step"),
+            LOOP,
+            SCRIPT,
+        ],
+        PACKAGES,
+    )
+    assert a is not None and a.site is not None
+    assert (a.site.location, a.hook, a.library, a.framework) == (
+        f"{os.sep}home{os.sep}me{os.sep}model.py:30",
+        "training_step",
+        None,
+        False,
+    )
+
+
+def test_torch_tensor_api_frames_are_not_a_library() -> None:
+    a = attribute(
+        [frame("torch/_tensor.py", 1, "__repr__"), frame("/home/me/model.py", 5, "step"), LOOP], PACKAGES
+    )
+    assert a is not None and a.library is None and a.site is not None and a.site.line == 5
+
+
+def test_a_framework_sync_stops_at_the_loops_and_never_blames_the_script() -> None:
+    a = attribute(
+        [
+            frame("lightning/fabric/utilities/apply_func.py", 134, "convert_tensors_to_scalars"),
+            frame("lightning/pytorch/callbacks/progress/tqdm_progress.py", 280, "on_train_batch_end"),
+            frame("lightning/pytorch/trainer/call.py", 3, "_call_callback_hooks"),
+            frame("lightning/pytorch/loops/training_epoch_loop.py", 4, "advance"),
+            LOOP,
+            SCRIPT,
+        ],
+        PACKAGES,
+    )
+    assert a is not None and a.site is None and a.framework
+    assert a.cause is not None and a.cause.key == "progress_bar"
+
+
+def test_the_most_specific_cause_wins() -> None:
+    sigterm = frame("lightning/pytorch/loops/training_epoch_loop.py", 269, "_broadcast_sigterm_tensor")
+    a = attribute(
+        [sigterm, frame("lightning/pytorch/loops/training_epoch_loop.py", 300, "advance")], PACKAGES
+    )
+    assert a is not None and a.cause is not None and a.cause.key == "sigterm"
+    assert [c.key for c in CAUSES][-1] == "logging"  # the generic one is tried last
+
+
+def test_a_library_between_the_user_and_the_sync_is_named() -> None:
+    a = attribute(
+        [
+            frame("torchmetrics/aggregation.py", 93, "_cast_and_nan_check_input"),
+            frame("/home/me/model.py", 41, "training_step"),
+            LOOP,
+        ],
+        PACKAGES,
+    )
+    assert a is not None and not a.framework and a.package == "torchmetrics"
+    assert a.cause is not None and a.cause.key == "metric_nan_check"
+
+
+def test_data_loading_is_not_a_sync_of_the_step() -> None:
+    frames = [
+        frame("/home/me/data.py", 12, "__getitem__"),
+        frame("torch/utils/data/dataloader.py", 1, "__next__"),
+        LOOP,
+    ]
+    assert attribute(frames, PACKAGES) is None
+
+
+def test_packages_tell_the_users_code_from_installed_code() -> None:
+    packages = Packages()
+    assert packages(torch.__file__) == "torch"
+    assert packages(os.__file__) == "python"
+    assert packages(__file__) is None
+    assert packages("<frozen importlib._bootstrap>") == "python"
+
+
+# -- SyncGroup ---------------------------------------------------------------------------------
+
+
+def test_a_group_counts_per_checked_step_and_gives_the_fix() -> None:
+    a = attribute([frame("/home/me/model.py", 41, "training_step"), LOOP], PACKAGES)
+    assert a is not None
+    group = SyncGroup("training", a, code="value = loss.item()")
+    for _ in range(4):
+        group.add("item")
+    group.add("print")
+    assert group.title(steps=2) == "`value = loss.item()` syncs 2.5x per training step in training_step"
+    assert "(4x)" in group.detail(2, cpu_run=True) and "on a GPU" in group.detail(2, cpu_run=True)
+    assert "self.log" in group.fix() and "print" in group.fix()
+    assert group.to_data(2)["syncs"] == {"item": 4, "print": 1}
+    assert SyncGroup.key("training", a) != SyncGroup.key("validation", a)
+
+
+def test_code_at_drops_the_comment_but_keeps_a_hash_in_a_string(tmp_path: Any) -> None:
+    source = tmp_path / "m.py"
+    source.write_text('x = f"#{loss}"  # a comment\ncall(a,\n')
+    assert code_at(Frame(str(source), 1, "m")) == 'x = f"#{loss}"'
+    assert code_at(Frame(str(source), 2, "m")) == "call(a,"  # unfinished: kept whole
+
+
+# -- SyncWatch ---------------------------------------------------------------------------------
+
+
+def test_the_watch_records_while_active_and_restores_everything() -> None:
+    seen: list[str] = []
+    watch = SyncWatch(lambda pattern, frame: seen.append(pattern), cuda=False)
+    synchronize = torch.cuda.synchronize
+    watch.start()
+    watch.start()  # idempotent
+    assert torch.cuda.synchronize is not synchronize
+    values = torch.arange(3.0)
+    values.sum().item()
+    host = values.cpu()
+    host.tolist()  # a host copy: reading it does not sync on a GPU either
+    torch.cuda.empty_cache()
+    assert watch.stop() == {}
+    values.sum().item()  # stopped: not seen
+    assert seen == ["item", "cpu", "empty_cache"]
+    assert torch.cuda.synchronize is synchronize
+    assert not torch.overrides._get_current_function_mode_stack()
+
+
+def test_a_raising_callback_stops_the_call_before_it_runs() -> None:
+    def refuse(pattern: str, frame: Any) -> None:
+        raise RuntimeError(pattern)
+
+    watch = SyncWatch(refuse, cuda=False)
+    watch.start()
+    try:
+        with pytest.raises(RuntimeError, match="item"):
+            torch.ones(1).item()
+    finally:
+        watch.stop()
