@@ -47,5 +47,8 @@ def test_guard_overhead_runs_at_tiny_size() -> None:
         "LossLoggingGuard default (first 3 steps, then 0.5 % budget)",
         "LossLoggingGuard default",
         "LossLoggingGuard every step (every_n_steps=1, GC scan each step)",
+        "SyncGuard default (first 3 steps, then 0.5 % budget)",
+        "SyncGuard default",
+        "SyncGuard every step (every_n_steps=1)",
     ]
     assert all(row.ratio > 0 and row.command == guard_overhead.COMMAND for row in rows)

@@ -209,6 +209,7 @@ def test_each_pattern_is_reported_at_its_line(
     assert finding.severity is Severity.WARN and finding.area == "syncs"
     assert finding.data["syncs"] == {pattern: 3}  # once in each of the 3 checked steps
     assert finding.data["per_step"] == 1 and finding.data["hook"] == "training_step"
+    assert finding.data["function"] == "sync"  # the helper the step called
     assert finding.title.startswith(f"`{finding.data['code']}` syncs 1x per training step in training_step")
     assert "on a GPU" in finding.detail and finding.fix
 
@@ -255,6 +256,18 @@ def test_validation_steps_are_checked_and_the_sanity_check_is_not(tmp_path: Path
     assert finding.location == marked_line("validation")
     assert finding.data["phase"] == "validation" and finding.data["hook"] == "validation_step"
     assert finding.data["syncs"] == {"item": 2} and guard.checked_steps == {"training": 3, "validation": 2}
+
+
+class GradNormItem(BoringModel):
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        norm = torch.linalg.vector_norm(self.layer.weight.grad)
+        self.grad_norm = norm.item()  # syncs: grad_norm
+
+
+def test_hooks_around_backward_and_the_optimizer_step_are_checked(tmp_path: Path) -> None:
+    (finding,) = user_syncs(fit(GradNormItem(), tmp_path)).values()
+    assert finding.location == marked_line("grad_norm")
+    assert finding.data["hook"] == finding.data["function"] == "on_before_optimizer_step"
 
 
 class EpochEndItem(BoringModel):

@@ -25,6 +25,7 @@ mask = x > 2
         (T.item, (x[0],), None, "item"),
         (T.__float__, (x[0],), None, "float"),
         (T.__bool__, (mask[0],), None, "bool"),
+        (T.__contains__, (labels, 2), None, "bool"),
         (T.__index__, (labels[0],), None, "index"),
         (T.__format__, (x[0], ".3f"), None, "format"),
         (T.__repr__, (x,), None, "print"),

@@ -244,6 +244,7 @@ def _rules() -> dict[Callable[..., Any], Rule]:
         "__complex__": _always("float"),
         "__bool__": _always("bool"),
         "is_nonzero": _always("bool"),
+        "__contains__": _always("bool"),
         "__index__": _always("index"),
         "__format__": _always("format"),
         "__repr__": _always("print"),
@@ -394,7 +395,8 @@ CAUSES: tuple[Cause, ...] = (
         True,
         "The progress bar reads every `prog_bar=True` value with `.item()` at each refresh",
         "Put fewer values on the bar (`prog_bar=False`), refresh less often"
-        " (`TQDMProgressBar(refresh_rate=50)`), or `Trainer(enable_progress_bar=False)`.",
+        " (`TQDMProgressBar(refresh_rate=50)`, `RichProgressBar(refresh_rate=50)`), or"
+        " `Trainer(enable_progress_bar=False)`.",
     ),
     Cause(
         "grad_scaler",
@@ -680,6 +682,7 @@ class SyncGroup:
             "phase": self.phase,
             "framework": self.framework,
             "hook": a.hook,
+            "function": a.site.function if a.site else None,
             "code": self.code,
             "syncs": dict(self.counts),
             "per_step": round(self.per_step(steps), 4),
