@@ -13,7 +13,7 @@ from lightning.pytorch.loggers import Logger
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_boost._validation import unknown_choice_error
+from lightning_boost._validation import check_sampling, unknown_choice_error
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.report import Finding, Severity, plot_data
 from lightning_boost.tuning.graphs import census, footprint, graph_tensors, growth, holds_graph, thin
@@ -93,16 +93,7 @@ class LossLoggingGuard(BoostCallback):
             raise TypeError(
                 f"`allow` expected a list of attribute names, got {allow!r}; e.g. `allow=['hidden']`."
             )
-        if every_n_steps is not None and (
-            isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1
-        ):
-            raise ValueError(f"`every_n_steps` expected an int >= 1 or None, got {every_n_steps!r}.")
-        if (
-            isinstance(max_overhead, bool)
-            or not isinstance(max_overhead, (int, float))
-            or not 0 < max_overhead < 1
-        ):
-            raise ValueError(f"`max_overhead` expected a fraction between 0 and 1, got {max_overhead!r}.")
+        check_sampling(every_n_steps, max_overhead)
         self.mode = mode
         self.allow = tuple(name.removeprefix("self.") for name in allow)
         self.every_n_steps = every_n_steps
