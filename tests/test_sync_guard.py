@@ -348,11 +348,20 @@ def test_framework_syncs_are_reported_apart_with_their_setting(tmp_path: Path) -
     guard = fit(OnTheProgressBar(), tmp_path, enable_progress_bar=True, logger=logger, log_every_n_steps=1)
     assert user_syncs(guard) == {}
     framework = framework_syncs(guard)
-    assert set(framework) == {"progress_bar", "logging"}
+    assert set(framework) == {"progress_bar", "prog_bar_values", "logging"}
     bar = framework["progress_bar"]
     assert bar.severity is Severity.INFO and bar.location is None
     assert bar.data["syncs"] == {"item": 3} and "refresh_rate" in bar.fix
+    # after every batch, and again for the loggers when they log (every step here)
+    assert framework["prog_bar_values"].data["syncs"] == {"item": 6}
+    assert "on_epoch=True" in framework["prog_bar_values"].fix
     assert "log_every_n_steps" in framework["logging"].fix
+
+
+def test_prog_bar_values_sync_even_without_a_progress_bar(tmp_path: Path) -> None:
+    guard = fit(OnTheProgressBar(), tmp_path, enable_progress_bar=False, log_every_n_steps=50)
+    (finding,) = guard.findings  # once per batch: no bar, no logger, no logging step
+    assert finding.data["cause"] == "prog_bar_values" and finding.data["syncs"] == {"item": 3}
 
 
 # -- modes -------------------------------------------------------------------------------------

@@ -393,10 +393,20 @@ CAUSES: tuple[Cause, ...] = (
         "/callbacks/progress/",
         (),
         True,
-        "The progress bar reads every `prog_bar=True` value with `.item()` at each refresh",
-        "Put fewer values on the bar (`prog_bar=False`), refresh less often"
-        " (`TQDMProgressBar(refresh_rate=50)`, `RichProgressBar(refresh_rate=50)`), or"
-        " `Trainer(enable_progress_bar=False)`.",
+        "The progress bar reads the `prog_bar=True` values again at each refresh",
+        "Refresh less often (`TQDMProgressBar(refresh_rate=50)`, `RichProgressBar(refresh_rate=50)`),"
+        " or `Trainer(enable_progress_bar=False)`; fewer `prog_bar=True` values.",
+    ),
+    Cause(
+        "prog_bar_values",
+        "lightning",
+        "/logger_connector/result.py",
+        ("metrics",),
+        True,
+        "Lightning converts each step-level `prog_bar=True` value with `.item()` after every batch,"
+        " whether a progress bar shows it or not",
+        "Keep step values off the bar (`prog_bar=False`, the default), or put epoch values on it"
+        " (`on_step=False, on_epoch=True, prog_bar=True`): those are converted once per epoch.",
     ),
     Cause(
         "grad_scaler",
@@ -458,8 +468,8 @@ CAUSES: tuple[Cause, ...] = (
     Cause(
         "logging",
         "lightning",
-        "/logger_connector/",
-        (),
+        "/logger_connector/logger_connector.py",
+        ("log_metrics",),
         True,
         "Logged values are read with `.item()` every `log_every_n_steps`",
         "`Trainer(log_every_n_steps=...)`: a larger interval means fewer reads.",
