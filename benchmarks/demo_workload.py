@@ -9,23 +9,49 @@ from __future__ import annotations
 
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import lightning as L
+import torch
 from torch.utils.data import DataLoader
 
 from benchmarks.common import Row, median_ratio
-from lightning_boost.demo import FakeCIFAR, fake_cifar, fit_fake_cifar
+from lightning_boost.demo import FakeCIFAR, SmallCNN, fake_cifar, fit_fake_cifar
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.presets import preset
 
 
 def run(samples: int = 1536, epochs: int = 2, repeats: int = 3, batch_size: int = 64) -> list[Row]:
+    timings, tuned = compare(SmallCNN, samples, epochs, repeats, batch_size)
+    detail = (
+        f"samples/s median of {repeats}: plain {statistics.median(timings['plain']):.0f}"
+        f" (num_workers=0, Lightning's defaults) vs {statistics.median(timings['boosted']):.0f}"
+        f" (BoostedDataModule: {tuned}; preset('auto'));"
+        f" {samples} images x {epochs} epochs, batch {batch_size}"
+    )
+    return [
+        Row(
+            "demo workload: BoostedDataModule + preset('auto') / plain defaults",
+            median_ratio(timings["boosted"], timings["plain"]),
+            detail,
+            "python -m benchmarks demo_workload",
+        )
+    ]
+
+
+def compare(
+    model: Callable[[], L.LightningModule], samples: int, epochs: int, repeats: int, batch_size: int
+) -> tuple[dict[str, list[float]], str]:
+    """Samples/s of `model` trained plain and boosted, alternating; and the boosted loader's settings."""
     hw = HardwareInfo.detect()
     timings: dict[str, list[float]] = {"plain": [], "boosted": []}
     tuned = ""
     with tempfile.TemporaryDirectory() as root:
-        options = dict(enable_progress_bar=False, logger=False, enable_checkpointing=False)
+        options: dict[str, Any] = dict(
+            enable_progress_bar=False, logger=False, enable_checkpointing=False, model=model
+        )
         cache = Path(root) / "cache"  # the first boosted run measures, the others reuse the cache
         fit_fake_cifar(_plain(batch_size * 2, batch_size), "auto", 1, root, **options)  # warm-up
         for repeat in range(repeats):
@@ -38,22 +64,16 @@ def run(samples: int = 1536, epochs: int = 2, repeats: int = 3, batch_size: int 
                     strategy = preset("auto", hardware=hw)
                     trainer, rate = fit_fake_cifar(datamodule, strategy, epochs, root, **options)
                     loader = trainer.train_dataloader
-                    tuned = f"num_workers={loader.num_workers}, prefetch_factor={loader.prefetch_factor}"
+                    threads = next(  # set beside the workers for the fit, restored at teardown
+                        (f.data["threads"] for f in datamodule.findings if "threads" in f.data),
+                        torch.get_num_threads(),
+                    )
+                    tuned = (
+                        f"num_workers={loader.num_workers}, prefetch_factor={loader.prefetch_factor},"
+                        f" {threads} model thread(s)"
+                    )
                 timings[variant].append(rate)
-    detail = (
-        f"samples/s median of {repeats}: plain {statistics.median(timings['plain']):.0f}"
-        f" (num_workers=0, Lightning's defaults) vs {statistics.median(timings['boosted']):.0f}"
-        f" (BoostedDataModule: {tuned}, model threads beside the workers; preset('auto'));"
-        f" {samples} images x {epochs} epochs, batch {batch_size}"
-    )
-    return [
-        Row(
-            "demo workload: BoostedDataModule + preset('auto') / plain defaults",
-            median_ratio(timings["boosted"], timings["plain"]),
-            detail,
-            "python -m benchmarks demo_workload",
-        )
-    ]
+    return timings, tuned
 
 
 def _plain(samples: int, batch_size: int) -> DataLoader[Any]:

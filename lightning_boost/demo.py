@@ -10,12 +10,13 @@ It is the project's main job until the side-by-side demo (plain vs boosted) repl
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import lightning as L
 import torch
 import torchmetrics
+import torchvision
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
@@ -67,6 +68,14 @@ class SmallCNN(L.LightningModule):
     @override
     def configure_optimizers(self) -> OptimizerLRScheduler:
         return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=0.9)
+
+
+class ResNet18Classifier(SmallCNN):
+    """`SmallCNN`'s training with torchvision's ResNet-18 as the network: a compute-bound model on CPU."""
+
+    def __init__(self, num_classes: int = 10, lr: float = 0.05) -> None:
+        super().__init__(num_classes, lr)
+        self.net = torchvision.models.resnet18(num_classes=num_classes)
 
 
 def _block(cin: int, cout: int) -> nn.Sequential:
@@ -145,9 +154,11 @@ def fit_fake_cifar(
     root: str,
     name: str = "demo",
     callbacks: Sequence[L.Callback] = (),
+    model: Callable[[], L.LightningModule] = SmallCNN,
     **trainer_kwargs: Any,
 ) -> tuple[L.Trainer, float]:
-    """Train `SmallCNN` on `data` (a loader or a datamodule) with `strategy`; return trainer, samples/s."""
+    """Train `model()` (`SmallCNN`) on `data` (a loader or a datamodule) with `strategy`; return
+    the trainer and samples/s."""
     throughput = Throughput()
     L.seed_everything(0, verbose=False)
     options: dict[str, Any] = dict(
@@ -161,9 +172,9 @@ def fit_fake_cifar(
     )
     trainer = L.Trainer(**(options | trainer_kwargs))
     if isinstance(data, L.LightningDataModule):
-        trainer.fit(SmallCNN(), datamodule=data)
+        trainer.fit(model(), datamodule=data)
     else:
-        trainer.fit(SmallCNN(), train_dataloaders=data)
+        trainer.fit(model(), train_dataloaders=data)
     return trainer, throughput.samples_per_second
 
 

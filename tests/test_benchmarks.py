@@ -52,3 +52,12 @@ def test_guard_overhead_runs_at_tiny_size() -> None:
         "SyncGuard every step (every_n_steps=1)",
     ]
     assert all(row.ratio > 0 and row.command == guard_overhead.COMMAND for row in rows)
+
+
+def test_demo_workloads_run_at_tiny_size() -> None:
+    from benchmarks import compute_bound, demo_workload
+
+    (smallcnn,) = demo_workload.run(samples=128, epochs=1, repeats=1, batch_size=32)
+    (resnet,) = compute_bound.run(samples=64, epochs=1, repeats=1, batch_size=32)
+    assert smallcnn.ratio > 0 and resnet.ratio > 0 and resnet.command == compute_bound.COMMAND
+    assert "model thread(s)" in smallcnn.detail and "resnet18" in resnet.detail
