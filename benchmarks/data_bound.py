@@ -131,6 +131,8 @@ def run(samples: int = 32768, batch_size: int = 64) -> list[Row]:
 def _warm_cache_seconds(samples: int, batch_size: int, cache: Path) -> float:
     """Seconds to build the tuned training loader when the cache has the measurement."""
     datamodule = HeavyFakeData(samples, batch_size=batch_size, cache_dir=cache)
+    datamodule.trainer = L.Trainer(accelerator="auto", logger=False, enable_checkpointing=False)
+    datamodule.trainer.strategy.connect(SmallCNN())  # on a CPU the model is part of the cache key
     datamodule.setup("fit")
     started = time.perf_counter()
     datamodule.train_dataloader()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -85,3 +86,16 @@ def rebuild_dataloaders(
             loop._data_source = original
 
     return undo
+
+
+def detached_copy(module: L.LightningModule) -> L.LightningModule:
+    """A deep copy of `module` without its trainer reference (``_trainer``), which has no setter.
+
+    The copy's steps touch nothing of the run: its ``self.log`` calls warn and return.
+    """
+    trainer = module._trainer
+    module._trainer = None
+    try:
+        return copy.deepcopy(module)
+    finally:
+        module._trainer = trainer

@@ -107,9 +107,12 @@ def fingerprint_parts(
     batch_size: int,
     settings: Mapping[str, Any],
     tuning: WorkerTuning,
+    model: str | None = None,
 ) -> dict[str, Any]:
-    """What a worker measurement depends on: the machine, the dataset and its transforms, the batch."""
+    """What a worker measurement depends on: the machine, the dataset and its transforms, the batch
+    and, on a CPU run, the model (`describe_model`), which shares the CPUs with the workers."""
     return {
+        "model": model,
         "kind": "workers",
         "hardware": {
             "accelerator": hardware.accelerator,
@@ -129,6 +132,14 @@ def fingerprint_parts(
             "target_samples_per_s": tuning.target_samples_per_s,
         },
     }
+
+
+def describe_model(module: torch.nn.Module | None) -> str | None:
+    """``"pkg.Class: N parameters"``: enough to tell one model's step time from another's."""
+    if module is None:
+        return None
+    kind = type(module)
+    return f"{kind.__module__}.{kind.__qualname__}: {sum(p.numel() for p in module.parameters())} parameters"
 
 
 def describe_dataset(dataset: object, depth: int = 3) -> dict[str, Any]:

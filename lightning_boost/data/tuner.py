@@ -8,7 +8,8 @@ uses the same value, applies the process settings that go with it and records fi
 from __future__ import annotations
 
 import resource
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,13 @@ from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 
-from lightning_boost.data.loaders import cannot_measure, fingerprint_parts, measurement_loaders
+from lightning_boost.data.loaders import (
+    cannot_measure,
+    describe_model,
+    fingerprint_parts,
+    measurement_loaders,
+)
+from lightning_boost.data.probe import model_step_rates
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.report import BoostWarning, Finding, Severity, plot_data
 from lightning_boost.tuning import cache
@@ -29,8 +36,10 @@ from lightning_boost.tuning.workers import (
     WorkerTuning,
     compute_threads,
     measure_loader,
+    model_threads,
     open_files_plan,
     search_workers,
+    split_cpus,
 )
 
 CACHE_FILE = "workers.json"
@@ -73,12 +82,17 @@ class WorkerTuner:
         `settings` are the real loader's other arguments (collate function, pinning, ...).
         """
         hardware = hardware_for(trainer)
-        key = cache.fingerprint(fingerprint_parts(hardware, dataset, batch_size, settings, self.tuning))
+        # on a CPU the model shares the CPUs with the workers: its step is part of the decision
+        module = trainer.lightning_module if trainer is not None and hardware.accelerator == "cpu" else None
+        parts = fingerprint_parts(
+            hardware, dataset, batch_size, settings, self.tuning, describe_model(module)
+        )
+        key = cache.fingerprint(parts)
         choice = self.choices.get(key)
         if choice is None:
             result: dict[str, Any] | None = None
             if trainer is None or trainer.is_global_zero:
-                result = self._decide(hardware, key, dataset, batch_size, settings)
+                result = self._decide(hardware, key, dataset, batch_size, settings, module)
             if trainer is not None:
                 result = trainer.strategy.broadcast(result, src=0)
             assert result is not None  # rank zero always decides; the others receive it
@@ -98,6 +112,7 @@ class WorkerTuner:
         dataset: Dataset[Any],
         batch_size: int,
         settings: Mapping[str, Any],
+        module: L.LightningModule | None,
     ) -> dict[str, Any]:
         """Rank zero: the cached choice, else a measured one; never raises (the others are waiting)."""
         try:
@@ -109,7 +124,7 @@ class WorkerTuner:
                 cached = self._cached(path, key)
                 if cached is not None:
                     return cached.to_dict()
-            choice = self._measure(hardware, dataset, batch_size, settings)
+            choice = self._measure(hardware, dataset, batch_size, settings, module)
             cache.store_entry(path, key, {"choice": choice.to_dict()})
             return choice.to_dict()
         except Exception as err:  # every rank waits on this one: fall back rather than hang them
@@ -130,7 +145,12 @@ class WorkerTuner:
             return None
 
     def _measure(
-        self, hardware: HardwareInfo, dataset: Dataset[Any], batch_size: int, settings: Mapping[str, Any]
+        self,
+        hardware: HardwareInfo,
+        dataset: Dataset[Any],
+        batch_size: int,
+        settings: Mapping[str, Any],
+        module: L.LightningModule | None,
     ) -> WorkerChoice:
         make = measurement_loaders(dataset, batch_size, settings, self.tuning.timeout_s)
 
@@ -139,7 +159,39 @@ class WorkerTuner:
             return measure_loader(make, num_workers, prefetch_factor, batch_size=batch_size, window_s=window)
 
         with preserved_rng():
-            return search_workers(measure, hardware, self.tuning)
+            choice = search_workers(measure, hardware, self.tuning)
+        if module is None or not any(trial.ok and trial.num_workers for trial in choice.trials):
+            return choice  # not a CPU run, or no worker setting ran: nothing to weigh
+        return self._beside_model(choice, module, make, hardware.cpus_per_process)
+
+    def _beside_model(
+        self, choice: WorkerChoice, module: L.LightningModule, make: Callable[..., Any], cpus: int
+    ) -> WorkerChoice:
+        """A CPU run: the loader trial that trains fastest with the model on the CPUs it leaves."""
+        start = time.perf_counter()
+        with preserved_rng():
+            batch = next(iter(make(0, None)))
+        counts = sorted({model_threads(cpus, t.num_workers) for t in choice.trials if t.ok}, reverse=True)
+        rates = model_step_rates(module, batch, counts, budget_s=self.tuning.budget_s / 2)
+        seconds = choice.seconds + time.perf_counter() - start
+        pick = split_cpus(choice.trials, rates, cpus, self.tuning.tolerance)
+        if pick is None:
+            return choice.replace(seconds=seconds)
+        trial, predicted = pick
+        model = ", ".join(f"{rate:.0f} at {count} thread(s)" for count, rate in sorted(rates.items()))
+        if trial.num_workers == choice.num_workers:
+            reason = f"{choice.reason}, and beside the model (its steps: {model} samples/s)"
+            return choice.replace(reason=reason, seconds=seconds)
+        reason = (
+            f"fastest beside the model: {predicted:.0f} samples/s predicted (the model's steps:"
+            f" {model} samples/s; the loader's: {trial.samples_per_s:.0f})"
+        )
+        return choice.replace(
+            num_workers=trial.num_workers,
+            prefetch_factor=trial.prefetch_factor,
+            reason=reason,
+            seconds=seconds,
+        )
 
     def apply_process_settings(self, hardware: HardwareInfo, num_workers: int) -> None:
         """Open-file limit and, on a CPU run, the model's threads beside the workers."""

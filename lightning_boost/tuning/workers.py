@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -408,8 +408,60 @@ def compute_threads(hardware: HardwareInfo, num_workers: int, current: int) -> i
     """
     if hardware.accelerator != "cpu" or num_workers == 0:
         return None
-    threads = max(hardware.cpus_per_process - num_workers, 1)
+    threads = model_threads(hardware.cpus_per_process, num_workers)
     return threads if threads < current else None
+
+
+def model_threads(cpus: int, num_workers: int) -> int:
+    """The model's intra-op threads on a CPU run beside `num_workers` workers (all CPUs without)."""
+    return max(cpus - num_workers, 1) if num_workers else cpus
+
+
+def split_cpus(
+    trials: Sequence[WorkerTrial], step_rates: Mapping[int, float], cpus: int, tolerance: float = 0.05
+) -> tuple[WorkerTrial, float] | None:
+    """On a CPU run, the loader trial that trains fastest beside the model, and its predicted samples/s.
+
+    With ``w`` workers the model gets `model_threads` (``cpus - w``), the loader and the model run
+    side by side, and the slower sets the pace: ``min(loader(w), model(cpus - w))``. With no
+    workers they take turns on all CPUs: ``1 / (1 / loader(0) + 1 / model(cpus))``. So a model
+    whose step outweighs its data keeps its CPUs, and a data-bound one gets workers. Among
+    trials within `tolerance` of the best prediction, no workers wins if it is one of them;
+    otherwise the loader with the most headroom over the model, since workers contend with the
+    model for the CPUs in a way measuring each alone leaves out. `step_rates` maps thread counts
+    to the model's samples/s; ``None`` when no trial has the rate it needs.
+
+    Example:
+        >>> loader = [WorkerTrial(0, None, 3000.0), WorkerTrial(1, 2, 2900.0), WorkerTrial(2, 2, 3200.0)]
+        >>> trial, rate = split_cpus(loader, {2: 780.0, 1: 420.0}, cpus=2)  # compute-bound
+        >>> trial.num_workers, round(rate)
+        (0, 619)
+        >>> loader = [WorkerTrial(0, None, 500.0), WorkerTrial(1, 2, 900.0), WorkerTrial(2, 2, 1100.0)]
+        >>> split_cpus(loader, {2: 3000.0, 1: 1700.0}, cpus=2)[0].num_workers  # data-bound
+        2
+    """
+    predicted: list[tuple[float, WorkerTrial]] = []
+    for trial in trials:
+        model = step_rates.get(model_threads(cpus, trial.num_workers))
+        if not trial.ok or not model or trial.samples_per_s <= 0:
+            continue
+        if trial.num_workers:
+            rate = min(trial.samples_per_s, model)
+        else:
+            rate = 1 / (1 / trial.samples_per_s + 1 / model)
+        predicted.append((rate, trial))
+    if not predicted:
+        return None
+    best = max(rate for rate, _ in predicted)
+    near = [(rate, trial) for rate, trial in predicted if rate >= (1 - tolerance) * best]
+
+    def preference(pair: tuple[float, WorkerTrial]) -> tuple[bool, float, int]:
+        _, trial = pair
+        headroom = trial.samples_per_s / step_rates[model_threads(cpus, trial.num_workers)]
+        return (trial.num_workers > 0, -headroom, trial.num_workers)
+
+    rate, trial = min(near, key=preference)
+    return trial, rate
 
 
 def open_files_plan(hardware: HardwareInfo, num_workers: int, minimum: int = 4096) -> tuple[str, int] | None:

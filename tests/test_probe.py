@@ -1,0 +1,111 @@
+"""Worker tuning on a CPU weighs the model's step: `model_step_rates` (on a copy, no trace) and
+`split_cpus` (the decision), and `BoostedDataModule` using both."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+from lightning_boost import BoostedDataModule, WorkerTuning
+from lightning_boost.data import probe, tuner
+from lightning_boost.testing import BoringModel, tiny_trainer
+from lightning_boost.tuning.workers import WorkerTrial, split_cpus
+
+
+class WithBatchNorm(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(32)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.layer(nn.functional.dropout(self.norm(x), 0.5))
+
+
+def test_step_rates_are_measured_on_a_copy_and_leave_no_trace() -> None:
+    model = WithBatchNorm()
+    batch = (torch.randn(8, 32), torch.randn(8, 2))
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    rng, threads = torch.get_rng_state(), torch.get_num_threads()
+    rates = probe.model_step_rates(model, batch, [threads, 1])
+    assert set(rates) == {threads, 1} and all(rate > 0 for rate in rates.values())
+    after = model.state_dict()
+    assert all(torch.equal(before[name], after[name]) for name in before)  # BatchNorm statistics too
+    assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng) and torch.get_num_threads() == threads
+
+
+class ManualOptimization(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class ReadsTheTrainer(BoringModel):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self._loss(batch) * (self.trainer.global_step + 1)
+
+
+@pytest.mark.parametrize("model", [ManualOptimization(), ReadsTheTrainer()], ids=["manual", "trainer"])
+def test_a_step_that_needs_the_fit_gives_no_rates(model: BoringModel) -> None:
+    assert probe.model_step_rates(model, (torch.randn(8, 32), torch.randn(8, 2)), [1]) == {}
+
+
+def test_split_prefers_fewer_workers_within_tolerance_and_skips_what_it_cannot_predict() -> None:
+    trials = [
+        WorkerTrial(0, None, 1000.0),
+        WorkerTrial(1, 2, 5000.0),
+        WorkerTrial(2, 2, 0.0, error="crashed: worker died"),
+        WorkerTrial(3, 2, 9000.0),
+    ]
+    pick = split_cpus(trials, {4: 800.0, 3: 790.0, 1: 300.0}, cpus=4)
+    assert pick is not None and pick[0].num_workers == 1 and pick[1] == 790.0  # not 0: it takes turns
+    assert split_cpus(trials, {}, cpus=4) is None
+
+
+class SlowSamples(Dataset[tuple[Tensor, Tensor]]):
+    """Each sample takes 0.2 ms without using a CPU: workers load faster than the main process."""
+
+    def __len__(self) -> int:
+        return 256
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        time.sleep(0.0002)
+        return torch.full((32,), float(index)), torch.zeros(2)
+
+
+class SlowData(BoostedDataModule):
+    def setup(self, stage: str) -> None:
+        self.train_dataset = SlowSamples()
+
+
+def test_a_compute_bound_model_keeps_its_cpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The model's rates are scripted (a compute-bound model on 2 CPUs, as measured for ResNet-18):
+    # on this shared machine real ones would make the test depend on its load. The loader is real.
+    measured: list[list[int]] = []
+
+    def rates(module: Any, batch: Any, threads: list[int], **kwargs: Any) -> dict[int, float]:
+        measured.append(threads)
+        return {2: 780.0, 1: 420.0}
+
+    monkeypatch.setattr(tuner, "model_step_rates", rates)
+    monkeypatch.setattr(tuner.HardwareInfo, "detect", lambda: _two_cpus())
+    datamodule = SlowData(batch_size=8, worker_tuning=WorkerTuning(window_s=0.3, max_workers=2))
+    trainer = tiny_trainer(tmp_path, logger=False, enable_checkpointing=False, limit_val_batches=0)
+    trainer.fit(BoringModel(), datamodule=datamodule)
+    (choice,) = datamodule.worker_tuner.choices.values()
+    assert max(t.samples_per_s for t in choice.trials if t.num_workers) > choice.trials[0].samples_per_s
+    assert choice.num_workers == 0 and choice.reason.startswith("fastest beside the model")
+    assert measured == [[2, 1]]  # all CPUs first (no workers), then what one worker leaves
+    assert not any("set_num_threads" in f.title for f in datamodule.findings)
+
+
+def _two_cpus() -> Any:
+    from lightning_boost.hardware import HardwareInfo
+
+    return HardwareInfo.example("cpu").replace(cpus_available=2)
