@@ -265,7 +265,8 @@ class SyncGuard(BoostCallback):
         self._new = []
 
     def _on_sync(self, pattern: str, frame: FrameType | None) -> None:
-        attribution = attribute(frames_from(frame), self._packages or Packages())
+        assert self._packages is not None  # set with the watch that calls this, at train start
+        attribution = attribute(frames_from(frame), self._packages)
         if attribution is None or (not attribution.framework and self._allowed(attribution)):
             return
         key = SyncGroup.key(self._phase, attribution)

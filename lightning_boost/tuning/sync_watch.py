@@ -17,6 +17,7 @@ Lightning here.
 
 from __future__ import annotations
 
+import re
 import sys
 import warnings
 import weakref
@@ -51,7 +52,8 @@ COLLECTIVES = (
     "gather_object",
     "scatter_object_list",
 )
-_DEBUG_MESSAGE = r".*called a synchronizing CUDA operation"
+#: What `torch.cuda.set_sync_debug_mode("warn")` says in each of its warnings.
+_DEBUG_TEXT = "called a synchronizing CUDA operation"
 #: Patterns whose result is a real host tensor, on a GPU run too: reading it later does not sync.
 HOST_COPIES = frozenset({"cpu", "to_cpu"})
 ALLOCATOR_COUNTERS = {"num_alloc_retries": "alloc_retry", "num_sync_all_streams": "sync_all_streams"}
@@ -176,11 +178,11 @@ class SyncWatch:
         torch.cuda.set_sync_debug_mode("warn")
         catcher = warnings.catch_warnings()
         catcher.__enter__()
-        warnings.filterwarnings("always", message=_DEBUG_MESSAGE, category=UserWarning)
+        warnings.filterwarnings("always", message=".*" + re.escape(_DEBUG_TEXT), category=UserWarning)
         show = warnings.showwarning
 
         def showwarning(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
-            if category is UserWarning and "called a synchronizing CUDA operation" in str(message):
+            if category is UserWarning and _DEBUG_TEXT in str(message):
                 if not self._quiet:
                     self.on_sync("cuda", sys._getframe(1))
                 return
