@@ -1,6 +1,7 @@
 """lightning-boost: fast PyTorch Lightning training without becoming a performance engineer."""
 
 from lightning_boost.callbacks import (
+    AutoBatchSize,
     AutoNumWorkers,
     BoostReport,
     LossLoggingGuard,
@@ -20,6 +21,7 @@ from lightning_boost.tuning.workers import WorkerTuning
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "AutoBatchSize",
     "AutoNumWorkers",
     "BoostReport",
     "BoostWarning",

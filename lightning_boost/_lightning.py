@@ -99,3 +99,13 @@ def detached_copy(module: L.LightningModule) -> L.LightningModule:
         return copy.deepcopy(module)
     finally:
         module._trainer = trainer
+
+
+def user_dataloaders(trainer: L.Trainer, split: str) -> Any:
+    """What the user's ``train``/``val`` loader source returns now, past any boost rebuilding;
+    ``None`` when the split has no source (no ``val_dataloader``)."""
+    loop = trainer.fit_loop if split == "train" else trainer.fit_loop.epoch_loop.val_loop
+    source = loop._data_source
+    if isinstance(source, _RebuildingSource):
+        source = source.original
+    return source.dataloader() if source.is_defined() else None

@@ -38,3 +38,28 @@ def check_sampling(every_n_steps: object, max_overhead: object) -> None:
         or not 0 < max_overhead < 1
     ):
         raise ValueError(f"`max_overhead` expected a fraction between 0 and 1, got {max_overhead!r}.")
+
+
+def check_int(name: str, value: object, minimum: int, *, optional: bool = False) -> None:
+    """An int >= `minimum` (or ``None`` when `optional`); bools are not ints here.
+
+    Raises:
+        ValueError: naming the argument, what it expects and what it got.
+    """
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        expected = f"an int >= {minimum}" + (" or None" if optional else "")
+        raise ValueError(f"`{name}` expected {expected}, got {value!r}.")
+
+
+def check_fraction(name: str, value: object, *, zero_ok: bool = False) -> None:
+    """A number in (0, 1], or [0, 1) when `zero_ok` (a tolerance).
+
+    Raises:
+        ValueError: naming the argument, what it expects and what it got.
+    """
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not number or not ((0 <= value < 1) if zero_ok else (0 < value <= 1)):  # type: ignore[operator]
+        expected = "a fraction >= 0 and < 1" if zero_ok else "a fraction > 0 and <= 1"
+        raise ValueError(f"`{name}` expected {expected}, got {value!r}.")

@@ -1,0 +1,488 @@
+"""`AutoBatchSize`: the batch size with the best measured throughput that fits with headroom."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Sized
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from torch.utils.data import DataLoader
+from typing_extensions import override
+
+from lightning_boost._lightning import callbacks_of, datamodule_of, user_dataloaders
+from lightning_boost._validation import check_fraction, check_int, unknown_choice_error
+from lightning_boost.callbacks.base import BoostCallback
+from lightning_boost.data.batch_probe import StepProbe, first_batch, is_oom
+from lightning_boost.data.datamodule import BoostedDataModule
+from lightning_boost.data.loaders import loader_batch_size
+from lightning_boost.data.tuner import hardware_for
+from lightning_boost.report import Finding, Severity, plot_data
+from lightning_boost.tuning.batch_size import (
+    LR_RULES,
+    Limits,
+    Trial,
+    accumulation,
+    choose,
+    lr_factor,
+    merge,
+    next_size,
+)
+from lightning_boost.tuning.rng import preserved_rng
+
+#: Keys of an optimizer's param group that hold learning rates (schedulers such as OneCycleLR add some).
+LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+
+_GIB = 1024**3
+
+
+class AutoBatchSize(BoostCallback):
+    """Sets the batch size to the smallest measured size within `tolerance` of the best throughput
+    whose training step peaks within the memory budget; keeps the effective batch when asked.
+
+    At the start of fit it takes real training steps (forward, backward, optimizer step on real
+    batches, in the run's precision) on a copy of the model at growing sizes, then refines,
+    measuring samples/s and peak memory; validation is checked at the chosen size. The run's
+    weights, optimizer, schedulers, RNG states, loop counters and data order are not touched: a run
+    tuned to size B trains exactly like one given B by hand. Under DDP every rank measures each size
+    and the ranks merge the results (any OOM, the largest peak, the slowest rank) before deciding,
+    so they choose the same size. The result is kept in ``state_dict``: resuming does not tune again.
+
+    The batch size is found as Lightning's tuner finds it: an attribute `attr_name` on the model,
+    its ``hparams`` or the datamodule (`BoostedDataModule` has one), read by ``train_dataloader()``.
+
+    Args:
+        init_batch_size: the first size measured; the search doubles from it (halves if it does not fit).
+        max_batch_size: the largest size measured (also bounded by the samples per rank).
+        headroom: fraction of the device's memory a training step may peak at (CUDA, MPS).
+        cpu_memory_fraction: on CPU, fraction of the RAM available at the start that a step may
+            use (shared by the processes on the node); no OOM is waited for.
+        tolerance: sizes within this fraction of the best throughput count as equally fast, and
+            the smallest of them is chosen; growth stops when two doublings gain less.
+        time_budget_s: no new size is measured once the trials took this long.
+        steps: timed steps per size after a warm-up step; the fastest counts.
+        target_global_batch_size: sets ``accumulate_grad_batches`` so that batch x accumulation x
+            world size comes closest to it (and bounds the batch size by it).
+        lr_scaling: ``"linear"`` or ``"sqrt"``: scale the optimizers' learning rates (and schedulers'
+            base rates) by the change of the effective batch size from `reference_batch_size`.
+        reference_batch_size: the effective batch the learning rates were set for (default: the
+            batch size configured, times ``accumulate_grad_batches``, times world size).
+        check_validation: also run a validation step at the chosen size, stepping down if it fails.
+        attr_name: the name of the batch-size attribute.
+
+    Example::
+
+        trainer = L.Trainer(callbacks=[AutoBatchSize(target_global_batch_size=512, lr_scaling="linear")])
+        trainer.fit(model, datamodule=CIFAR(batch_size=64))
+    """
+
+    def __init__(
+        self,
+        *,
+        init_batch_size: int = 2,
+        max_batch_size: int | None = None,
+        headroom: float = 0.9,
+        cpu_memory_fraction: float = 0.5,
+        tolerance: float = 0.05,
+        time_budget_s: float = 60.0,
+        steps: int = 3,
+        target_global_batch_size: int | None = None,
+        lr_scaling: str | None = None,
+        reference_batch_size: int | None = None,
+        check_validation: bool = True,
+        attr_name: str = "batch_size",
+    ) -> None:
+        check_int("init_batch_size", init_batch_size, 1)
+        check_int("max_batch_size", max_batch_size, 1, optional=True)
+        check_fraction("headroom", headroom)
+        check_fraction("cpu_memory_fraction", cpu_memory_fraction)
+        check_fraction("tolerance", tolerance, zero_ok=True)
+        if (
+            isinstance(time_budget_s, bool)
+            or not isinstance(time_budget_s, (int, float))
+            or time_budget_s <= 0
+        ):
+            raise ValueError(f"`time_budget_s` expected a number of seconds > 0, got {time_budget_s!r}.")
+        check_int("steps", steps, 1)
+        check_int("target_global_batch_size", target_global_batch_size, 1, optional=True)
+        if lr_scaling is not None and lr_scaling not in LR_RULES:
+            raise unknown_choice_error("lr_scaling", lr_scaling, LR_RULES)
+        check_int("reference_batch_size", reference_batch_size, 1, optional=True)
+        if reference_batch_size is not None and lr_scaling is None:
+            raise ValueError(
+                "`reference_batch_size` only applies with `lr_scaling`: pass lr_scaling='linear' or 'sqrt'."
+            )
+        if max_batch_size is not None and init_batch_size > max_batch_size:
+            raise ValueError(
+                f"`init_batch_size` ({init_batch_size}) expected to be at most"
+                f" `max_batch_size` ({max_batch_size})."
+            )
+        if not isinstance(attr_name, str) or not attr_name.isidentifier():
+            raise ValueError(f"`attr_name` expected an attribute name, got {attr_name!r}.")
+        self.init_batch_size = init_batch_size
+        self.max_batch_size = max_batch_size
+        self.headroom = headroom
+        self.cpu_memory_fraction = cpu_memory_fraction
+        self.tolerance = tolerance
+        self.time_budget_s = float(time_budget_s)
+        self.steps = steps
+        self.target_global_batch_size = target_global_batch_size
+        self.lr_scaling = lr_scaling
+        self.reference_batch_size = reference_batch_size
+        self.check_validation = check_validation
+        self.attr_name = attr_name
+        self.result: dict[str, Any] = {}
+        self.findings: list[Finding] = []
+        self._restored = False
+        self._set_state_key(attr_name=attr_name)
+
+    @property
+    def tuned(self) -> dict[str, Any]:
+        """The values this run was given, for the report."""
+        keys = ("batch_size", "accumulate_grad_batches", "effective_batch_size", "lr_factor")
+        return {key: self.result[key] for key in keys if key in self.result}
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        if stage != "fit":
+            return
+        if self.target_global_batch_size is not None and any(
+            isinstance(c, GradientAccumulationScheduler) for c in callbacks_of(trainer)
+        ):
+            raise ValueError(
+                "`target_global_batch_size` sets `accumulate_grad_batches`, which the"
+                " GradientAccumulationScheduler callback also sets: remove one of them."
+            )
+        _check_has_batch_size(pl_module, self.attr_name)
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        configured = int(lightning_getattr(pl_module, self.attr_name))  # type: ignore[arg-type]
+        if self._restored and self.result:
+            self.findings.append(_restored_finding(self.result))
+        else:
+            self.result = self._tune(trainer, pl_module, configured)
+            self.findings.append(_finding(self.result, self.tolerance))
+        lightning_setattr(pl_module, self.attr_name, self.result["batch_size"])
+        trainer.accumulate_grad_batches = self.result["accumulate_grad_batches"]
+        if not self._restored:  # a checkpoint's optimizer state already holds the scaled rates
+            _scale_learning_rates(trainer, self.result["lr_factor"])
+        self._restored = False
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        loader = trainer.train_dataloader
+        chosen = self.result.get("batch_size")
+        if isinstance(loader, DataLoader) and chosen is not None and loader_batch_size(loader) != chosen:
+            raise RuntimeError(
+                f"AutoBatchSize set `{self.attr_name}` to {chosen}, but the training DataLoader was built"
+                f" with batch_size={loader_batch_size(loader)}: build it with"
+                f" `batch_size=self.{self.attr_name}` in `train_dataloader()`."
+            )
+
+    def _tune(self, trainer: L.Trainer, pl_module: L.LightningModule, configured: int) -> dict[str, Any]:
+        started = time.perf_counter()
+        world = trainer.world_size
+        train_data = _split_data(trainer, "train")
+        if train_data is None:
+            raise RuntimeError("AutoBatchSize needs a training DataLoader to take batches from.")
+        limits = self._limits(trainer, pl_module, train_data[0], world)
+        probe = StepProbe(
+            pl_module,
+            trainer.optimizers,
+            self.steps,
+            trainer.precision_plugin.train_step_context,
+            trainer.precision_plugin.val_step_context,
+        )
+        with preserved_rng():
+            trials, reason = _search(trainer, probe, train_data, self.init_batch_size, limits)
+            choice = choose(trials, limits.budget_bytes, self.tolerance)
+            if choice is None:
+                raise MemoryError(_nothing_fits(trials, limits, reason))
+            val_data = _split_data(trainer, "val") if self.check_validation else None
+            checks: list[Trial] = []
+            if val_data is not None and is_overridden("validation_step", pl_module):
+                choice = _fitting_validation(trainer, probe, val_data, trials, choice, limits, checks)
+        accumulate = trainer.accumulate_grad_batches
+        if self.target_global_batch_size is not None:
+            accumulate = accumulation(self.target_global_batch_size, choice.size, world)
+        reference = self.reference_batch_size or configured * trainer.accumulate_grad_batches * world
+        effective = choice.size * accumulate * world
+        return {
+            "batch_size": choice.size,
+            "accumulate_grad_batches": accumulate,
+            "effective_batch_size": effective,
+            "target_global_batch_size": self.target_global_batch_size,
+            "configured_batch_size": configured,
+            "reference_batch_size": reference,
+            "lr_scaling": self.lr_scaling,
+            "lr_factor": lr_factor(self.lr_scaling, effective, reference),
+            "world_size": world,
+            "budget_bytes": limits.budget_bytes,
+            "budget": _budget_text(trainer, pl_module, self),
+            "stopped": reason,
+            "trials": [t.to_dict() for t in trials],
+            "validation": [t.to_dict() for t in checks],
+            "seconds": time.perf_counter() - started,
+        }
+
+    def _limits(self, trainer: L.Trainer, pl_module: L.LightningModule, dataset: Any, world: int) -> Limits:
+        bounds = [self.max_batch_size or math.inf]
+        if isinstance(dataset, Sized):
+            bounds.append(max(1, len(dataset) // world))
+        if self.target_global_batch_size is not None:
+            bounds.append(max(1, self.target_global_batch_size // world))
+        largest = min(bounds)
+        return Limits(
+            max_size=int(largest) if largest != math.inf else 2**31,
+            budget_bytes=_memory_budget(trainer, pl_module, self.headroom, self.cpu_memory_fraction),
+            tolerance=self.tolerance,
+            time_budget_s=self.time_budget_s,
+        )
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return dict(self.result)
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.result = dict(state_dict)
+        self._restored = bool(self.result)
+
+
+def _check_has_batch_size(pl_module: L.LightningModule, name: str) -> None:
+    if not lightning_hasattr(pl_module, name):
+        raise AttributeError(
+            f"AutoBatchSize found no `{name}` to tune on the model, its `hparams` or the datamodule."
+            f" Give the datamodule a `{name}` attribute that `train_dataloader()` reads"
+            f" (`BoostedDataModule(batch_size=...)` has one), or take `{name}` in the model's `__init__`"
+            " with `self.save_hyperparameters()`. Loaders passed to `trainer.fit(train_dataloaders=...)`"
+            " cannot be re-batched: pass a datamodule instead."
+        )
+
+
+def _split_data(trainer: L.Trainer, split: str) -> tuple[Any, Any] | None:
+    """The dataset and collate function of the run's `split` loader (the first one if several)."""
+    datamodule = datamodule_of(trainer)
+    if isinstance(
+        datamodule, BoostedDataModule
+    ):  # its datasets are at hand; building a loader would tune workers
+        dataset = getattr(datamodule, f"{split}_dataset")
+        return None if dataset is None else (dataset, datamodule.collate_fn)
+    loaders = user_dataloaders(trainer, split)
+    if isinstance(loaders, (list, tuple)) and loaders:
+        loaders = loaders[0]
+    if loaders is None:
+        return None
+    if not isinstance(loaders, DataLoader):
+        raise TypeError(
+            f"AutoBatchSize takes batches from one DataLoader per split, but the {split} loader is a"
+            f" {type(loaders).__name__}: return a DataLoader, or set the batch size by hand."
+        )
+    return loaders.dataset, loaders.collate_fn
+
+
+def _search(
+    trainer: L.Trainer, probe: StepProbe, data: tuple[Any, Any], start: int, limits: Limits
+) -> tuple[list[Trial], str]:
+    trials: list[Trial] = []
+    while True:
+        size, reason = next_size(trials, start, limits)
+        if size is None:
+            return trials, reason
+        trials.append(_measured(trainer, data, size, probe.train))
+
+
+def _fitting_validation(
+    trainer: L.Trainer,
+    probe: StepProbe,
+    data: tuple[Any, Any],
+    trials: list[Trial],
+    choice: Trial,
+    limits: Limits,
+    checks: list[Trial],
+) -> Trial:
+    """`choice`, or the next smaller fitting size, whose validation step fits too."""
+    candidates = sorted(
+        (t for t in trials if t.fits(limits.budget_bytes) and t.size <= choice.size), key=lambda t: -t.size
+    )
+    for candidate in candidates:
+        check = _measured(trainer, data, candidate.size, probe.validate)
+        checks.append(check)
+        if check.fits(limits.budget_bytes):
+            return candidate
+    raise MemoryError(
+        f"AutoBatchSize: a validation step does not fit at any batch size whose training step fits (down to"
+        f" {candidates[-1].size}): lower the validation batch size or the model's memory use."
+    )
+
+
+def _measured(trainer: L.Trainer, data: tuple[Any, Any], size: int, run: Any) -> Trial:
+    """One trial at `size` on every rank, merged; a failure other than OOM on any rank stops all ranks."""
+    fetch_started = time.perf_counter()
+    error: BaseException | None = None
+    trial = Trial(size, oom=True)
+    try:
+        batch = trainer.strategy.batch_to_device(first_batch(data[0], data[1], size))
+        fetch_s = time.perf_counter() - fetch_started
+        trial = run(batch, size)
+        del batch
+        trial = dataclasses.replace(trial, seconds=trial.seconds + fetch_s)
+    except Exception as caught:  # told to every rank first, so none waits for the others forever
+        if is_oom(caught):  # the batch itself did not fit on the device
+            trial = Trial(size, oom=True, seconds=time.perf_counter() - fetch_started)
+        else:
+            error = caught
+    per_rank, failed = _gather(trainer, trial, error is not None)
+    if failed:
+        raise RuntimeError(
+            f"AutoBatchSize: the step failed at batch size {size} on a copy of the model, outside the fit"
+            f"{f': {error!r}' if error else ' on another rank'}. If `training_step` needs the trainer"
+            " (`self.trainer`, `self.optimizers()`), set the batch size by hand instead."
+        ) from error
+    return merge(size, per_rank)
+
+
+def _gather(trainer: L.Trainer, trial: Trial, failed: bool) -> tuple[list[Trial], bool]:
+    """Every rank's trial and whether any rank failed (one all-gather; none when single-process)."""
+    if trainer.world_size == 1:
+        return [trial], failed
+    values = torch.tensor(
+        [trial.samples_per_s, float(trial.peak_bytes or -1), float(trial.oom), trial.seconds, float(failed)],
+        dtype=torch.float64,
+        device=trainer.strategy.root_device,
+    )
+    rows = trainer.strategy.all_gather(values).reshape(-1, 5).tolist()
+    trials = [
+        Trial(trial.size, tp, int(peak) if peak >= 0 else None, bool(oom), s) for tp, peak, oom, s, _ in rows
+    ]
+    return trials, any(row[4] for row in rows)
+
+
+def _memory_budget(
+    trainer: L.Trainer, pl_module: L.LightningModule, headroom: float, cpu_fraction: float
+) -> int:
+    device = pl_module.device
+    if device.type == "cuda":
+        return int(headroom * torch.cuda.get_device_properties(device).total_memory)
+    if device.type == "mps":
+        return int(headroom * torch.mps.recommended_max_memory())
+    hardware = hardware_for(trainer)
+    available = hardware.ram_available_bytes or hardware.ram_total_bytes or 8 * _GIB
+    return int(cpu_fraction * available / hardware.local_world_size)
+
+
+def _budget_text(trainer: L.Trainer, pl_module: L.LightningModule, callback: AutoBatchSize) -> str:
+    device = pl_module.device
+    if device.type == "cpu":
+        return (
+            f"{callback.cpu_memory_fraction:.0%} of available RAM per process (an estimate of live tensors)"
+        )
+    return f"{callback.headroom:.0%} of {device.type.upper()} device memory (measured peak)"
+
+
+def _scale_learning_rates(trainer: L.Trainer, factor: float) -> None:
+    """Multiply every learning rate of the run's optimizers and schedulers by `factor`."""
+    if factor == 1.0:
+        return
+    for optimizer in trainer.optimizers:
+        for group in optimizer.param_groups:
+            for key in LR_KEYS:
+                if isinstance(group.get(key), (int, float, torch.Tensor)):
+                    group[key] = group[key] * factor
+    for config in trainer.lr_scheduler_configs:
+        base_lrs = getattr(config.scheduler, "base_lrs", None)
+        if isinstance(base_lrs, list):
+            config.scheduler.base_lrs = [lr * factor for lr in base_lrs]
+
+
+def _nothing_fits(trials: list[Trial], limits: Limits, reason: str) -> str:
+    smallest = min(trials, key=lambda t: t.size)
+    need = "runs out of memory" if smallest.oom else f"needs {(smallest.peak_bytes or 0) / _GIB:.2f} GiB"
+    return (
+        f"AutoBatchSize: a training step at batch size {smallest.size} {need}, over the budget of"
+        f" {limits.budget_bytes / _GIB:.2f} GiB (stopped: {reason}). Train in lower precision"
+        " (`Trainer(precision='bf16-mixed')`, or `preset('auto')`), shard the model with `preset('fsdp')`,"
+        " or use a smaller model."
+    )
+
+
+def _finding(result: dict[str, Any], tolerance: float) -> Finding:
+    trials = [Trial.from_dict(t) for t in result["trials"]]
+    budget = result["budget_bytes"]
+    chosen = next(t for t in trials if t.size == result["batch_size"])
+    best = max((t for t in trials if t.fits(budget)), key=lambda t: t.samples_per_s)
+    rows = [_row(t, budget) for t in sorted(trials, key=lambda t: t.size)]
+    detail = (
+        f"Measured {len(trials)} sizes in {result['seconds']:.1f} s; stopped at {result['stopped']}."
+        f" Memory budget: {budget / _GIB:.2f} GiB, {result['budget']}. The smallest size within"
+        f" {tolerance:.0%} of the best throughput ({best.size}: {best.samples_per_s:,.0f} samples/s) is kept."
+        f" Effective batch: {result['batch_size']} x {result['accumulate_grad_batches']} accumulated x"
+        f" {result['world_size']} processes = {result['effective_batch_size']}"
+        + (f" (target {result['target_global_batch_size']})" if result["target_global_batch_size"] else "")
+        + (
+            f"; learning rates x{result['lr_factor']:.3g} ({result['lr_scaling']},"
+            f" from {result['reference_batch_size']})."
+            if result["lr_scaling"]
+            else "."
+        )
+        + "\n"
+        + "\n".join(rows)
+    )
+    plot = plot_data(
+        "batch_size",
+        "Batch size: training throughput and peak memory",
+        "batch size",
+        [t.size for t in sorted(trials, key=lambda t: t.size)],
+        {"samples/s": [t.samples_per_s for t in sorted(trials, key=lambda t: t.size)]},
+        {"peak GiB": [(t.peak_bytes or 0) / _GIB for t in sorted(trials, key=lambda t: t.size)]},
+        chosen=chosen.size,
+    )
+    return Finding(
+        "AutoBatchSize",
+        "batch size",
+        Severity.INFO,
+        f"Batch size {chosen.size} (was {result['configured_batch_size']}):"
+        f" {chosen.samples_per_s:,.0f} samples/s, peak {_size(chosen.peak_bytes)}",
+        detail=detail,
+        data={**{k: v for k, v in result.items() if k != "budget"}, "plot": plot},
+        cost=f"{result['seconds']:.1f} s tuning",
+    )
+
+
+def _restored_finding(result: dict[str, Any]) -> Finding:
+    return Finding(
+        "AutoBatchSize",
+        "batch size",
+        Severity.INFO,
+        f"Batch size {result['batch_size']} from the checkpoint, not tuned again",
+        detail=(
+            f"Accumulation {result['accumulate_grad_batches']},"
+            f" effective batch {result['effective_batch_size']}."
+        ),
+        data={k: v for k, v in result.items() if k != "budget"},
+    )
+
+
+def _row(trial: Trial, budget: int) -> str:
+    status = "out of memory" if trial.oom else "ok" if trial.fits(budget) else "over budget"
+    return (
+        f"  {trial.size:>6}  {trial.samples_per_s:>10,.0f} samples/s  {_size(trial.peak_bytes):>10}  {status}"
+    )
+
+
+def _size(nbytes: int | None) -> str:
+    """Bytes in the largest unit that keeps a number >= 1 (``-`` when unknown)."""
+    if nbytes is None:
+        return "-"
+    for unit, scale in (("GiB", _GIB), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"

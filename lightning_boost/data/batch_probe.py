@@ -1,0 +1,231 @@
+"""Real training steps at a batch size, taken on a copy of the model: throughput and peak memory.
+
+Each trial deep-copies the module (detached from the trainer) and its optimizers, so the weights,
+gradients, optimizer state, buffers and metrics of the run are untouched; RNG states are restored
+by the caller. Peak memory is the CUDA allocator's peak on CUDA; elsewhere no allocator reports a
+peak, so it is estimated from the live tensors of the step: weights, gradients, optimizer state,
+the tensors autograd saves for backward and the batch (temporaries inside one operation are not
+counted).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import time
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.memory import is_oom_error
+from torch import Tensor
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_boost._lightning import detached_copy
+from lightning_boost.tuning.batch_size import Trial
+
+#: Messages of out-of-memory errors that arrive as a plain ``RuntimeError`` (CPU allocator, MPS).
+_OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
+
+
+def is_oom(error: BaseException) -> bool:
+    """The error is the device or host running out of memory (CUDA, CPU allocator, MPS).
+
+    Example:
+        >>> is_oom(torch.OutOfMemoryError("CUDA out of memory.")), is_oom(ValueError("shape"))
+        (True, False)
+    """
+    if isinstance(error, torch.OutOfMemoryError) or is_oom_error(error):
+        return True
+    return isinstance(error, RuntimeError) and any(text in str(error) for text in _OOM_MESSAGES)
+
+
+def first_batch(dataset: Dataset[Any], collate_fn: Callable[[list[Any]], Any] | None, size: int) -> Any:
+    """The first `size` samples of `dataset` collated as the run's loader collates them."""
+    loader = DataLoader(dataset, batch_size=size, shuffle=False, collate_fn=collate_fn, num_workers=0)
+    return next(iter(loader))
+
+
+class StepProbe:
+    """Times training (and validation) steps of copies of `module` at given batches.
+
+    Args:
+        module: the LightningModule of the run (not changed).
+        optimizers: its optimizers; each copy gets copies of them, mapped to the copy's parameters.
+        steps: timed steps per trial, after one warm-up step; the fastest counts.
+        train_context: the precision plugin's training context (autocast for mixed precision).
+        eval_context: the same for validation.
+    """
+
+    def __init__(
+        self,
+        module: L.LightningModule,
+        optimizers: Sequence[Optimizer],
+        steps: int,
+        train_context: Callable[[], AbstractContextManager[Any]],
+        eval_context: Callable[[], AbstractContextManager[Any]],
+    ) -> None:
+        self.module = module
+        self.optimizers = list(optimizers)
+        self.steps = steps
+        self.train_context = train_context
+        self.eval_context = eval_context
+        self.device = module.device
+
+    def train(self, batch: Any, size: int) -> Trial:
+        """Warm-up, then `steps` timed steps (forward, backward, optimizer step) at `batch`."""
+        return self._trial(
+            size, lambda clone, optimizers, peak: self._train_steps(clone, optimizers, batch, peak)
+        )
+
+    def validate(self, batch: Any, size: int) -> Trial:
+        """One ``validation_step`` without gradients at `batch`: does it fit."""
+        return self._trial(size, lambda clone, optimizers, peak: self._validation_step(clone, batch, peak))
+
+    def _trial(self, size: int, run: Callable[[L.LightningModule, list[Optimizer], _Peak], float]) -> Trial:
+        start = time.perf_counter()
+        clone, optimizers = self._copies()
+        peak = _Peak(self.device)
+        try:
+            seconds = run(clone, optimizers, peak)
+            trial = Trial(size, samples_per_s=size / seconds, peak_bytes=peak.bytes(clone, optimizers))
+        except Exception as error:
+            if not is_oom(error):
+                raise
+            trial = Trial(size, oom=True)  # the traceback and its tensors go with `error` here
+        del clone, optimizers, peak
+        _free(self.device, trial.oom)
+        return Trial(
+            trial.size, trial.samples_per_s, trial.peak_bytes, trial.oom, time.perf_counter() - start
+        )
+
+    def _copies(self) -> tuple[L.LightningModule, list[Optimizer]]:
+        clone = detached_copy(self.module)
+        memo: dict[int, Any] = {
+            id(p): q for p, q in zip(self.module.parameters(), clone.parameters(), strict=True)
+        }
+        return clone, [copy.deepcopy(optimizer, memo) for optimizer in self.optimizers]
+
+    def _train_steps(
+        self, clone: L.LightningModule, optimizers: list[Optimizer], batch: Any, peak: _Peak
+    ) -> float:
+        clone.train()
+        peak.reset(batch)
+        with peak.saved_tensors():
+            self._train_step(clone, optimizers, batch, peak)  # warm-up: allocations, kernel choices
+        fastest = float("inf")
+        for _ in range(self.steps):
+            _synchronize(self.device)
+            begin = time.perf_counter()
+            self._train_step(clone, optimizers, batch, None)
+            _synchronize(self.device)
+            fastest = min(fastest, time.perf_counter() - begin)
+        return fastest
+
+    def _train_step(
+        self, clone: L.LightningModule, optimizers: list[Optimizer], batch: Any, peak: _Peak | None
+    ) -> None:
+        with torch.enable_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # `self.log` on a copy without a trainer warns and returns
+            with self.train_context():
+                output = clone.training_step(batch, 0)
+            loss = output.get("loss") if isinstance(output, Mapping) else output
+            if not isinstance(loss, Tensor):
+                raise TypeError(f"`training_step` returned {type(output).__name__}, expected a loss tensor.")
+            loss.backward()
+            del output, loss
+            if peak is not None:
+                peak.add_grads(clone)
+            for optimizer in optimizers:
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+
+    def _validation_step(self, clone: L.LightningModule, batch: Any, peak: _Peak) -> float:
+        clone.eval()
+        peak.reset(batch)
+        begin = time.perf_counter()
+        with torch.no_grad(), warnings.catch_warnings(), self.eval_context():
+            warnings.simplefilter("ignore")
+            clone.validation_step(batch, 0)
+        _synchronize(self.device)
+        return time.perf_counter() - begin
+
+
+class _Peak:
+    """Peak memory of a trial: the CUDA allocator's, or an estimate from live tensors elsewhere.
+
+    The estimate sums three groups of storages, each counted once: what lives through the step
+    (weights, buffers, optimizer state, the batch), what autograd saves for backward, and the
+    gradients. Within a group the tensors are alive together, so a shared storage counts once.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.groups: dict[str, dict[int, int]] = {"resident": {}, "saved": {}, "grads": {}}
+
+    def reset(self, batch: Any) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self._add("resident", _tensors(batch))
+
+    @contextmanager
+    def saved_tensors(self) -> Iterator[None]:
+        if self.cuda:
+            yield
+            return
+
+        def pack(tensor: Tensor) -> Tensor:
+            self._add("saved", [tensor])
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield
+
+    def add_grads(self, clone: torch.nn.Module) -> None:
+        self._add("grads", (p.grad for p in clone.parameters() if p.grad is not None))
+
+    def bytes(self, clone: torch.nn.Module, optimizers: list[Optimizer]) -> int:
+        if self.cuda:
+            return int(torch.cuda.max_memory_reserved(self.device))
+        self._add("resident", [*clone.parameters(), *clone.buffers()])
+        self._add(
+            "resident", (t for optimizer in optimizers for t in _tensors(list(optimizer.state.values())))
+        )
+        resident = self.groups["resident"]
+        saved = {ptr: size for ptr, size in self.groups["saved"].items() if ptr not in resident}
+        return sum(resident.values()) + sum(saved.values()) + sum(self.groups["grads"].values())
+
+    def _add(self, group: str, tensors: Iterable[Tensor]) -> None:
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            self.groups[group][storage.data_ptr()] = storage.nbytes()
+
+
+def _tensors(value: Any) -> Iterator[Tensor]:
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device, after_oom: bool) -> None:
+    """Release what a trial left, so the next one starts clean (an OOM may leave reference cycles)."""
+    if after_oom:
+        gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()

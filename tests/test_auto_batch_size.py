@@ -1,0 +1,413 @@
+"""`AutoBatchSize` in real CPU Trainer runs.
+
+This machine has no GPU, so out-of-memory is simulated where a test says so: the model raises
+the real OOM type (`torch.OutOfMemoryError`, or the CPU allocator's own error from a real
+allocation that cannot succeed) above a batch size.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
+from torch import Tensor, nn
+from torch.utils.data import DataLoader
+from torchmetrics import MeanMetric
+from typing_extensions import override
+
+from lightning_boost import AutoBatchSize, BoostedDataModule
+from lightning_boost.data.batch_probe import StepProbe, is_oom
+from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
+
+FAST = {"steps": 1, "tolerance": 0.0}
+
+
+class OOMModel(BoringModel):
+    """Raises the real CUDA OOM type above `limit` samples (simulated: no GPU here), or with
+    ``cpu=True`` makes a real allocation the CPU allocator cannot serve."""
+
+    def __init__(self, limit: int = 1_000_000, val_limit: int = 1_000_000, cpu: bool = False) -> None:
+        super().__init__()
+        self.limit, self.val_limit, self.host = limit, val_limit, cpu
+
+    def _maybe_oom(self, batch: tuple[Tensor, Tensor], limit: int) -> None:
+        if batch[0].shape[0] > limit:
+            if self.host:
+                torch.empty(2**62, dtype=torch.uint8)  # DefaultCPUAllocator: can't allocate memory
+            raise torch.OutOfMemoryError(f"CUDA out of memory (simulated above {limit} samples).")
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self._maybe_oom(batch, self.limit)
+        return super().training_step(batch, batch_idx)
+
+    @override
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self._maybe_oom(batch, self.val_limit)
+        super().validation_step(batch, batch_idx)
+
+
+def fit(
+    tmp_path: Path, callback: AutoBatchSize, model: L.LightningModule | None = None, **options: Any
+) -> Any:
+    datamodule = options.pop("datamodule", None) or BoringDataModule(length=256)
+    trainer = tiny_trainer(
+        tmp_path, callbacks=[callback], logger=False, enable_checkpointing=False, **options
+    )
+    trainer.fit(model or BoringModel(), datamodule=datamodule)
+    return trainer, datamodule
+
+
+def sizes(callback: AutoBatchSize) -> dict[int, dict[str, Any]]:
+    return {trial["size"]: trial for trial in callback.result["trials"]}
+
+
+@pytest.mark.parametrize("cpu", [False, True], ids=["cuda-oom-type", "cpu-allocator"])
+def test_oom_above_a_size_is_caught_and_the_choice_fits(tmp_path: Path, cpu: bool) -> None:
+    callback = AutoBatchSize(steps=2, tolerance=0.0)
+    trainer, datamodule = fit(tmp_path, callback, OOMModel(limit=100, cpu=cpu))
+    tried = sizes(callback)
+    assert {size for size, trial in tried.items() if trial["oom"]} == {s for s in tried if s > 100}
+    assert 128 in tried and tried[128]["oom"]
+    assert max(s for s, t in tried.items() if not t["oom"]) == 96  # refined between 64 and 128
+    assert datamodule.batch_size == callback.result["batch_size"] <= 100
+    assert not tried[datamodule.batch_size]["oom"]
+    assert trainer.state.finished
+    (finding,) = callback.findings
+    assert finding.area == "batch size"
+    assert "out of memory" in finding.detail and f"Batch size {datamodule.batch_size}" in finding.title
+
+
+def test_is_oom_knows_the_real_error_types() -> None:
+    with pytest.raises(RuntimeError) as cpu_error:
+        torch.empty(2**62, dtype=torch.uint8)
+    assert is_oom(cpu_error.value)
+    assert is_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert is_oom(RuntimeError("MPS backend out of memory (MPS allocated: 17.00 GB)"))
+    assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+
+
+def test_a_model_that_does_not_fit_at_batch_size_one_gets_the_fixes(tmp_path: Path) -> None:
+    with pytest.raises(MemoryError, match=r"batch size 1 runs out of memory.*precision.*preset\('fsdp'\)"):
+        fit(tmp_path, AutoBatchSize(init_batch_size=4, **FAST), OOMModel(limit=0))
+
+
+class Squares(L.LightningModule):
+    """``(x @ W).pow(2).mean()`` without bias and plain SGD: every live tensor of the step is known."""
+
+    def __init__(self, features: int = 64, hidden: int = 64, batch_size: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.weight = nn.Parameter(torch.randn(features, hidden))
+
+    @override
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        return (batch @ self.weight).pow(2).mean()
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    @override
+    def train_dataloader(self) -> DataLoader[Tensor]:
+        return DataLoader(torch.randn(4096, self.hparams["features"]), batch_size=self.hparams["batch_size"])
+
+
+def test_cpu_peak_estimate_counts_every_live_tensor_of_the_step() -> None:
+    model = Squares(features=64, hidden=256)
+    probe = StepProbe(
+        model, [torch.optim.SGD(model.parameters(), lr=0.01)], 1, torch.enable_grad, torch.no_grad
+    )
+    batch = torch.randn(32, 64)
+    trial = probe.train(batch, 32)
+    # weights + their gradient + the batch + `batch @ weight`, which pow() saves for backward
+    assert trial.peak_bytes == 4 * (64 * 256 * 2 + 32 * 64 + 32 * 256)
+    assert model.weight.grad is None  # the copy took the step
+
+
+def test_cpu_memory_budget_bounds_the_search(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Simulated: a machine with 256 KiB of available RAM, so the 50 % budget is 128 KiB.
+    from lightning_boost.callbacks import auto_batch_size
+    from lightning_boost.hardware import HardwareInfo
+
+    small = HardwareInfo.detect().replace(ram_available_bytes=2**18, local_world_size=1)
+    monkeypatch.setattr(auto_batch_size, "hardware_for", lambda trainer: small)
+    callback = AutoBatchSize(steps=2, tolerance=0.0)
+    model = Squares()
+    trainer = tiny_trainer(tmp_path, callbacks=[callback], logger=False, enable_checkpointing=False)
+    trainer.fit(model)
+    budget = callback.result["budget_bytes"]
+    assert budget == 2**17
+    tried = sizes(callback)
+    # per step: 32 KiB of weights and gradient, 512 bytes per sample (input and saved output)
+    assert all(t["peak_bytes"] == 2 * 64 * 64 * 4 + s * 512 for s, t in tried.items())
+    fitting = {s for s, t in tried.items() if t["peak_bytes"] <= budget}
+    assert max(fitting) == 192  # refined between 128 and 256 up to the budget's edge
+    assert {s for s in tried if s not in fitting} == {256, 224, 208}
+    assert model.hparams["batch_size"] == callback.result["batch_size"] in fitting
+
+
+class Trained(L.LightningModule):
+    """Dropout, BatchNorm, Adam with a scheduler, a metric and shuffled data: all that RNG and state touch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Dropout(0.3), nn.Linear(64, 2)
+        )
+        self.mean_loss = MeanMetric(nan_strategy="disable")
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = nn.functional.mse_loss(self.net(batch[0]), batch[1])
+        self.mean_loss.update(loss.detach())
+        self.log("loss", self.mean_loss, on_step=False, on_epoch=True)
+        return loss
+
+    @override
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.log("val_loss", nn.functional.mse_loss(self.net(batch[0]), batch[1]))
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        optimizer = torch.optim.Adam(self.parameters(), lr=1e-3)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)]
+
+
+def _train(tmp_path: Path, batch_size: int, callbacks: list[L.Callback]) -> dict[str, Tensor]:
+    L.seed_everything(7, verbose=False)
+    model = Trained()
+    datamodule = BoringDataModule(length=256, batch_size=batch_size)
+    datamodule.train_dataloader = lambda: DataLoader(  # type: ignore[method-assign]
+        RandomDataset(32, 256), batch_size=datamodule.batch_size, shuffle=True, num_workers=2
+    )
+    trainer = tiny_trainer(
+        tmp_path,
+        max_epochs=2,
+        limit_train_batches=1.0,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(model, datamodule=datamodule)
+    return {name: value.clone() for name, value in model.state_dict().items()}
+
+
+def test_tuning_leaves_no_trace(tmp_path: Path) -> None:
+    callback = AutoBatchSize(max_batch_size=64, **FAST)
+    tuned = _train(tmp_path / "tuned", 4, [callback])
+    chosen = callback.result["batch_size"]
+    assert len(callback.result["trials"]) >= 5 and chosen != 4
+    by_hand = _train(tmp_path / "by_hand", chosen, [])
+    assert tuned.keys() == by_hand.keys()
+    for name in tuned:
+        assert torch.equal(tuned[name], by_hand[name]), name
+
+
+def test_target_global_batch_size_sets_accumulation_and_scales_learning_rates(tmp_path: Path) -> None:
+    callback = AutoBatchSize(max_batch_size=16, target_global_batch_size=64, lr_scaling="linear", **FAST)
+    model = Trained()
+    trainer, datamodule = fit(
+        tmp_path, callback, model, datamodule=BoringDataModule(length=256, batch_size=8)
+    )
+    chosen = datamodule.batch_size
+    assert chosen <= 16
+    assert trainer.accumulate_grad_batches == 64 // chosen
+    assert callback.result["effective_batch_size"] == 64
+    assert callback.result["reference_batch_size"] == 8  # the configured batch, 1 process, no accumulation
+    factor = 64 / 8
+    (optimizer,) = trainer.optimizers
+    assert optimizer.param_groups[0]["initial_lr"] == pytest.approx(1e-3 * factor)
+    assert trainer.lr_scheduler_configs[0].scheduler.base_lrs == [pytest.approx(1e-3 * factor)]
+    assert "learning rates x8" in callback.findings[0].detail
+
+
+def test_sqrt_scaling_from_a_given_reference(tmp_path: Path) -> None:
+    callback = AutoBatchSize(max_batch_size=64, lr_scaling="sqrt", reference_batch_size=16, **FAST)
+    trainer, datamodule = fit(tmp_path, callback, BoringModel(lr=0.1))
+    assert trainer.accumulate_grad_batches == 1
+    expected = 0.1 * (datamodule.batch_size / 16) ** 0.5
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(expected)
+
+
+def test_resuming_reuses_the_tuned_values(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    callback = AutoBatchSize(max_batch_size=32, target_global_batch_size=64, lr_scaling="linear", **FAST)
+    trainer = tiny_trainer(tmp_path, callbacks=[callback], logger=False, enable_checkpointing=False)
+    trainer.fit(BoringModel(), datamodule=BoringDataModule(length=256))
+    checkpoint = tmp_path / "tuned.ckpt"
+    trainer.save_checkpoint(checkpoint)
+    lr = trainer.optimizers[0].param_groups[0]["lr"]
+
+    monkeypatch.setattr(StepProbe, "train", lambda *args: pytest.fail("tuned again after resuming"))
+    resumed_callback = AutoBatchSize(
+        max_batch_size=32, target_global_batch_size=64, lr_scaling="linear", **FAST
+    )
+    resumed = tiny_trainer(
+        tmp_path, max_epochs=2, callbacks=[resumed_callback], logger=False, enable_checkpointing=False
+    )
+    datamodule = BoringDataModule(length=256)
+    resumed.fit(BoringModel(), datamodule=datamodule, ckpt_path=checkpoint)
+    assert datamodule.batch_size == callback.result["batch_size"]
+    assert resumed.accumulate_grad_batches == callback.result["accumulate_grad_batches"]
+    assert resumed.optimizers[0].param_groups[0]["lr"] == pytest.approx(lr)  # scaled once, not twice
+    assert resumed_callback.result == callback.result
+    assert "from the checkpoint" in resumed_callback.findings[0].title
+    assert json.dumps(resumed_callback.state_dict())
+
+
+def test_validation_that_does_not_fit_steps_the_size_down(tmp_path: Path) -> None:
+    callback = AutoBatchSize(max_batch_size=64, **FAST)
+    _, datamodule = fit(tmp_path, callback, OOMModel(val_limit=20))
+    assert datamodule.batch_size <= 20
+    checks = callback.result["validation"]
+    assert checks[0]["oom"] and not checks[-1]["oom"] and checks[-1]["size"] == datamodule.batch_size
+
+
+class HparamsModel(BoringModel):
+    """Keeps ``batch_size`` in its hparams and builds its own loader from it."""
+
+    def __init__(self, batch_size: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    @override
+    def train_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
+        return DataLoader(RandomDataset(32, 128), batch_size=self.hparams["batch_size"])
+
+    @override
+    def val_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
+        return DataLoader(RandomDataset(32, 32, seed=1), batch_size=self.hparams["batch_size"])
+
+
+class Boosted(BoostedDataModule):
+    @override
+    def setup(self, stage: str) -> None:
+        self.train_dataset = RandomDataset(32, 128)
+        self.val_dataset = RandomDataset(32, 32, seed=1)
+
+
+def test_finds_batch_size_on_the_model_hparams_and_a_boosted_datamodule(tmp_path: Path) -> None:
+    model = HparamsModel()
+    callback = AutoBatchSize(max_batch_size=32, **FAST)
+    trainer = tiny_trainer(tmp_path / "a", callbacks=[callback], logger=False, enable_checkpointing=False)
+    trainer.fit(model)
+    assert model.hparams["batch_size"] == callback.result["batch_size"] == trainer.train_dataloader.batch_size
+
+    boosted = Boosted(batch_size=4, num_workers=0)
+    callback = AutoBatchSize(max_batch_size=32, **FAST)
+    fit(tmp_path / "b", callback, BoringModel(), datamodule=boosted)
+    assert boosted.batch_size == callback.result["batch_size"] != 4
+    assert callback.result["validation"]  # the boosted validation set was checked
+
+
+def test_no_batch_size_anywhere_says_where_to_add_it(tmp_path: Path) -> None:
+    trainer = tiny_trainer(tmp_path, callbacks=[AutoBatchSize()], logger=False)
+    loaders = [DataLoader(RandomDataset(32, 64), batch_size=8) for _ in range(2)]
+    with pytest.raises(AttributeError, match=r"no `batch_size`.*BoostedDataModule.*save_hyperparameters"):
+        trainer.fit(BoringModel(), *loaders)
+
+
+def test_a_loader_that_ignores_the_attribute_is_an_error(tmp_path: Path) -> None:
+    datamodule = BoringDataModule(length=128)
+    datamodule.train_dataloader = lambda: DataLoader(RandomDataset(32, 128), batch_size=8)  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match=r"set `batch_size` to \d+, but .* batch_size=8"):
+        fit(tmp_path, AutoBatchSize(max_batch_size=32, **FAST), datamodule=datamodule)
+
+
+class ManualModel(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        optimizer = self.optimizers()
+        loss = self._loss(batch)
+        self.manual_backward(loss)
+        optimizer.step()  # type: ignore[union-attr]
+        return loss
+
+
+def test_a_step_that_needs_the_trainer_says_to_set_the_size_by_hand(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match=r"outside the fit.*needs the trainer.*by hand"):
+        fit(tmp_path, AutoBatchSize(**FAST), ManualModel())
+
+
+class RankOOMModel(BoringModel):
+    """Rank 0 'runs out of memory' above 32 samples, rank 1 above 12 (simulated: no GPU here);
+    each rank writes the batch size it trains with."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if batch[0].shape[0] > (32 if dist.get_rank() == 0 else 12):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated).")
+        return super().training_step(batch, batch_idx)
+
+    @override
+    def on_train_start(self) -> None:
+        size = self.trainer.train_dataloader.batch_size  # type: ignore[union-attr]
+        Path(self.out, f"rank{self.global_rank}.json").write_text(json.dumps(size))
+
+
+@pytest.mark.ddp
+def test_ddp_takes_the_smallest_fit_over_ranks_without_hanging(tmp_path: Path) -> None:
+    callback = AutoBatchSize(**FAST)
+    trainer = tiny_trainer(
+        tmp_path, devices=2, strategy="ddp_spawn", callbacks=[callback], enable_checkpointing=False
+    )
+    trainer.fit(RankOOMModel(str(tmp_path)), datamodule=BoringDataModule(length=256))
+    chosen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert chosen[0] == chosen[1] <= 12
+    (report,) = tmp_path.rglob("boost_report.json")
+    (finding,) = [f for f in json.loads(report.read_text())["findings"] if f["source"] == "AutoBatchSize"]
+    tried = {t["size"]: t for t in finding["data"]["trials"]}
+    assert tried[16]["oom"] and not tried[12]["oom"]  # rank 1's OOM is known to rank 0
+    assert finding["data"]["world_size"] == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"init_batch_size": 0}, "`init_batch_size` expected an int >= 1, got 0"),
+        ({"max_batch_size": 2.5}, "`max_batch_size` expected an int >= 1 or None, got 2.5"),
+        ({"init_batch_size": 64, "max_batch_size": 32}, "`init_batch_size` (64) expected to be at most"),
+        ({"headroom": 1.5}, "`headroom` expected a fraction > 0 and <= 1, got 1.5"),
+        ({"cpu_memory_fraction": 0}, "`cpu_memory_fraction` expected a fraction > 0 and <= 1, got 0"),
+        ({"tolerance": 1}, "`tolerance` expected a fraction >= 0 and < 1, got 1"),
+        ({"time_budget_s": -1}, "`time_budget_s` expected a number of seconds > 0, got -1"),
+        ({"steps": True}, "`steps` expected an int >= 1, got True"),
+        ({"target_global_batch_size": 0}, "`target_global_batch_size` expected an int >= 1 or None, got 0"),
+        (
+            {"lr_scaling": "linaer"},
+            "`lr_scaling` expected one of 'linear', 'sqrt', got 'linaer'. Did you mean 'linear'",
+        ),
+        ({"reference_batch_size": 64}, "`reference_batch_size` only applies with `lr_scaling`"),
+        ({"attr_name": "batch size"}, "`attr_name` expected an attribute name, got 'batch size'"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError) as error:
+        AutoBatchSize(**kwargs)
+    assert message in str(error.value)
+
+
+def test_target_conflicts_with_an_accumulation_scheduler(tmp_path: Path) -> None:
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    trainer = tiny_trainer(
+        tmp_path,
+        callbacks=[AutoBatchSize(target_global_batch_size=64), GradientAccumulationScheduler({0: 2})],
+        logger=False,
+    )
+    with pytest.raises(ValueError, match="GradientAccumulationScheduler"):
+        trainer.fit(BoringModel(), datamodule=BoringDataModule())
