@@ -15,7 +15,14 @@ from benchmarks.common import Row, machine
 from lightning_boost._validation import unknown_choice_error
 from lightning_boost.hardware import HardwareInfo
 
-BENCHMARKS = ("demo_workload", "compute_bound", "data_bound", "monitor_overhead", "guard_overhead")
+BENCHMARKS = (
+    "demo_workload",
+    "compute_bound",
+    "data_bound",
+    "batch_size",
+    "monitor_overhead",
+    "guard_overhead",
+)
 RESULTS = Path(__file__).with_name("RESULTS.md")
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 HEADER = "| benchmark | ratio | detail | command | machine | date |\n| --- | --- | --- | --- | --- | --- |"

@@ -383,6 +383,7 @@ def test_ddp_takes_the_smallest_fit_over_ranks_without_hanging(tmp_path: Path) -
         ({"init_batch_size": 64, "max_batch_size": 32}, "`init_batch_size` (64) expected to be at most"),
         ({"headroom": 1.5}, "`headroom` expected a fraction > 0 and <= 1, got 1.5"),
         ({"cpu_memory_fraction": 0}, "`cpu_memory_fraction` expected a fraction > 0 and <= 1, got 0"),
+        ({"memory_budget_gib": 0}, "`memory_budget_gib` expected a number of GiB > 0 or None, got 0"),
         ({"tolerance": 1}, "`tolerance` expected a fraction >= 0 and < 1, got 1"),
         ({"time_budget_s": -1}, "`time_budget_s` expected a number of seconds > 0, got -1"),
         ({"steps": True}, "`steps` expected an int >= 1, got True"),

@@ -63,6 +63,7 @@ class AutoBatchSize(BoostCallback):
         headroom: fraction of the device's memory a training step may peak at (CUDA, MPS).
         cpu_memory_fraction: on CPU, fraction of the RAM available at the start that a step may
             use (shared by the processes on the node); no OOM is waited for.
+        memory_budget_gib: the peak a step may reach per process, in GiB, instead of the two above.
         tolerance: sizes within this fraction of the best throughput count as equally fast, and
             the smallest of them is chosen; growth stops when two doublings gain less.
         time_budget_s: no new size is measured once the trials took this long.
@@ -89,6 +90,7 @@ class AutoBatchSize(BoostCallback):
         max_batch_size: int | None = None,
         headroom: float = 0.9,
         cpu_memory_fraction: float = 0.5,
+        memory_budget_gib: float | None = None,
         tolerance: float = 0.05,
         time_budget_s: float = 60.0,
         steps: int = 3,
@@ -102,6 +104,14 @@ class AutoBatchSize(BoostCallback):
         check_int("max_batch_size", max_batch_size, 1, optional=True)
         check_fraction("headroom", headroom)
         check_fraction("cpu_memory_fraction", cpu_memory_fraction)
+        if memory_budget_gib is not None and (
+            isinstance(memory_budget_gib, bool)
+            or not isinstance(memory_budget_gib, (int, float))
+            or memory_budget_gib <= 0
+        ):
+            raise ValueError(
+                f"`memory_budget_gib` expected a number of GiB > 0 or None, got {memory_budget_gib!r}."
+            )
         check_fraction("tolerance", tolerance, zero_ok=True)
         if (
             isinstance(time_budget_s, bool)
@@ -129,6 +139,7 @@ class AutoBatchSize(BoostCallback):
         self.max_batch_size = max_batch_size
         self.headroom = headroom
         self.cpu_memory_fraction = cpu_memory_fraction
+        self.memory_budget_gib = memory_budget_gib
         self.tolerance = tolerance
         self.time_budget_s = float(time_budget_s)
         self.steps = steps
@@ -226,7 +237,7 @@ class AutoBatchSize(BoostCallback):
             "lr_factor": lr_factor(self.lr_scaling, effective, reference),
             "world_size": world,
             "budget_bytes": limits.budget_bytes,
-            "budget": _budget_text(trainer, pl_module, self),
+            "budget": _budget_text(pl_module, self),
             "stopped": reason,
             "trials": [t.to_dict() for t in trials],
             "validation": [t.to_dict() for t in checks],
@@ -242,10 +253,23 @@ class AutoBatchSize(BoostCallback):
         largest = min(bounds)
         return Limits(
             max_size=int(largest) if largest != math.inf else 2**31,
-            budget_bytes=_memory_budget(trainer, pl_module, self.headroom, self.cpu_memory_fraction),
+            budget_bytes=self._memory_budget(trainer, pl_module),
             tolerance=self.tolerance,
             time_budget_s=self.time_budget_s,
         )
+
+    def _memory_budget(self, trainer: L.Trainer, pl_module: L.LightningModule) -> int:
+        """Bytes a training step may peak at on this process."""
+        device = pl_module.device
+        if self.memory_budget_gib is not None:
+            return int(self.memory_budget_gib * _GIB)
+        if device.type == "cuda":
+            return int(self.headroom * torch.cuda.get_device_properties(device).total_memory)
+        if device.type == "mps":
+            return int(self.headroom * torch.mps.recommended_max_memory())
+        hardware = hardware_for(trainer)
+        available = hardware.ram_available_bytes or hardware.ram_total_bytes or 8 * _GIB
+        return int(self.cpu_memory_fraction * available / hardware.local_world_size)
 
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -366,26 +390,14 @@ def _gather(trainer: L.Trainer, trial: Trial, failed: bool) -> tuple[list[Trial]
     return trials, any(row[4] for row in rows)
 
 
-def _memory_budget(
-    trainer: L.Trainer, pl_module: L.LightningModule, headroom: float, cpu_fraction: float
-) -> int:
+def _budget_text(pl_module: L.LightningModule, callback: AutoBatchSize) -> str:
     device = pl_module.device
-    if device.type == "cuda":
-        return int(headroom * torch.cuda.get_device_properties(device).total_memory)
-    if device.type == "mps":
-        return int(headroom * torch.mps.recommended_max_memory())
-    hardware = hardware_for(trainer)
-    available = hardware.ram_available_bytes or hardware.ram_total_bytes or 8 * _GIB
-    return int(cpu_fraction * available / hardware.local_world_size)
-
-
-def _budget_text(trainer: L.Trainer, pl_module: L.LightningModule, callback: AutoBatchSize) -> str:
-    device = pl_module.device
+    peak = "an estimate of live tensors" if device.type != "cuda" else "the allocator's measured peak"
+    if callback.memory_budget_gib is not None:
+        return f"`memory_budget_gib={callback.memory_budget_gib:g}` ({peak})"
     if device.type == "cpu":
-        return (
-            f"{callback.cpu_memory_fraction:.0%} of available RAM per process (an estimate of live tensors)"
-        )
-    return f"{callback.headroom:.0%} of {device.type.upper()} device memory (measured peak)"
+        return f"{callback.cpu_memory_fraction:.0%} of available RAM per process ({peak})"
+    return f"{callback.headroom:.0%} of {device.type.upper()} device memory ({peak})"
 
 
 def _scale_learning_rates(trainer: L.Trainer, factor: float) -> None:

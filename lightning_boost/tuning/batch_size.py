@@ -129,7 +129,7 @@ def choose(trials: Sequence[Trial], budget_bytes: int, tolerance: float) -> Tria
         >>> table = [Trial(32, 900.0, 10), Trial(64, 1000.0, 20), Trial(128, 1010.0, 40)]
         >>> choose(table, budget_bytes=100, tolerance=0.05).size
         64
-        >>> choose(table + [Trial(256, oom=True)], budget_bytes=30, tolerance=0.05).size
+        >>> choose(table + [Trial(256, oom=True)], budget_bytes=15, tolerance=0.05).size
         32
     """
     ok = [t for t in trials if t.fits(budget_bytes)]
