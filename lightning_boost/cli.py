@@ -17,9 +17,13 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     doctor = commands.add_parser("doctor", help="check this machine before training")
     doctor.add_argument("--json", action="store_true", help="print machine-readable JSON")
-    demo = commands.add_parser("demo", help="a short boosted fit on FakeData and its report")
-    demo.add_argument("--samples", type=int, default=2048, help="FakeData images (default 2048)")
-    demo.add_argument("--epochs", type=int, default=2, help="epochs to train (default 2)")
+    demo = commands.add_parser(
+        "demo", help="ResNet-18 trained with plain Lightning, then boosted, side by side"
+    )
+    demo.add_argument("--samples", type=int, default=8192, help="images per epoch (default 8192)")
+    demo.add_argument("--epochs", type=int, default=2, help="epochs per fit (default 2)")
+    demo.add_argument("--batch-size", type=int, default=64, help="the plain run's batch size (default 64)")
+    demo.add_argument("--data", default=None, help="a directory holding CIFAR-10 (default: FakeData)")
     demo.add_argument("--root", default="lightning_logs_demo", help="where logs and the report go")
     return parser
 
@@ -33,14 +37,16 @@ def _print_report(report: Report, title: str) -> None:
     console.print(", ".join(f"{n} {s.label}" for s, n in counts.items()))
 
 
-def _print_summary(summary: dict[str, object]) -> None:
+def _print_side_by_side(rows: list[tuple[str, str, str]], report: object) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("setting", "value", title="run")
-    for key, value in summary.items():
-        table.add_row(key, str(value))
-    Console().print(table)
+    table = Table("", "plain Lightning", "lightning-boost", title="ResNet-18, same images, same epochs")
+    for row in rows:
+        table.add_row(*row)
+    console = Console()
+    console.print(table)
+    console.print(f"report: {report} (and boost_report.md beside it)")
 
 
 def doctor(as_json: bool) -> int:
@@ -57,11 +63,17 @@ def doctor(as_json: bool) -> int:
     return 1 if report.worst is Severity.ERROR else 0
 
 
-def demo(samples: int, epochs: int, root: str) -> int:
-    from lightning_boost.demo import run_demo
+def demo(args: argparse.Namespace) -> int:
+    from lightning_boost.demo import run_demo, side_by_side
 
-    _, summary = run_demo(samples=samples, epochs=epochs, root=root)  # the report prints its table
-    _print_summary(summary)
+    plain, boosted = run_demo(  # the boosted fit's report prints its own table first
+        samples=args.samples,
+        epochs=args.epochs,
+        root=args.root,
+        batch_size=args.batch_size,
+        data_dir=args.data,
+    )
+    _print_side_by_side(side_by_side(plain, boosted), boosted.report)
     return 0
 
 
@@ -69,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "doctor":
         return doctor(args.json)
-    return demo(args.samples, args.epochs, args.root)
+    return demo(args)
 
 
 if __name__ == "__main__":

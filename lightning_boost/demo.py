@@ -1,16 +1,18 @@
-"""`lightning-boost demo`: a short boosted fit on FakeData, with the report it produces.
+"""`lightning-boost demo`: the same training job with plain Lightning and with lightning-boost, side by side.
 
-A CIFAR-sized image task (torchvision ``FakeData`` with the usual CPU augmentation pipeline,
-since nothing is downloaded) and a small CNN with torchmetrics accuracy, trained through a
-`BoostedDataModule` (DataLoader workers measured, pinned memory on CUDA), ``preset("auto")`` and
-`boost_callbacks()` (step-time monitor and the report, which also runs the doctor's checks).
-It is the project's main job until the side-by-side demo (plain vs boosted) replaces it.
+torchvision's ResNet-18 on a CIFAR-sized image task with the usual CPU augmentation pipeline
+(torchvision ``FakeData``, since nothing is downloaded; real CIFAR-10 from a directory that holds
+it), trained twice in one process on the same images: Lightning's and PyTorch's defaults, then
+`BoostedDataModule` + ``preset("auto")`` + `AutoBatchSize` + `boost_callbacks()`. The models and
+datasets here are also what the examples and benchmarks train.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -21,15 +23,15 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets, transforms
 from typing_extensions import override
 
-from lightning_boost.callbacks import BoostReport, boost_callbacks
+from lightning_boost.callbacks import AutoBatchSize, BoostReport, boost_callbacks
 from lightning_boost.data import BoostedDataModule
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.presets import preset
-from lightning_boost.report import Report
+from lightning_boost.report import Finding, Severity
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR_STD = (0.2470, 0.2435, 0.2616)
@@ -106,27 +108,54 @@ def fake_cifar(samples: int) -> datasets.FakeData:
     )
 
 
-class FakeCIFAR(BoostedDataModule):
-    """The demo's data: `fake_cifar` as a `BoostedDataModule`, whose loader settings are measured."""
+def demo_dataset(samples: int, data_dir: str | None = None) -> Dataset[Any]:
+    """The first `samples` images of CIFAR-10's training set under `data_dir` (as
+    ``torchvision.datasets.CIFAR10`` stores it), or `fake_cifar` when no directory is given.
 
-    def __init__(self, samples: int = 2048, **kwargs: Any) -> None:
+    Raises:
+        ValueError: when `data_dir` does not hold CIFAR-10.
+    """
+    if data_dir is None:
+        return fake_cifar(samples)
+    try:
+        cifar = datasets.CIFAR10(data_dir, train=True, transform=train_transform())
+    except RuntimeError as error:  # torchvision: "Dataset not found or corrupted"
+        raise ValueError(
+            f"`data_dir` {data_dir!r} does not hold CIFAR-10 ({error}): fetch it once with"
+            f" `torchvision.datasets.CIFAR10({data_dir!r}, download=True)`, or leave it out to use FakeData."
+        ) from error
+    return Subset(cifar, range(min(samples, len(cifar))))
+
+
+class FakeCIFAR(BoostedDataModule):
+    """The demo's data as a `BoostedDataModule`, whose loader settings are measured: `fake_cifar`,
+    or CIFAR-10 from `data_dir` (`demo_dataset`)."""
+
+    def __init__(self, samples: int = 2048, data_dir: str | None = None, **kwargs: Any) -> None:
         super().__init__(drop_last=True, **kwargs)
         if samples < self.batch_size:
             raise ValueError(f"`samples` expected at least batch_size={self.batch_size}, got {samples}.")
         self.samples = samples
+        self.data_dir = data_dir
 
     @override
     def setup(self, stage: str) -> None:
-        self.train_dataset = fake_cifar(self.samples)
+        self.train_dataset = demo_dataset(self.samples, self.data_dir)
 
 
 class Throughput(L.Callback):
-    """Training samples per second from the start of training (worker start-up included)."""
+    """Training samples per second from the start of training (worker start-up included), and
+    the time from the start of the fit to the first step (tuning, for a boosted run)."""
 
     def __init__(self) -> None:
         self.samples = 0
+        self.fit_started = 0.0
         self.started = 0.0
         self.seconds = 0.0
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self.fit_started = time.perf_counter()
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -146,6 +175,11 @@ class Throughput(L.Callback):
     def samples_per_second(self) -> float:
         return self.samples / self.seconds if self.seconds else 0.0
 
+    @property
+    def before_training_s(self) -> float:
+        """Seconds from the start of the fit to the start of training."""
+        return self.started - self.fit_started
+
 
 def fit_fake_cifar(
     data: DataLoader[Any] | L.LightningDataModule,
@@ -159,6 +193,20 @@ def fit_fake_cifar(
 ) -> tuple[L.Trainer, float]:
     """Train `model()` (`SmallCNN`) on `data` (a loader or a datamodule) with `strategy`; return
     the trainer and samples/s."""
+    trainer, throughput = _fit(data, strategy, epochs, root, name, callbacks, model, **trainer_kwargs)
+    return trainer, throughput.samples_per_second
+
+
+def _fit(
+    data: DataLoader[Any] | L.LightningDataModule,
+    strategy: Strategy | str,
+    epochs: int,
+    root: str,
+    name: str,
+    callbacks: Sequence[L.Callback],
+    model: Callable[[], L.LightningModule],
+    **trainer_kwargs: Any,
+) -> tuple[L.Trainer, Throughput]:
     throughput = Throughput()
     L.seed_everything(0, verbose=False)
     options: dict[str, Any] = dict(
@@ -175,34 +223,122 @@ def fit_fake_cifar(
         trainer.fit(model(), datamodule=data)
     else:
         trainer.fit(model(), train_dataloaders=data)
-    return trainer, throughput.samples_per_second
+    return trainer, throughput
+
+
+@dataclass
+class DemoRun:
+    """What one of the demo's two fits trained with and how fast."""
+
+    name: str
+    samples_per_s: float
+    seconds: float
+    before_training_s: float
+    settings: dict[str, Any]
+    syncs: list[Finding] = field(default_factory=list)
+    retained: list[Finding] = field(default_factory=list)
+    checked: bool = False
+    report: Path | None = None
 
 
 def run_demo(
-    samples: int = 2048, epochs: int = 2, root: str = "lightning_logs_demo", batch_size: int = 64
-) -> tuple[Report, dict[str, Any]]:
-    """Train `SmallCNN` on FakeData with `BoostedDataModule`, ``preset("auto")`` and `boost_callbacks`.
+    samples: int = 8192,
+    epochs: int = 2,
+    root: str = "lightning_logs_demo",
+    batch_size: int = 64,
+    data_dir: str | None = None,
+    max_batch_size: int = 256,
+    say: Callable[[str], None] = print,
+    quiet: bool = False,
+) -> tuple[DemoRun, DemoRun]:
+    """Train torchvision's ResNet-18 on the demo data twice: plain Lightning, then boosted.
 
-    The `BoostReport` prints its table at the end of the fit and writes its files; the report and
-    a run summary (settings used, samples/s, where the report is) are returned.
+    The plain fit is what a user writes first: a shuffled ``DataLoader`` with PyTorch's defaults
+    and ``Trainer()`` with Lightning's. The boosted fit trains the same model on the same data
+    through `FakeCIFAR` (a `BoostedDataModule`: measured workers, pinned memory on CUDA),
+    ``preset("auto")``, `AutoBatchSize` (up to `max_batch_size`, learning rate scaled linearly)
+    and `boost_callbacks()`. Both see ``samples x epochs`` images. `say` reports progress; `quiet`
+    turns off the progress bars and the report's console table (the report files are written).
 
     Raises:
-        ValueError: when `samples` is smaller than one batch.
+        ValueError: when `samples` is smaller than one batch, or `data_dir` holds no CIFAR-10.
     """
     hardware = HardwareInfo.detect()
-    datamodule = FakeCIFAR(samples, batch_size=batch_size)
+    boosted_data = FakeCIFAR(samples, data_dir, batch_size=batch_size)
+    plain_loader = DataLoader(demo_dataset(samples, data_dir), batch_size=batch_size, shuffle=True)
+    say(f"[1/2] plain Lightning: {samples} images x {epochs} epoch(s), batch {batch_size}, PyTorch defaults")
+    largest = max(batch_size, max_batch_size)
+    bars = {"enable_progress_bar": not quiet, "log_every_n_steps": max(1, min(10, samples // largest))}
+    trainer, throughput = _fit(plain_loader, "auto", epochs, root, "plain", (), ResNet18Classifier, **bars)
+    plain = _run("plain Lightning", trainer, throughput)
+    say("[2/2] lightning-boost: the same model and data, tuned first (workers, batch size), then trained")
+    callbacks = [
+        AutoBatchSize(max_batch_size=max_batch_size, lr_scaling="linear"),
+        *boost_callbacks(boost_report={"console": not quiet}),
+    ]
     strategy = preset("auto", hardware=hardware)
-    callbacks = boost_callbacks()
-    steps = min(10, samples // batch_size)
-    _, samples_per_second = fit_fake_cifar(
-        datamodule, strategy, epochs, root, callbacks=callbacks, log_every_n_steps=steps
+    trainer, throughput = _fit(
+        boosted_data, strategy, epochs, root, "boosted", callbacks, ResNet18Classifier, **bars
     )
+    boosted = _run("lightning-boost", trainer, throughput)
     (boost_report,) = [c for c in callbacks if isinstance(c, BoostReport)]
-    assert boost_report.report is not None  # written at the end of every fit
-    summary = {
-        "accelerator": hardware.accelerator,
-        **boost_report.report.tuned,
-        "samples/s": round(samples_per_second, 1),
-        "report": str(boost_report.paths[0]),
+    report = boost_report.report
+    assert report is not None  # written at the end of every fit
+    boosted.checked, boosted.report = True, boost_report.paths[0]
+    boosted.syncs = [f for f in report.findings if f.source == "SyncGuard"]
+    boosted.retained = [f for f in report.findings if f.source == "LossLoggingGuard"]
+    return plain, boosted
+
+
+def _run(name: str, trainer: L.Trainer, throughput: Throughput) -> DemoRun:
+    loader = trainer.train_dataloader
+    assert isinstance(loader, DataLoader)
+    settings = {
+        "batch size": f"{loader.batch_size} x {trainer.accumulate_grad_batches} accumulated",
+        "learning rate": f"{trainer.optimizers[0].param_groups[0]['lr']:g}",
+        "num_workers": loader.num_workers,
+        "pin_memory": loader.pin_memory,
+        "precision": trainer.precision,
+        "strategy": type(trainer.strategy).__name__,
+        "accelerator": type(trainer.accelerator).__name__.removesuffix("Accelerator"),
     }
-    return boost_report.report, summary
+    return DemoRun(
+        name,
+        throughput.samples_per_second,
+        throughput.seconds + throughput.before_training_s,
+        throughput.before_training_s,
+        settings,
+    )
+
+
+def side_by_side(plain: DemoRun, boosted: DemoRun) -> list[tuple[str, str, str]]:
+    """The demo's table: one ``(what, plain, boosted)`` row per setting and figure."""
+    rows = [(key, str(plain.settings[key]), str(boosted.settings[key])) for key in plain.settings]
+    rows += [
+        ("syncs found", _syncs(plain), _syncs(boosted)),
+        ("retained graphs found", _retained(plain), _retained(boosted)),
+        (
+            "before training (tuning)",
+            f"{plain.before_training_s:.1f} s",
+            f"{boosted.before_training_s:.1f} s",
+        ),
+        ("training samples/s", f"{plain.samples_per_s:,.0f}", f"{boosted.samples_per_s:,.0f}"),
+        ("speed-up (training)", "1.00x", f"{boosted.samples_per_s / plain.samples_per_s:.2f}x"),
+        ("wall time (fit)", f"{plain.seconds:.1f} s", f"{boosted.seconds:.1f} s"),
+    ]
+    return rows
+
+
+def _syncs(run: DemoRun) -> str:
+    """SyncGuard warns about the user's lines; Lightning's own syncs are its INFO findings."""
+    if not run.checked:
+        return "not checked"
+    yours = sum(f.severity is not Severity.INFO for f in run.syncs)
+    return f"{yours} in your code, {len(run.syncs) - yours} in Lightning's"
+
+
+def _retained(run: DemoRun) -> str:
+    """LossLoggingGuard's INFO finding says none was kept; each WARN/ERROR is one that was."""
+    if not run.checked:
+        return "not checked"
+    return str(sum(f.severity is not Severity.INFO for f in run.retained))

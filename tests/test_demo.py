@@ -4,20 +4,47 @@ from pathlib import Path
 import pytest
 
 from lightning_boost import cli
-from lightning_boost.demo import run_demo
+from lightning_boost.demo import demo_dataset, run_demo, side_by_side
+
+#: The plain fit is Lightning with PyTorch's defaults, so Lightning warns about its loader, as it would.
+PLAIN_WARNS = pytest.mark.filterwarnings("ignore:The 'train_dataloader' does not have many workers")
 
 
-def test_demo_trains_and_writes_the_report(tmp_path: Path) -> None:
-    report, summary = run_demo(samples=64, epochs=1, root=str(tmp_path), batch_size=32)
-    assert summary["samples/s"] > 0
-    written = json.loads(Path(summary["report"]).read_text())
-    assert written["tuned"]["batch_size"] == 32
-    assert written["tuned"]["precision"] == summary["precision"]
-    assert Path(summary["report"]).is_relative_to(tmp_path)
-    assert Path(summary["report"]).with_suffix(".md").exists()
-    (workers,) = [f for f in report.findings if f.source == "FakeCIFAR" and "num_workers=" in f.title]
-    assert workers.data["trials"]  # measured, not guessed
-    assert written["tuned"]["num_workers"] == workers.data["num_workers"]
+@PLAIN_WARNS
+def test_demo_trains_plain_then_boosted_and_writes_the_report(tmp_path: Path) -> None:
+    said: list[str] = []
+    plain, boosted = run_demo(
+        samples=128,
+        epochs=1,
+        root=str(tmp_path),
+        batch_size=16,
+        max_batch_size=32,
+        say=said.append,
+        quiet=True,
+    )
+    assert [line[:5] for line in said] == ["[1/2]", "[2/2]"]
+    assert plain.samples_per_s > 0 and boosted.samples_per_s > 0
+    assert plain.settings["batch size"] == "16 x 1 accumulated" and plain.settings["num_workers"] == 0
+    written = json.loads(Path(str(boosted.report)).read_text())
+    tuned = written["tuned"]
+    assert boosted.settings["batch size"] == f"{tuned['batch_size']} x 1 accumulated"
+    assert tuned["batch_size"] <= 32 and tuned["num_workers"] == boosted.settings["num_workers"]
+    assert float(boosted.settings["learning rate"]) == pytest.approx(0.05 * tuned["batch_size"] / 16)
+    assert {f["source"] for f in written["findings"]} >= {"AutoBatchSize", "FakeCIFAR", "SyncGuard"}
+    assert Path(str(boosted.report)).is_relative_to(tmp_path / "boosted")
+
+    rows = {what: (a, b) for what, a, b in side_by_side(plain, boosted)}
+    assert rows["syncs found"][0] == "not checked"
+    assert rows["syncs found"][1] == "0 in your code, 1 in Lightning's"  # prog_bar values, with no bar
+    assert rows["retained graphs found"] == ("not checked", "0")
+    assert rows["speed-up (training)"][1].endswith("x")
+    assert set(rows) >= {
+        "precision",
+        "strategy",
+        "num_workers",
+        "before training (tuning)",
+        "training samples/s",
+    }
 
 
 def test_demo_rejects_fewer_samples_than_a_batch(tmp_path: Path) -> None:
@@ -25,10 +52,18 @@ def test_demo_rejects_fewer_samples_than_a_batch(tmp_path: Path) -> None:
         run_demo(samples=10, root=str(tmp_path))
 
 
-def test_cli_demo_prints_the_run(
+def test_demo_data_dir_without_cifar_says_how_to_get_it(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"does not hold CIFAR-10.*download=True.*FakeData"):
+        demo_dataset(64, str(tmp_path))
+
+
+@PLAIN_WARNS
+def test_cli_demo_prints_the_side_by_side_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("COLUMNS", "200")
-    assert cli.main(["demo", "--samples", "64", "--epochs", "1", "--root", str(tmp_path)]) == 0
+    argv = ["demo", "--samples", "64", "--epochs", "1", "--batch-size", "16", "--root", str(tmp_path)]
+    assert cli.main(argv) == 0
     out = capsys.readouterr().out
-    assert "samples/s" in out and "num_workers" in out and "boost_report.json" in out
+    assert "[1/2] plain Lightning" in out and "[2/2] lightning-boost" in out
+    assert "plain Lightning" in out and "speed-up (training)" in out and "boost_report.json" in out

@@ -67,7 +67,8 @@ class AutoBatchSize(BoostCallback):
         tolerance: sizes within this fraction of the best throughput count as equally fast, and
             the smallest of them is chosen; growth stops when two doublings gain less.
         time_budget_s: no new size is measured once the trials took this long.
-        steps: timed steps per size after a warm-up step; the fastest counts.
+        steps: timed steps per size after a warm-up step; the fastest counts (fewer for slow
+            steps: about 2 s of timed steps per size at most).
         target_global_batch_size: sets ``accumulate_grad_batches`` so that batch x accumulation x
             world size comes closest to it (and bounds the batch size by it).
         lr_scaling: ``"linear"`` or ``"sqrt"``: scale the optimizers' learning rates (and schedulers'

@@ -28,6 +28,9 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_boost._lightning import detached_copy
 from lightning_boost.tuning.batch_size import Trial
 
+#: Timed steps per trial stop short of `steps` when they would take longer than this (seconds).
+TIMED_S = 2.0
+
 #: Messages of out-of-memory errors that arrive as a plain ``RuntimeError`` (CPU allocator, MPS).
 _OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
 
@@ -56,7 +59,8 @@ class StepProbe:
     Args:
         module: the LightningModule of the run (not changed).
         optimizers: its optimizers; each copy gets copies of them, mapped to the copy's parameters.
-        steps: timed steps per trial, after one warm-up step; the fastest counts.
+        steps: timed steps per trial, after one warm-up step; the fastest counts. Fewer when the
+            warm-up step says they would take more than `TIMED_S` (at least one).
         train_context: the precision plugin's training context (autocast for mixed precision).
         eval_context: the same for validation.
     """
@@ -115,10 +119,13 @@ class StepProbe:
     ) -> float:
         clone.train()
         peak.reset(batch)
+        warm_up = time.perf_counter()
         with peak.saved_tensors():
             self._train_step(clone, optimizers, batch, peak)  # warm-up: allocations, kernel choices
+        _synchronize(self.device)
+        slow = time.perf_counter() - warm_up
         fastest = float("inf")
-        for _ in range(self.steps):
+        for _ in range(max(1, min(self.steps, int(TIMED_S / slow)))):  # slow steps: fewer, not less precise
             _synchronize(self.device)
             begin = time.perf_counter()
             self._train_step(clone, optimizers, batch, None)
