@@ -120,7 +120,7 @@ def estimated_peak(size: int) -> int:
     return peak
 
 
-def run(budget_gib: float = 0.75, largest: int = 512, rounds: int = 2, samples: int = 2048) -> list[Row]:
+def run(budget_gib: float = 0.25, largest: int = 512, rounds: int = 2, samples: int = 2048) -> list[Row]:
     sizes = [2**k for k in range(3, largest.bit_length()) if 2**k <= largest]
     started = time.perf_counter()
     rates = {size: 0.0 for size in sizes}

@@ -57,7 +57,14 @@ def test_guard_overhead_runs_at_tiny_size() -> None:
 def test_demo_workloads_run_at_tiny_size() -> None:
     from benchmarks import compute_bound, demo_workload
 
-    (smallcnn,) = demo_workload.run(samples=128, epochs=1, repeats=1, batch_size=32)
+    (demo,) = demo_workload.run(samples=64, epochs=1, repeats=2, batch_size=16)
     (resnet,) = compute_bound.run(samples=64, epochs=1, repeats=1, batch_size=32)
-    assert smallcnn.ratio > 0 and resnet.ratio > 0 and resnet.command == compute_bound.COMMAND
-    assert "model thread(s)" in smallcnn.detail and "resnet18" in resnet.detail
+    assert demo.ratio > 0 and resnet.ratio > 0 and resnet.command == compute_bound.COMMAND
+    assert "wall time with tuning" in demo.detail and "resnet18" in resnet.detail
+
+
+def test_batch_size_benchmark_runs_at_tiny_size() -> None:
+    from benchmarks import batch_size
+
+    (row,) = batch_size.run(budget_gib=0.25, largest=16, rounds=1, samples=64)
+    assert row.ratio > 0 and "BatchSizeFinder: 64" in row.detail  # it grows to the dataset's length
