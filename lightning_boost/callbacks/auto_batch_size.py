@@ -218,9 +218,10 @@ class AutoBatchSize(BoostCallback):
             choice = choose(trials, limits.budget_bytes, self.tolerance)
             if choice is None:
                 raise MemoryError(_nothing_fits(trials, limits, reason))
-            val_data = _split_data(trainer, "val") if self.check_validation else None
+            validates = self.check_validation and is_overridden("validation_step", pl_module)
+            val_data = _split_data(trainer, "val") if validates else None
             checks: list[Trial] = []
-            if val_data is not None and is_overridden("validation_step", pl_module):
+            if val_data is not None:
                 choice = _fitting_validation(trainer, probe, val_data, trials, choice, limits, checks)
         accumulate = trainer.accumulate_grad_batches
         if self.target_global_batch_size is not None:
