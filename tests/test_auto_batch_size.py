@@ -200,7 +200,7 @@ def _train(tmp_path: Path, batch_size: int, callbacks: list[L.Callback]) -> dict
 
 
 def test_tuning_leaves_no_trace(tmp_path: Path) -> None:
-    callback = AutoBatchSize(max_batch_size=64, **FAST)
+    callback = AutoBatchSize(init_batch_size=2, max_batch_size=64, **FAST)
     tuned = _train(tmp_path / "tuned", 4, [callback])
     chosen = callback.result["batch_size"]
     assert len(callback.result["trials"]) >= 5 and chosen != 4
@@ -378,7 +378,7 @@ def test_ddp_takes_the_smallest_fit_over_ranks_without_hanging(tmp_path: Path) -
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"init_batch_size": 0}, "`init_batch_size` expected an int >= 1, got 0"),
+        ({"init_batch_size": 0}, "`init_batch_size` expected an int >= 1 or None, got 0"),
         ({"max_batch_size": 2.5}, "`max_batch_size` expected an int >= 1 or None, got 2.5"),
         ({"init_batch_size": 64, "max_batch_size": 32}, "`init_batch_size` (64) expected to be at most"),
         ({"headroom": 1.5}, "`headroom` expected a fraction > 0 and <= 1, got 1.5"),

@@ -58,7 +58,8 @@ class AutoBatchSize(BoostCallback):
     its ``hparams`` or the datamodule (`BoostedDataModule` has one), read by ``train_dataloader()``.
 
     Args:
-        init_batch_size: the first size measured; the search doubles from it (halves if it does not fit).
+        init_batch_size: the first size measured (default: the configured batch size); the search
+            doubles from it, and halves from it when it does not fit.
         max_batch_size: the largest size measured (also bounded by the samples per rank).
         headroom: fraction of the device's memory a training step may peak at (CUDA, MPS).
         cpu_memory_fraction: on CPU, fraction of the RAM available at the start that a step may
@@ -87,7 +88,7 @@ class AutoBatchSize(BoostCallback):
     def __init__(
         self,
         *,
-        init_batch_size: int = 2,
+        init_batch_size: int | None = None,
         max_batch_size: int | None = None,
         headroom: float = 0.9,
         cpu_memory_fraction: float = 0.5,
@@ -101,7 +102,7 @@ class AutoBatchSize(BoostCallback):
         check_validation: bool = True,
         attr_name: str = "batch_size",
     ) -> None:
-        check_int("init_batch_size", init_batch_size, 1)
+        check_int("init_batch_size", init_batch_size, 1, optional=True)
         check_int("max_batch_size", max_batch_size, 1, optional=True)
         check_fraction("headroom", headroom)
         check_fraction("cpu_memory_fraction", cpu_memory_fraction)
@@ -129,7 +130,7 @@ class AutoBatchSize(BoostCallback):
             raise ValueError(
                 "`reference_batch_size` only applies with `lr_scaling`: pass lr_scaling='linear' or 'sqrt'."
             )
-        if max_batch_size is not None and init_batch_size > max_batch_size:
+        if max_batch_size is not None and init_batch_size is not None and init_batch_size > max_batch_size:
             raise ValueError(
                 f"`init_batch_size` ({init_batch_size}) expected to be at most"
                 f" `max_batch_size` ({max_batch_size})."
@@ -214,7 +215,8 @@ class AutoBatchSize(BoostCallback):
             trainer.precision_plugin.val_step_context,
         )
         with preserved_rng():
-            trials, reason = _search(trainer, probe, train_data, self.init_batch_size, limits)
+            start = self.init_batch_size or configured
+            trials, reason = _search(trainer, probe, train_data, start, limits)
             choice = choose(trials, limits.budget_bytes, self.tolerance)
             if choice is None:
                 raise MemoryError(_nothing_fits(trials, limits, reason))
