@@ -63,3 +63,17 @@ def check_fraction(name: str, value: object, *, zero_ok: bool = False) -> None:
     if not number or not ((0 <= value < 1) if zero_ok else (0 < value <= 1)):  # type: ignore[operator]
         expected = "a fraction >= 0 and < 1" if zero_ok else "a fraction > 0 and <= 1"
         raise ValueError(f"`{name}` expected {expected}, got {value!r}.")
+
+
+def check_positive(name: str, value: object, unit: str, *, optional: bool = False) -> None:
+    """A number > 0 (or ``None`` when `optional`); `unit` names what it counts in the message.
+
+    Raises:
+        ValueError: naming the argument, what it expects and what it got.
+    """
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(
+            f"`{name}` expected a number of {unit} > 0{' or None' if optional else ''}, got {value!r}."
+        )

@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_boost._lightning import callbacks_of, datamodule_of, user_dataloaders
-from lightning_boost._validation import check_fraction, check_int, unknown_choice_error
+from lightning_boost._validation import check_fraction, check_int, check_positive, unknown_choice_error
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.batch_probe import StepProbe, first_batch, is_oom
 from lightning_boost.data.datamodule import BoostedDataModule
@@ -106,21 +106,9 @@ class AutoBatchSize(BoostCallback):
         check_int("max_batch_size", max_batch_size, 1, optional=True)
         check_fraction("headroom", headroom)
         check_fraction("cpu_memory_fraction", cpu_memory_fraction)
-        if memory_budget_gib is not None and (
-            isinstance(memory_budget_gib, bool)
-            or not isinstance(memory_budget_gib, (int, float))
-            or memory_budget_gib <= 0
-        ):
-            raise ValueError(
-                f"`memory_budget_gib` expected a number of GiB > 0 or None, got {memory_budget_gib!r}."
-            )
+        check_positive("memory_budget_gib", memory_budget_gib, "GiB", optional=True)
         check_fraction("tolerance", tolerance, zero_ok=True)
-        if (
-            isinstance(time_budget_s, bool)
-            or not isinstance(time_budget_s, (int, float))
-            or time_budget_s <= 0
-        ):
-            raise ValueError(f"`time_budget_s` expected a number of seconds > 0, got {time_budget_s!r}.")
+        check_positive("time_budget_s", time_budget_s, "seconds")
         check_int("steps", steps, 1)
         check_int("target_global_batch_size", target_global_batch_size, 1, optional=True)
         if lr_scaling is not None and lr_scaling not in LR_RULES:
@@ -431,11 +419,11 @@ def _nothing_fits(trials: list[Trial], limits: Limits, reason: str) -> str:
 
 
 def _finding(result: dict[str, Any], tolerance: float) -> Finding:
-    trials = [Trial.from_dict(t) for t in result["trials"]]
+    trials = sorted((Trial.from_dict(t) for t in result["trials"]), key=lambda t: t.size)
     budget = result["budget_bytes"]
     chosen = next(t for t in trials if t.size == result["batch_size"])
     best = max((t for t in trials if t.fits(budget)), key=lambda t: t.samples_per_s)
-    rows = [_row(t, budget) for t in sorted(trials, key=lambda t: t.size)]
+    rows = [_row(t, budget) for t in trials]
     detail = (
         f"Measured {len(trials)} sizes in {result['seconds']:.1f} s; stopped at {result['stopped']}."
         f" Memory budget: {budget / _GIB:.2f} GiB, {result['budget']}. The smallest size within"
@@ -456,9 +444,9 @@ def _finding(result: dict[str, Any], tolerance: float) -> Finding:
         "batch_size",
         "Batch size: training throughput and peak memory",
         "batch size",
-        [t.size for t in sorted(trials, key=lambda t: t.size)],
-        {"samples/s": [t.samples_per_s for t in sorted(trials, key=lambda t: t.size)]},
-        {"peak GiB": [(t.peak_bytes or 0) / _GIB for t in sorted(trials, key=lambda t: t.size)]},
+        [t.size for t in trials],
+        {"samples/s": [t.samples_per_s for t in trials]},
+        {"peak GiB": [(t.peak_bytes or 0) / _GIB for t in trials]},
         chosen=chosen.size,
     )
     return Finding(

@@ -11,6 +11,7 @@ counted).
 from __future__ import annotations
 
 import copy
+import dataclasses
 import gc
 import time
 import warnings
@@ -103,9 +104,7 @@ class StepProbe:
             trial = Trial(size, oom=True)  # the traceback and its tensors go with `error` here
         del clone, optimizers, peak
         _free(self.device, trial.oom)
-        return Trial(
-            trial.size, trial.samples_per_s, trial.peak_bytes, trial.oom, time.perf_counter() - start
-        )
+        return dataclasses.replace(trial, seconds=time.perf_counter() - start)
 
     def _copies(self) -> tuple[L.LightningModule, list[Optimizer]]:
         clone = detached_copy(self.module)
