@@ -150,6 +150,28 @@ def test_each_sample_is_seen_once_per_epoch_in_the_untuned_order(tmp_path: Path)
         assert sorted(i for batch in epoch for i in batch) == list(range(64))
 
 
+def test_a_gpu_run_holds_the_loader_to_the_steps_own_rate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Simulated: the tuner is told it runs on a 16-CPU CUDA machine (this one has no GPU); the
+    # loaders, the transfer and the training steps on a copy of the model are real, on the CPU.
+    from lightning_boost.data import tuner
+    from lightning_boost.hardware import EXAMPLES
+
+    monkeypatch.setattr(tuner, "hardware_for", lambda trainer: EXAMPLES["h100"])
+    tuning = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,), max_workers=2)
+    tuned = Indexed(batch_size=8, worker_tuning=tuning, retune=True)
+    model = _fit(tmp_path, tuned, epochs=2)
+    (choice,) = tuned.worker_tuner.choices.values()
+    assert choice.consumer_samples_per_s is not None and choice.consumer_samples_per_s > 0
+    assert [t.num_workers for t in choice.trials][:2] == [0, 2]  # top-down: the budget after none
+    assert "step" in choice.reason
+    assert choice.seconds >= sum(t.seconds for t in choice.trials)  # the step's timing is counted
+    by_hand = _fit(tmp_path, Indexed(batch_size=8, num_workers=choice.num_workers), epochs=2)
+    assert model.seen == by_hand.seen  # timing the step on a copy left no trace
+    assert torch.equal(model.layer.weight, by_hand.layer.weight)
+
+
 @pytest.mark.parametrize(
     ("dataset", "cause"), [(CrashingInWorkers(), "crashed"), (HangingInWorkers(), "hung")]
 )

@@ -7,6 +7,7 @@ uses the same value, applies the process settings that go with it and records fi
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 import time
 from collections.abc import Callable, Mapping
@@ -19,6 +20,7 @@ from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 
+from lightning_boost.data.batch_probe import StepProbe
 from lightning_boost.data.loaders import (
     cannot_measure,
     describe_model,
@@ -82,17 +84,19 @@ class WorkerTuner:
         `settings` are the real loader's other arguments (collate function, pinning, ...).
         """
         hardware = hardware_for(trainer)
-        # on a CPU the model shares the CPUs with the workers: its step is part of the decision
-        module = trainer.lightning_module if trainer is not None and hardware.accelerator == "cpu" else None
-        parts = fingerprint_parts(
-            hardware, dataset, batch_size, settings, self.tuning, describe_model(module)
-        )
+        # the model's step is part of the decision: on a CPU it shares the CPUs with the workers,
+        # on a GPU its rate is what the loader must feed
+        module = trainer.lightning_module if trainer is not None else None
+        model = describe_model(module)
+        if model is not None and trainer is not None:
+            model += f", precision {trainer.precision}"
+        parts = fingerprint_parts(hardware, dataset, batch_size, settings, self.tuning, model)
         key = cache.fingerprint(parts)
         choice = self.choices.get(key)
         if choice is None:
             result: dict[str, Any] | None = None
             if trainer is None or trainer.is_global_zero:
-                result = self._decide(hardware, key, dataset, batch_size, settings, module)
+                result = self._decide(hardware, key, dataset, batch_size, settings, trainer)
             if trainer is not None:
                 result = trainer.strategy.broadcast(result, src=0)
             assert result is not None  # rank zero always decides; the others receive it
@@ -112,7 +116,7 @@ class WorkerTuner:
         dataset: Dataset[Any],
         batch_size: int,
         settings: Mapping[str, Any],
-        module: L.LightningModule | None,
+        trainer: L.Trainer | None,
     ) -> dict[str, Any]:
         """Rank zero: the cached choice, else a measured one; never raises (the others are waiting)."""
         try:
@@ -124,7 +128,7 @@ class WorkerTuner:
                 cached = self._cached(path, key)
                 if cached is not None:
                     return cached.to_dict()
-            choice = self._measure(hardware, dataset, batch_size, settings, module)
+            choice = self._measure(hardware, dataset, batch_size, settings, trainer)
             cache.store_entry(path, key, {"choice": choice.to_dict()})
             return choice.to_dict()
         except Exception as err:  # every rank waits on this one: fall back rather than hang them
@@ -150,18 +154,31 @@ class WorkerTuner:
         dataset: Dataset[Any],
         batch_size: int,
         settings: Mapping[str, Any],
-        module: L.LightningModule | None,
+        trainer: L.Trainer | None,
     ) -> WorkerChoice:
         make = measurement_loaders(dataset, batch_size, settings, self.tuning.timeout_s)
+        module = trainer.lightning_module if trainer is not None else None
+        tuning, consume, started = self.tuning, None, time.perf_counter()
+        if trainer is not None and module is not None and hardware.accelerator != "cpu":
+            consume = device_transfer(trainer)
+            if tuning.target_samples_per_s is None:
+                with preserved_rng():
+                    rate = consumer_rate(trainer, module, consume(next(iter(make(0, None)))), batch_size)
+                tuning = dataclasses.replace(tuning, target_samples_per_s=rate)
 
         def measure(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
-            window = self.tuning.window_s
-            return measure_loader(make, num_workers, prefetch_factor, batch_size=batch_size, window_s=window)
+            window = tuning.window_s
+            return measure_loader(
+                make, num_workers, prefetch_factor, batch_size=batch_size, window_s=window, consume=consume
+            )
 
         with preserved_rng():
-            choice = search_workers(measure, hardware, self.tuning)
-        if module is None or not any(trial.ok and trial.num_workers for trial in choice.trials):
-            return choice  # not a CPU run, or no worker setting ran: nothing to weigh
+            choice = search_workers(measure, hardware, tuning)
+        choice = choice.replace(seconds=time.perf_counter() - started)  # the step's timing included
+        if hardware.accelerator != "cpu" or module is None:
+            return choice
+        if not any(trial.ok and trial.num_workers for trial in choice.trials):
+            return choice  # no worker setting ran: nothing to weigh
         return self._beside_model(choice, module, make, hardware.cpus_per_process)
 
     def _beside_model(
@@ -237,6 +254,38 @@ def hardware_for(trainer: L.Trainer | None) -> HardwareInfo:
     elif isinstance(trainer.accelerator, MPSAccelerator):
         accelerator = "mps"
     return hardware.replace(accelerator=accelerator, local_world_size=max(trainer.num_devices, 1))
+
+
+def device_transfer(trainer: L.Trainer) -> Callable[[Any], Any]:
+    """What the run does with a batch before its step: Lightning's transfer to the device (with the
+    datamodule's transfer hooks), waited for, so its CPU share counts against the workers."""
+    device = trainer.strategy.root_device
+
+    def transfer(batch: Any) -> Any:
+        moved = trainer.strategy.batch_to_device(batch)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return moved
+
+    return transfer
+
+
+def consumer_rate(trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_size: int) -> float | None:
+    """Samples/s of the run's training step alone (forward, backward, optimizer step, in the
+    run's precision) on a copy of the model at `batch`, already on the device; ``None`` when the
+    step cannot run outside the fit (manual optimization, a step that needs the trainer), runs
+    out of memory, or would call collectives on this rank alone (``SyncBatchNorm``)."""
+    if not module.automatic_optimization or any(
+        isinstance(layer, torch.nn.SyncBatchNorm) for layer in module.modules()
+    ):
+        return None
+    plugin = trainer.precision_plugin
+    probe = StepProbe(module, trainer.optimizers, 3, plugin.train_step_context, plugin.val_step_context)
+    try:
+        trial = probe.train(batch, batch_size)
+    except Exception:  # the step needs the live fit: decide without the consumer's rate
+        return None
+    return trial.samples_per_s if not trial.oom and trial.samples_per_s > 0 else None
 
 
 def apply_open_files_plan(action: str, minimum: int) -> str:

@@ -4,12 +4,22 @@ No Lightning here. The caller hands `search_workers` a ``measure(num_workers, pr
 function (`measure_loader` over a loader factory, in practice) and gets back a `WorkerChoice`:
 the setting, every trial with its throughput, and why it won. Tests script the measurements.
 
-The search, in short: measure 0 workers (also the batch size in bytes), then 1, 2, 3, 4, 6, 8, ...
-up to the CPU and memory budget, stopping at the first count (from 2 on) that is not faster than
-the best so far by more than the tolerance, or at the first that crashes or hangs, or as soon as
-one feeds the training step when its rate is known. The winner is the smallest setting within
-the tolerance of the best seen; a larger ``prefetch_factor`` is then tried on it and kept only
-where it is faster by more than the tolerance.
+The search is built for noisy timings (5-10 % between runs on one machine) and for machines
+from 2 to 128 CPUs, where one more worker adds at most ``1 / N`` and a search that steps up one
+count at a time stops on noise long before it reaches the answer:
+
+- 0 workers is measured first (it also gives the batch size in bytes);
+- a GPU (or MPS) run then measures the whole CPU budget, ``CPUs per process - 1`` (the training
+  process keeps one, as Lightning's own hint does). When the consumer's rate is known (the
+  model's training step at the run's batch size and precision, ``target_samples_per_s``) and the
+  budget feeds it with `feed_margin` to spare, it bisects down to the smallest count that still
+  does; otherwise the run is data-bound and the whole budget is used. Every comparison is against
+  the consumer's rate with a margin larger than the noise, never between two noisy neighbours;
+- a CPU run measures every candidate up to the budget (0-4, 6, 8, 12, ...): the caller weighs
+  each against the model's step on the CPUs the workers leave (`split_cpus`).
+
+A larger ``prefetch_factor`` is then tried on a data-bound winner and kept only where it is
+faster by more than the tolerance.
 """
 
 from __future__ import annotations
@@ -42,7 +52,10 @@ class WorkerTuning:
         prefetch_factors: prefetch factors to try, the first with every worker count, the others
             on the winner only.
         target_samples_per_s: samples per second the training step consumes, when known: the
-            smallest setting that reaches it is enough.
+            smallest setting that reaches it (with `feed_margin` to spare) is enough. Left
+            ``None``, a GPU run measures it on a copy of the model.
+        feed_margin: how much faster than the consumer a loader must measure to count as feeding
+            it: covers timing noise and the workers' share of the training process's CPU.
         ram_fraction: share of available RAM that prefetched batches may hold.
         shm_fraction: share of ``/dev/shm`` that prefetched batches may hold.
 
@@ -61,6 +74,7 @@ class WorkerTuning:
     max_workers: int | None = None
     prefetch_factors: tuple[int, ...] = (2, 4)
     target_samples_per_s: float | None = None
+    feed_margin: float = 0.25
     ram_fraction: float = 0.25
     shm_fraction: float = 0.5
 
@@ -69,7 +83,7 @@ class WorkerTuning:
             if not getattr(self, name) > 0:
                 value = getattr(self, name)
                 raise ValueError(f"`{name}` expected a positive number of seconds, got {value}.")
-        for name in ("tolerance", "ram_fraction", "shm_fraction"):
+        for name in ("tolerance", "feed_margin", "ram_fraction", "shm_fraction"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"`{name}` expected a fraction in (0, 1], got {getattr(self, name)}.")
         if self.max_workers is not None and self.max_workers < 0:
@@ -80,6 +94,17 @@ class WorkerTuning:
         object.__setattr__(self, "prefetch_factors", factors)
         if self.target_samples_per_s is not None and not self.target_samples_per_s > 0:
             raise ValueError(f"`target_samples_per_s` expected None or > 0, got {self.target_samples_per_s}.")
+
+    @property
+    def need(self) -> float | None:
+        """Samples/s a loader must measure to feed the consumer (its rate plus `feed_margin`).
+
+        Example:
+            >>> WorkerTuning(target_samples_per_s=1000.0).need
+            1250.0
+        """
+        target = self.target_samples_per_s
+        return None if target is None else target * (1 + self.feed_margin)
 
 
 @dataclass(frozen=True)
@@ -127,6 +152,7 @@ class WorkerChoice:
         skipped: candidates left out, each with why (budget, memory, time).
         seconds: time tuning took.
         source: ``"measured"``, ``"cache"`` or ``"checkpoint"``.
+        consumer_samples_per_s: the training step's own rate the loader was held to, when known.
     """
 
     num_workers: int
@@ -136,6 +162,7 @@ class WorkerChoice:
     skipped: tuple[str, ...] = ()
     seconds: float = 0.0
     source: str = "measured"
+    consumer_samples_per_s: float | None = None
 
     @property
     def failures(self) -> tuple[WorkerTrial, ...]:
@@ -177,21 +204,25 @@ def worker_limit(
 ) -> tuple[int, list[str]]:
     """The most workers the CPU, RAM and shared-memory budgets allow, and what limits it.
 
-    CPUs: the CPUs available to the process divided among the node's training processes. Memory:
+    CPUs: the CPUs available to the process divided among the node's training processes; a GPU
+    run leaves one of them to the training process (Lightning's hint, ``cpus // processes - 1``,
+    at least 1), a CPU run lets `split_cpus` share them with the model. Memory:
     ``workers x prefetch_factor`` batches are in flight at once, in RAM and in ``/dev/shm``.
 
     Example:
         >>> from lightning_boost.hardware import EXAMPLES
         >>> worker_limit(EXAMPLES["a100x8"], batch_bytes=0, prefetch_factor=2, tuning=WorkerTuning())
-        (12, ['CPU budget: 96 CPUs // 8 training processes per node = 12'])
+        (11, ['CPU budget: 96 CPUs // 8 training processes per node - 1 for the training process = 11'])
     """
     cpus = hardware.cpus_per_process
-    limit = cpus if tuning.max_workers is None else min(cpus, tuning.max_workers)
     per_node = hardware.processes_per_node
     processes = "process" if per_node == 1 else "processes"
-    notes = [
-        f"CPU budget: {hardware.cpus_available} CPUs // {per_node} training {processes} per node = {cpus}"
-    ]
+    note = f"CPU budget: {hardware.cpus_available} CPUs // {per_node} training {processes} per node"
+    if hardware.accelerator != "cpu":
+        cpus = max(cpus - 1, 1)
+        note += " - 1 for the training process"
+    limit = cpus if tuning.max_workers is None else min(cpus, tuning.max_workers)
+    notes = [f"{note} = {cpus}"]
     if tuning.max_workers is not None and tuning.max_workers < cpus:
         notes.append(f"max_workers={tuning.max_workers}")
     in_flight = batch_bytes * prefetch_factor
@@ -209,90 +240,147 @@ def worker_limit(
     return max(limit, 0), notes
 
 
-def choose_worker_trial(
-    trials: Iterable[WorkerTrial], tuning: WorkerTuning
-) -> tuple[WorkerTrial | None, str]:
-    """The winning trial and why: the smallest that feeds the step, else the smallest near the best.
+def feeds(trial: WorkerTrial, tuning: WorkerTuning) -> bool:
+    """`trial` keeps the consumer busy: a worker setting that measured at least `WorkerTuning.need`,
+    or no workers when loading in the main process takes under `tolerance` of the step's time
+    (without workers, loading and the step take turns).
 
-    Returns ``(None, why)`` when no trial ran.
+    Example:
+        >>> tuning = WorkerTuning(target_samples_per_s=100.0)
+        >>> feeds(WorkerTrial(2, 2, 130.0), tuning), feeds(WorkerTrial(0, None, 130.0), tuning)
+        (True, False)
+    """
+    need = tuning.need
+    if need is None or not trial.ok:
+        return False
+    if trial.num_workers == 0:
+        return trial.samples_per_s * tuning.tolerance >= need
+    return trial.samples_per_s >= need
+
+
+def choose_worker_trial(
+    trials: Iterable[WorkerTrial], tuning: WorkerTuning, spare_cpus: bool = True
+) -> tuple[WorkerTrial | None, str]:
+    """The winning trial and why: the smallest that feeds the consumer, else the fastest setting.
+
+    Among settings within `tolerance` of the fastest, `spare_cpus` (a CPU run, where the model
+    needs the CPUs) takes the fewest workers; otherwise (a GPU run, where loading in the main
+    process would stall the step) the most. Returns ``(None, why)`` when no trial ran.
 
     Example:
         >>> trials = [WorkerTrial(0, None, 100.0), WorkerTrial(2, 2, 290.0), WorkerTrial(4, 2, 300.0)]
         >>> choose_worker_trial(trials, WorkerTuning())[0].num_workers
         2
+        >>> choose_worker_trial(trials, WorkerTuning(), spare_cpus=False)[0].num_workers
+        4
     """
     ran = [trial for trial in trials if trial.ok]
     if not ran:
         return None, "no candidate ran"
     key = lambda trial: (trial.num_workers, trial.prefetch_factor or 0)  # noqa: E731
-    target = tuning.target_samples_per_s
-    fed = [trial for trial in ran if target is not None and trial.samples_per_s >= target]
+    fed = [trial for trial in ran if feeds(trial, tuning)]
     if fed:
         winner = min(fed, key=key)
-        return winner, f"smallest setting that feeds the step's {target:.0f} samples/s"
+        if winner.num_workers == 0:
+            return winner, f"loading in the main process takes under {tuning.tolerance:.0%} of the step"
+        return winner, (
+            f"smallest setting that feeds the step's {tuning.target_samples_per_s:.0f} samples/s"
+            f" with {tuning.feed_margin:.0%} to spare"
+        )
     best = max(ran, key=lambda trial: trial.samples_per_s)
     near = [trial for trial in ran if trial.samples_per_s >= (1 - tuning.tolerance) * best.samples_per_s]
-    winner = min(near, key=key)
-    if winner is best:
-        return winner, f"fastest measured ({best.samples_per_s:.0f} samples/s)"
-    return winner, (
-        f"smallest setting within {tuning.tolerance:.0%} of the fastest "
-        f"({best.label}: {best.samples_per_s:.0f} samples/s)"
-    )
-
-
-def _should_stop(trials: list[WorkerTrial], tuning: WorkerTuning) -> bool:
-    last = trials[-1]
-    if not last.ok:
-        return last.num_workers > 0  # more workers crash or hang the same way, or worse
+    winner = min(near, key=key) if spare_cpus else max(near, key=key)
     target = tuning.target_samples_per_s
-    if target is not None and last.samples_per_s >= target:
-        return True
-    earlier = [trial.samples_per_s for trial in trials[:-1] if trial.ok]
-    if last.num_workers < 2 or not earlier:
-        return False  # one worker only moves the work off the main process: always go on to two
-    return last.samples_per_s <= (1 + tuning.tolerance) * max(earlier)
+    bound = "" if target is None else f"; the loader cannot feed the step's {target:.0f}"
+    if winner is best:
+        return winner, f"fastest measured ({best.samples_per_s:.0f} samples/s{bound})"
+    which = "smallest" if spare_cpus else "largest"
+    return winner, (
+        f"{which} setting within {tuning.tolerance:.0%} of the fastest "
+        f"({best.label}: {best.samples_per_s:.0f} samples/s{bound})"
+    )
 
 
 def search_workers(
     measure: Measure, hardware: HardwareInfo, tuning: WorkerTuning, clock: Clock = time.perf_counter
 ) -> WorkerChoice:
-    """Measure candidates in increasing order until throughput plateaus; return the choice.
+    """Measure the candidates the run needs (see the module's docstring) and return the choice.
 
     Falls back to ``num_workers=0`` and says why when every candidate with workers failed.
 
     Example:
         >>> from lightning_boost.hardware import EXAMPLES
-        >>> rates = {0: 100.0, 1: 95.0, 2: 190.0, 3: 195.0}
-        >>> measure = lambda n, pf: WorkerTrial(n, pf, rates.get(n, 195.0), batch_bytes=1)
-        >>> choice = search_workers(measure, EXAMPLES["cpu"], WorkerTuning(prefetch_factors=(2,)))
+        >>> rate = lambda n: 300.0 * min(n, 10) if n else 250.0  # scales to 10 workers
+        >>> measure = lambda n, pf: WorkerTrial(n, pf, rate(n), batch_bytes=1)
+        >>> tuning = WorkerTuning(prefetch_factors=(2,), target_samples_per_s=1500.0)
+        >>> choice = search_workers(measure, EXAMPLES["h100"], tuning)  # 16 CPUs: budget 15
         >>> choice.num_workers, [t.num_workers for t in choice.trials]
-        (2, [0, 1, 2, 3])
+        (7, [0, 15, 7, 3, 5, 6])
     """
     start = clock()
-    first_factor = tuning.prefetch_factors[0]
+    factor = tuning.prefetch_factors[0]
     trials = [measure(0, None)]
-    batch_bytes = trials[0].batch_bytes
-    limit, notes = worker_limit(hardware, batch_bytes, first_factor, tuning)
+    limit, notes = worker_limit(hardware, trials[0].batch_bytes, factor, tuning)
     skipped = [f"more than {limit} workers ({'; '.join(notes)})"]
-    for count in worker_candidates(limit)[1:]:
+
+    def measured(count: int) -> WorkerTrial | None:
+        """Measure `count` workers unless the time budget is spent (then note it)."""
         if clock() - start > tuning.budget_s:
-            skipped.append(f"{count} workers and up: the {tuning.budget_s:.0f} s tuning budget was spent")
-            break
-        trials.append(measure(count, first_factor))
-        if _should_stop(trials, tuning):
-            break
-    winner, reason = choose_worker_trial(trials, tuning)
-    if winner is not None and winner.num_workers > 0:
+            skipped.append(f"{count} workers: the {tuning.budget_s:.0f} s tuning budget was spent")
+            return None
+        trials.append(measure(count, factor))
+        return trials[-1]
+
+    spare_cpus = hardware.accelerator == "cpu"
+    if not feeds(trials[0], tuning):
+        (_scan if spare_cpus else _top_down)(measured, limit, tuning)
+    winner, reason = choose_worker_trial(trials, tuning, spare_cpus)
+    if winner is not None and winner.num_workers > 0 and not feeds(winner, tuning):
         trials += _try_prefetch(measure, winner, hardware, tuning, skipped)
-        winner, reason = choose_worker_trial(trials, tuning)
+        winner, reason = choose_worker_trial(trials, tuning, spare_cpus)
     seconds = clock() - start
     with_workers = [trial for trial in trials if trial.num_workers > 0]
     if winner is None or (with_workers and not any(trial.ok for trial in with_workers)):
-        return _fallback(trials, skipped, seconds)
+        return _fallback(trials, skipped, seconds, tuning)
     return WorkerChoice(
-        winner.num_workers, winner.prefetch_factor, reason, tuple(trials), tuple(skipped), seconds
+        winner.num_workers,
+        winner.prefetch_factor,
+        reason,
+        tuple(trials),
+        tuple(skipped),
+        seconds,
+        consumer_samples_per_s=tuning.target_samples_per_s,
     )
+
+
+def _scan(measured: Callable[[int], WorkerTrial | None], limit: int, tuning: WorkerTuning) -> None:
+    """A CPU run: every candidate up to `limit`, until one fails or feeds the consumer."""
+    for count in worker_candidates(limit)[1:]:
+        trial = measured(count)
+        if trial is None or not trial.ok or feeds(trial, tuning):
+            return  # more workers crash or hang the same way, or are not needed
+
+
+def _top_down(measured: Callable[[int], WorkerTrial | None], limit: int, tuning: WorkerTuning) -> None:
+    """A GPU run: the whole budget (halved while it fails), then, if it feeds the consumer, bisect
+    down to the smallest count that still does, to within an eighth of the count."""
+    high = limit
+    top = measured(high) if high else None
+    while top is not None and not top.ok and high > 1:
+        high //= 2
+        top = measured(high)
+    if top is None or not feeds(top, tuning):
+        return  # data-bound: every worker the budget allows, or nothing ran
+    low = 0  # 0 workers did not feed the step (checked by the caller)
+    while high - low > max(1, high // 8):
+        middle = (low + high) // 2
+        trial = measured(middle)
+        if trial is None:
+            return
+        if feeds(trial, tuning):
+            high = middle
+        else:
+            low = middle
 
 
 def _try_prefetch(
@@ -311,7 +399,9 @@ def _try_prefetch(
     return trials
 
 
-def _fallback(trials: list[WorkerTrial], skipped: list[str], seconds: float) -> WorkerChoice:
+def _fallback(
+    trials: list[WorkerTrial], skipped: list[str], seconds: float, tuning: WorkerTuning
+) -> WorkerChoice:
     failed = "; ".join(f"{trial.label}: {trial.error}" for trial in trials if not trial.ok)
     return WorkerChoice(
         0,
@@ -320,6 +410,7 @@ def _fallback(trials: list[WorkerTrial], skipped: list[str], seconds: float) -> 
         tuple(trials),
         tuple(skipped),
         seconds,
+        consumer_samples_per_s=tuning.target_samples_per_s,
     )
 
 
@@ -331,11 +422,14 @@ def measure_loader(
     batch_size: int,
     window_s: float,
     clock: Clock = time.perf_counter,
+    consume: Callable[[Any], object] | None = None,
 ) -> WorkerTrial:
     """Time the loader `make_loader(num_workers, prefetch_factor)` builds, over `window_s` seconds.
 
     One batch per worker is fetched before the clock starts, so worker start-up and the first
-    round (which arrives all at once) do not inflate the rate. Any exception while loading makes
+    round (which arrives all at once) do not inflate the rate. `consume` takes each timed batch
+    as training would before its step (a GPU run: the copy to the device, whose pinning and
+    transfer share the main process's CPU with the workers). Any exception while loading makes
     the trial a failure that says what happened; the workers are shut down either way.
     """
     start = clock()
@@ -348,7 +442,9 @@ def measure_loader(
             next(iterator)
         started, batches = clock(), 0
         while clock() - started < window_s:
-            next(iterator)
+            batch = next(iterator)
+            if consume is not None:
+                consume(batch)
             batches += 1
         rate = batches * batch_size / max(clock() - started, 1e-9)
         return WorkerTrial(num_workers, prefetch_factor, rate, clock() - start, batch_bytes)
