@@ -431,3 +431,14 @@ def test_target_conflicts_with_an_accumulation_scheduler(tmp_path: Path) -> None
     )
     with pytest.raises(ValueError, match="GradientAccumulationScheduler"):
         trainer.fit(BoringModel(), datamodule=BoringDataModule())
+
+
+@pytest.mark.gpu
+def test_cuda_steps_are_timed_with_events() -> None:
+    from lightning_boost.data.batch_probe import fastest_step
+
+    device = torch.device("cuda")
+    x = torch.randn(4096, 4096, device=device)
+    matmuls = fastest_step(lambda: torch.mm(x, x), 3, device)
+    nothing = fastest_step(lambda: None, 3, device)
+    assert 0 < nothing < matmuls < 1  # the events bracket the queued kernels, not the host's call

@@ -172,6 +172,17 @@ def test_a_gpu_run_holds_the_loader_to_the_steps_own_rate(
     assert torch.equal(model.layer.weight, by_hand.layer.weight)
 
 
+@pytest.mark.gpu
+def test_on_cuda_the_loader_is_held_to_the_steps_rate_in_its_precision(tmp_path: Path) -> None:
+    tuning = WorkerTuning(window_s=0.2, timeout_s=10.0, prefetch_factors=(2,))
+    tuned = Indexed(IndexDataset(4096), batch_size=64, worker_tuning=tuning, retune=True)
+    _fit(tmp_path, tuned, accelerator="cuda", precision="bf16-mixed", limit_train_batches=4)
+    (choice,) = tuned.worker_tuner.choices.values()
+    assert choice.consumer_samples_per_s is not None and choice.consumer_samples_per_s > 0
+    assert "step" in choice.reason
+    assert tuned.train_dataloader().pin_memory
+
+
 @pytest.mark.parametrize(
     ("dataset", "cause"), [(CrashingInWorkers(), "crashed"), (HangingInWorkers(), "hung")]
 )
