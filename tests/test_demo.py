@@ -38,6 +38,8 @@ def test_demo_trains_plain_then_boosted_and_writes_the_report(tmp_path: Path) ->
     assert rows["syncs found"][1] == "0 in your code, 1 in Lightning's"  # prog_bar values, with no bar
     assert rows["retained graphs found"] == ("not checked", "0")
     assert rows["speed-up (training)"][1].endswith("x")
+    wall = float(rows["speed-up (wall time, tuning included)"][1].removesuffix("x"))
+    assert wall == pytest.approx(plain.seconds / boosted.seconds, abs=0.006)
     assert set(rows) >= {
         "precision",
         "strategy",
