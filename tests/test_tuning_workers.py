@@ -147,10 +147,17 @@ def test_one_worker_no_faster_than_none_does_not_end_the_search() -> None:
 
 
 def test_a_larger_prefetch_factor_is_kept_only_when_faster() -> None:
+    measure = ScriptedLoader({0: 100, 2: 195})
+    choice = search_workers(measure, EXAMPLES["h100"].replace(cpus_available=3), WorkerTuning())
+    assert measure.calls == [(0, None), (2, 2), (2, 4)]
+    assert (choice.num_workers, choice.prefetch_factor) == (2, 4)  # scripted 20 % faster
+
+
+def test_a_cpu_run_tries_no_deeper_prefetch() -> None:
     measure = ScriptedLoader({0: 100, 1: 190, 2: 195})
     choice = search_workers(measure, CPU16.replace(cpus_available=2), WorkerTuning())
-    assert measure.calls[-1] == (1, 4)
-    assert (choice.num_workers, choice.prefetch_factor) == (1, 4)  # scripted 20 % faster
+    assert measure.calls == [(0, None), (1, 2), (2, 2)]  # the model weighs these; depth only costs RAM
+    assert choice.prefetch_factor == 2
 
 
 def test_target_rate_ends_a_cpu_scan_early() -> None:

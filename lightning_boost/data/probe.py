@@ -30,7 +30,8 @@ def model_step_rates(
     budget_s: float = 5.0,
 ) -> dict[int, float]:
     """Samples/s of ``training_step`` and its backward on `batch`, per intra-op thread count: the
-    fastest step of `rounds` rounds over the counts, each a warm-up step and `repeats` timed ones.
+    fastest step of `rounds` rounds over the counts, each `repeats` timed steps (after one warm-up
+    step per count, in the first round).
 
     A copy of `module`, detached from the trainer, takes the steps: the module's weights,
     gradients, buffers (BatchNorm statistics) and metrics are untouched, and the RNG states and
@@ -53,7 +54,8 @@ def model_step_rates(
                     if count in rates and time.perf_counter() - start > budget_s:
                         continue
                     torch.set_num_threads(count)
-                    _step(clone, batch)  # warm-up: first-call allocations and kernel choices
+                    if count not in rates:
+                        _step(clone, batch)  # warm-up, once a count: first-call allocations, kernel choices
                     fastest = min(_timed_step(clone, batch) for _ in range(repeats))
                     rates[count] = max(rates.get(count, 0.0), size / fastest)  # the least disturbed
     except Exception:  # any step that needs the live fit: no rates rather than a failed tuning

@@ -18,8 +18,9 @@ count at a time stops on noise long before it reaches the answer:
 - a CPU run measures every candidate up to the budget (0-4, 6, 8, 12, ...): the caller weighs
   each against the model's step on the CPUs the workers leave (`split_cpus`).
 
-A larger ``prefetch_factor`` is then tried on a data-bound winner and kept only where it is
-faster by more than the tolerance.
+A larger ``prefetch_factor`` is then tried on a data-bound winner of a GPU run and kept only
+where it is faster by more than the tolerance (a CPU run's choice is the caller's, beside the
+model, and deeper prefetching there only holds more memory).
 """
 
 from __future__ import annotations
@@ -335,7 +336,7 @@ def search_workers(
     if not feeds(trials[0], tuning):
         (_scan if spare_cpus else _top_down)(measured, limit, tuning)
     winner, reason = choose_worker_trial(trials, tuning, spare_cpus)
-    if winner is not None and winner.num_workers > 0 and not feeds(winner, tuning):
+    if winner is not None and winner.num_workers > 0 and not feeds(winner, tuning) and not spare_cpus:
         trials += _try_prefetch(measure, winner, hardware, tuning, skipped)
         winner, reason = choose_worker_trial(trials, tuning, spare_cpus)
     seconds = clock() - start
