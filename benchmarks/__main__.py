@@ -19,6 +19,7 @@ BENCHMARKS = (
     "demo_workload",
     "compute_bound",
     "data_bound",
+    "worker_replay",
     "batch_size",
     "monitor_overhead",
     "guard_overhead",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lightning_boost import AutoBatchSize, BoostedDataModule
+from lightning_boost import AutoBatchSize, BoostedDataModule, BoostWarning
 from lightning_boost.data.batch_probe import StepProbe, is_oom
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
 
@@ -278,6 +279,52 @@ def test_resuming_reuses_the_tuned_values(tmp_path: Path, monkeypatch: pytest.Mo
     assert json.dumps(resumed_callback.state_dict())
 
 
+def test_a_second_run_reuses_the_cached_result_and_retune_measures_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, _private_tuning_cache: Path
+) -> None:
+    first = AutoBatchSize(max_batch_size=32, lr_scaling="linear", **FAST)
+    fit(tmp_path / "first", first, BoringModel(lr=0.1))
+    stored = json.loads((_private_tuning_cache / "batch_size.json").read_text())
+    assert [entry["result"]["batch_size"] for entry in stored["entries"].values()] == [
+        first.result["batch_size"]
+    ]
+
+    real = StepProbe.train
+    monkeypatch.setattr(StepProbe, "train", lambda *args: pytest.fail("measured despite the cache"))
+    again = AutoBatchSize(max_batch_size=32, lr_scaling="linear", **FAST)
+    trainer, datamodule = fit(tmp_path / "again", again, BoringModel(lr=0.1))
+    assert datamodule.batch_size == first.result["batch_size"]
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * first.result["lr_factor"])
+    assert again.result["source"] == "cache" and again.findings[0].cost == ""
+    assert "Reused the cached measurement" in again.findings[0].detail
+
+    calls: list[int] = []
+    monkeypatch.setattr(
+        StepProbe, "train", lambda self, batch, size: calls.append(size) or real(self, batch, size)
+    )
+    fit(tmp_path / "retune", AutoBatchSize(max_batch_size=32, lr_scaling="linear", retune=True, **FAST))
+    assert calls  # measured again
+    other = AutoBatchSize(max_batch_size=16, lr_scaling="linear", **FAST)  # another argument, another key
+    fit(tmp_path / "other", other)
+    assert other.result["source"] == "measured"
+
+
+def test_a_corrupt_batch_size_cache_is_ignored_with_a_warning(
+    tmp_path: Path, _private_tuning_cache: Path
+) -> None:
+    _private_tuning_cache.mkdir(parents=True)
+    (_private_tuning_cache / "batch_size.json").write_text("{not json")
+    callback = AutoBatchSize(max_batch_size=16, **FAST)
+    with warnings.catch_warnings(record=True) as caught:  # the fit's own warnings are not ours to check
+        warnings.simplefilter("always")
+        fit(tmp_path, callback)
+    ours = [str(w.message) for w in caught if issubclass(w.category, BoostWarning)]
+    assert len(ours) == 1 and "Ignoring the batch-size cache, measuring again:" in ours[0]
+    assert "not readable JSON" in ours[0]
+    assert callback.result["source"] == "measured"
+    assert json.loads((_private_tuning_cache / "batch_size.json").read_text())["schema_version"] == 1
+
+
 def test_validation_that_does_not_fit_steps_the_size_down(tmp_path: Path) -> None:
     callback = AutoBatchSize(max_batch_size=64, **FAST)
     _, datamodule = fit(tmp_path, callback, OOMModel(val_limit=20))
@@ -412,11 +459,13 @@ def test_ddp_takes_the_smallest_fit_over_ranks_without_hanging(tmp_path: Path) -
             "`lr_scaling` expected one of 'linear', 'sqrt', got 'linaer'. Did you mean 'linear'",
         ),
         ({"reference_batch_size": 64}, "`reference_batch_size` only applies with `lr_scaling`"),
+        ({"retune": "yes"}, "`retune` expected True or False, got 'yes'"),
+        ({"cache_dir": 123}, "`cache_dir` expected a path (str or Path) or None, got int"),
         ({"attr_name": "batch size"}, "`attr_name` expected an attribute name, got 'batch size'"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs: dict[str, Any], message: str) -> None:
-    with pytest.raises(ValueError) as error:
+    with pytest.raises((ValueError, TypeError)) as error:
         AutoBatchSize(**kwargs)
     assert message in str(error.value)
 

@@ -68,3 +68,12 @@ def test_batch_size_benchmark_runs_at_tiny_size() -> None:
 
     (row,) = batch_size.run(budget_gib=0.25, largest=16, rounds=1, samples=64)
     assert row.ratio > 0 and "BatchSizeFinder: 64" in row.detail  # it grows to the dataset's length
+
+
+def test_worker_replay_rows_hold_the_targets() -> None:
+    from benchmarks import worker_replay
+
+    measured, made_up = worker_replay.run()
+    assert measured.benchmark == "worker_replay (measured)" and measured.ratio >= 0.95
+    assert made_up.benchmark == "worker_replay (made-up)" and made_up.ratio >= 0.95
+    assert "3 seeded cold runs" in measured.detail

@@ -6,11 +6,13 @@ import dataclasses
 import math
 import time
 from collections.abc import Sized
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from torch.utils.data import DataLoader
@@ -21,9 +23,10 @@ from lightning_boost._validation import check_fraction, check_int, check_positiv
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.batch_probe import StepProbe, first_batch, is_oom
 from lightning_boost.data.datamodule import BoostedDataModule
-from lightning_boost.data.loaders import loader_batch_size
+from lightning_boost.data.loaders import describe_dataset, describe_model, hardware_parts, loader_batch_size
 from lightning_boost.data.tuner import hardware_for
-from lightning_boost.report import Finding, Severity, plot_data
+from lightning_boost.report import BoostWarning, Finding, Severity, plot_data
+from lightning_boost.tuning import cache
 from lightning_boost.tuning.batch_size import (
     LR_RULES,
     Limits,
@@ -40,6 +43,14 @@ from lightning_boost.tuning.rng import preserved_rng
 LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
 
 _GIB = 1024**3
+
+CACHE_FILE = "batch_size.json"
+#: What a cached result must hold to be used.
+_RESULT_KEYS = {"batch_size", "accumulate_grad_batches", "effective_batch_size", "lr_factor", "trials"}
+#: The arguments a measurement depends on (the time budget bounds its cost, not its answer).
+_KEYED = ("init_batch_size", "max_batch_size", "headroom", "cpu_memory_fraction", "memory_budget_gib",
+          "tolerance", "steps", "target_global_batch_size", "lr_scaling", "reference_batch_size",
+          "check_validation", "attr_name")  # fmt: skip
 
 
 class AutoBatchSize(BoostCallback):
@@ -78,6 +89,10 @@ class AutoBatchSize(BoostCallback):
             batch size configured, times ``accumulate_grad_batches``, times world size).
         check_validation: also run a validation step at the chosen size, stepping down if it fails.
         attr_name: the name of the batch-size attribute.
+        retune: measure even when the cache holds a result for this machine, model and data.
+        cache_dir: where results are cached as JSON (default ``$LIGHTNING_BOOST_CACHE_DIR`` or
+            ``~/.cache/lightning_boost``), keyed by the machine, the model, its precision and
+            optimizers, the dataset, the world size and these arguments.
 
     Example::
 
@@ -101,6 +116,8 @@ class AutoBatchSize(BoostCallback):
         reference_batch_size: int | None = None,
         check_validation: bool = True,
         attr_name: str = "batch_size",
+        retune: bool = False,
+        cache_dir: str | Path | None = None,
     ) -> None:
         check_int("init_batch_size", init_batch_size, 1, optional=True)
         check_int("max_batch_size", max_batch_size, 1, optional=True)
@@ -125,6 +142,12 @@ class AutoBatchSize(BoostCallback):
             )
         if not isinstance(attr_name, str) or not attr_name.isidentifier():
             raise ValueError(f"`attr_name` expected an attribute name, got {attr_name!r}.")
+        if not isinstance(retune, bool):
+            raise TypeError(f"`retune` expected True or False, got {retune!r}.")
+        if cache_dir is not None and not isinstance(cache_dir, (str, Path)):
+            raise TypeError(
+                f"`cache_dir` expected a path (str or Path) or None, got {type(cache_dir).__name__}."
+            )
         self.init_batch_size = init_batch_size
         self.max_batch_size = max_batch_size
         self.headroom = headroom
@@ -138,6 +161,8 @@ class AutoBatchSize(BoostCallback):
         self.reference_batch_size = reference_batch_size
         self.check_validation = check_validation
         self.attr_name = attr_name
+        self.retune = retune
+        self.cache_dir = cache_dir
         self.result: dict[str, Any] = {}
         self.findings: list[Finding] = []
         self._restored = False
@@ -194,6 +219,11 @@ class AutoBatchSize(BoostCallback):
         train_data = _split_data(trainer, "train")
         if train_data is None:
             raise RuntimeError("AutoBatchSize needs a training DataLoader to take batches from.")
+        path = Path(self.cache_dir or cache.default_cache_dir()) / CACHE_FILE
+        key = cache.fingerprint(self._cache_parts(trainer, pl_module, train_data[0], configured))
+        cached = self._cached(trainer, path, key)
+        if cached is not None:
+            return cached
         limits = self._limits(trainer, pl_module, train_data[0], world)
         probe = StepProbe(
             pl_module,
@@ -218,7 +248,7 @@ class AutoBatchSize(BoostCallback):
             accumulate = accumulation(self.target_global_batch_size, choice.size, world)
         reference = self.reference_batch_size or configured * trainer.accumulate_grad_batches * world
         effective = choice.size * accumulate * world
-        return {
+        result = {
             "batch_size": choice.size,
             "accumulate_grad_batches": accumulate,
             "effective_batch_size": effective,
@@ -234,7 +264,47 @@ class AutoBatchSize(BoostCallback):
             "trials": [t.to_dict() for t in trials],
             "validation": [t.to_dict() for t in checks],
             "seconds": time.perf_counter() - started,
+            "source": "measured",
         }
+        if trainer.is_global_zero:
+            cache.store_entry(path, key, {"result": result})
+        return result
+
+    def _cache_parts(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, dataset: Any, configured: int
+    ) -> dict[str, Any]:
+        return {
+            "kind": "batch_size",
+            "hardware": hardware_parts(hardware_for(trainer)),
+            "model": describe_model(pl_module),
+            "precision": str(trainer.precision),
+            "optimizers": [type(optimizer).__qualname__ for optimizer in trainer.optimizers],
+            "dataset": describe_dataset(dataset),
+            "world_size": trainer.world_size,
+            "configured": configured,
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "arguments": {name: getattr(self, name) for name in _KEYED},
+        }
+
+    def _cached(self, trainer: L.Trainer, path: Path, key: str) -> dict[str, Any] | None:
+        """Rank zero's cached result, broadcast (every rank uses the same); ``None`` to measure."""
+        entry: dict[str, Any] | None = None
+        if trainer.is_global_zero and not self.retune:
+            entry, problem = cache.load_entry(path, key)
+            result = entry.get("result") if entry else None
+            if (
+                problem is None
+                and entry is not None
+                and not (isinstance(result, dict) and set(result) >= _RESULT_KEYS)
+            ):
+                problem = f"{path} holds a malformed entry {key!r}"
+            if problem is not None:
+                rank_zero_warn(
+                    f"Ignoring the batch-size cache, measuring again: {problem}.", category=BoostWarning
+                )
+                entry = None
+        entry = trainer.strategy.broadcast(entry, src=0)
+        return None if entry is None else {**entry["result"], "source": "cache"}
 
     def _limits(self, trainer: L.Trainer, pl_module: L.LightningModule, dataset: Any, world: int) -> Limits:
         bounds = [self.max_batch_size or math.inf]
@@ -424,8 +494,14 @@ def _finding(result: dict[str, Any], tolerance: float) -> Finding:
     chosen = next(t for t in trials if t.size == result["batch_size"])
     best = max((t for t in trials if t.fits(budget)), key=lambda t: t.samples_per_s)
     rows = [_row(t, budget) for t in trials]
+    cached = result.get("source") == "cache"
+    how = (
+        f"Reused the cached measurement of {len(trials)} sizes (`retune=True` measures again)"
+        if cached
+        else f"Measured {len(trials)} sizes in {result['seconds']:.1f} s"
+    )
     detail = (
-        f"Measured {len(trials)} sizes in {result['seconds']:.1f} s; stopped at {result['stopped']}."
+        f"{how}; stopped at {result['stopped']}."
         f" Memory budget: {budget / _GIB:.2f} GiB, {result['budget']}. The smallest size within"
         f" {tolerance:.0%} of the best throughput ({best.size}: {best.samples_per_s:,.0f} samples/s) is kept."
         f" Effective batch: {result['batch_size']} x {result['accumulate_grad_batches']} accumulated x"
@@ -457,7 +533,7 @@ def _finding(result: dict[str, Any], tolerance: float) -> Finding:
         f" {chosen.samples_per_s:,.0f} samples/s, peak {_size(chosen.peak_bytes)}",
         detail=detail,
         data={**{k: v for k, v in result.items() if k != "budget"}, "plot": plot},
-        cost=f"{result['seconds']:.1f} s tuning",
+        cost="" if cached else f"{result['seconds']:.1f} s tuning",
     )
 
 

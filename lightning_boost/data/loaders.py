@@ -114,14 +114,7 @@ def fingerprint_parts(
     return {
         "model": model,
         "kind": "workers",
-        "hardware": {
-            "accelerator": hardware.accelerator,
-            "devices": list(hardware.device_names),
-            "cpus_per_process": hardware.cpus_per_process,
-            "ram_total_bytes": hardware.ram_total_bytes,
-            "shm_bytes": hardware.shm_bytes,
-            "torch": hardware.torch_version,
-        },
+        "hardware": hardware_parts(hardware),
         "dataset": describe_dataset(dataset),
         "batch_size": batch_size,
         "loader": {key: _stable_repr(settings.get(key)) for key in MEASURED_SETTINGS},
@@ -131,6 +124,18 @@ def fingerprint_parts(
             "prefetch_factors": list(tuning.prefetch_factors),
             "target_samples_per_s": tuning.target_samples_per_s,
         },
+    }
+
+
+def hardware_parts(hardware: HardwareInfo) -> dict[str, Any]:
+    """What of the machine a measurement depends on (not what changes between runs, e.g. free RAM)."""
+    return {
+        "accelerator": hardware.accelerator,
+        "devices": list(hardware.device_names),
+        "cpus_per_process": hardware.cpus_per_process,
+        "ram_total_bytes": hardware.ram_total_bytes,
+        "shm_bytes": hardware.shm_bytes,
+        "torch": hardware.torch_version,
     }
 
 
