@@ -167,6 +167,9 @@ def test_a_gpu_run_holds_the_loader_to_the_steps_own_rate(
     assert [t.num_workers for t in choice.trials][:2] == [0, 2]  # top-down: the budget after none
     assert "step" in choice.reason
     assert choice.seconds >= sum(t.seconds for t in choice.trials)  # the step's timing is counted
+    detail = tuned.findings[0].detail
+    assert "Worker start-up (until one batch per worker arrived)" in detail
+    assert f"The training step alone: {choice.consumer_samples_per_s:.0f} samples/s" in detail
     by_hand = _fit(tmp_path, Indexed(batch_size=8, num_workers=choice.num_workers), epochs=2)
     assert model.seen == by_hand.seen  # timing the step on a copy left no trace
     assert torch.equal(model.layer.weight, by_hand.layer.weight)

@@ -208,6 +208,22 @@ def test_measure_loader_times_the_steady_state_after_one_batch_per_worker() -> N
     assert trial.ok
     assert trial.samples_per_s == pytest.approx(16.0)  # 8 samples per 0.5 s
     assert trial.batch_bytes == 8 * 3 * 4 + 8 * 4
+    assert trial.startup_s == pytest.approx(1.0)  # one batch from each of the 2 workers first
+
+
+def test_measure_loader_hands_each_timed_batch_to_the_consumer() -> None:
+    now, seen = [0.0], []
+    batch = torch.zeros(8, 3)
+
+    def consume(item: Any) -> None:
+        now[0] += 0.5  # the transfer takes as long as loading
+        seen.append(item)
+
+    trial = measure_loader(
+        lambda n, pf: _batches(0.5, now, batch), 1, 2, batch_size=8, window_s=5.0, clock=lambda: now[0],
+        consume=consume,
+    )  # fmt: skip
+    assert trial.samples_per_s == pytest.approx(8.0) and len(seen) == 5
 
 
 def test_measure_loader_turns_errors_into_failed_trials() -> None:

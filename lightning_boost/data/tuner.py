@@ -312,6 +312,14 @@ def choice_findings(source: str, choice: WorkerChoice) -> list[Finding]:
         "cache": "Reused the cached measurement (`retune=True` measures again).",
         "checkpoint": "Restored from the checkpoint; not measured again.",
     }.get(choice.source, "")
+    startups = [trial.startup_s for trial in choice.trials if trial.ok and trial.num_workers]
+    if startups and choice.source == "measured":
+        detail += (
+            f" Worker start-up (until one batch per worker arrived): {max(startups):.2f} s at most,"
+            f" {sum(startups):.1f} s of the tuning in all."
+        )
+    if choice.consumer_samples_per_s and choice.source == "measured":
+        detail += f" The training step alone: {choice.consumer_samples_per_s:.0f} samples/s."
     if choice.skipped and choice.source == "measured":
         detail += " Not tried: " + "; ".join(choice.skipped) + "."
     fell_back = choice.reason.startswith("fell back") or choice.source in ("error", "unmeasurable")

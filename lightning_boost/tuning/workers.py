@@ -119,6 +119,8 @@ class WorkerTrial:
         seconds: time the trial took, worker start-up included.
         batch_bytes: bytes of tensor data in one batch.
         error: why the candidate was dropped (crashed, hung, shared memory); empty when it ran.
+        startup_s: seconds until one batch per worker had arrived (start-up, a fixed cost per
+            process start: every epoch without ``persistent_workers``).
     """
 
     num_workers: int
@@ -127,6 +129,7 @@ class WorkerTrial:
     seconds: float = 0.0
     batch_bytes: int = 0
     error: str = ""
+    startup_s: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -442,13 +445,16 @@ def measure_loader(
         for _ in range(num_workers - 1):
             next(iterator)
         started, batches = clock(), 0
+        startup = started - start
         while clock() - started < window_s:
             batch = next(iterator)
             if consume is not None:
                 consume(batch)
             batches += 1
         rate = batches * batch_size / max(clock() - started, 1e-9)
-        return WorkerTrial(num_workers, prefetch_factor, rate, clock() - start, batch_bytes)
+        return WorkerTrial(
+            num_workers, prefetch_factor, rate, clock() - start, batch_bytes, startup_s=startup
+        )
     except Exception as err:  # a failed candidate is data, whatever it raised
         error = describe_failure(err)
         return WorkerTrial(num_workers, prefetch_factor, 0.0, clock() - start, batch_bytes, error)
