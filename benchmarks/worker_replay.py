@@ -155,7 +155,8 @@ def made_up_scenarios() -> list[Scenario]:
         top = max(curve.values())
         for share in (None, 0.3, 0.9, 1.1, 3.0):
             consumer = None if share is None else share * top
-            name = f"{cpus} CPUs, loader to {saturation} workers, step at {share or 'unknown'}x the loader"
+            step = "step rate unknown" if share is None else f"step at {share}x the loader"
+            name = f"{cpus} CPUs, loader to {saturation} workers, {step}"
             scenarios.append(Scenario(name, hardware, curve, consumer))
     return scenarios
 
