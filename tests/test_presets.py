@@ -36,35 +36,34 @@ def build(name: str, hw: HardwareInfo, **overrides: object) -> L.pytorch.strateg
         return preset(name, hardware=hw, **overrides)
 
 
-# (hardware, preset) -> strategy type, backend, precision, comm hook, tf32, cudnn.benchmark
+# (hardware, preset) -> strategy type, precision, comm hook, tf32, cudnn.benchmark
 DECISIONS = [
-    ("cpu", "auto", PresetSingleDeviceStrategy, None, "32-true", None, False, False),
-    ("cpu", "fast-ddp", PresetDDPStrategy, "gloo", "32-true", None, False, False),
-    ("cpu", "fast-ddp-multinode", PresetDDPStrategy, "gloo", "32-true", None, False, False),
-    ("t4", "auto", PresetSingleDeviceStrategy, None, "16-mixed", None, False, True),
-    ("t4", "fast-ddp", PresetDDPStrategy, "nccl", "16-mixed", None, False, True),
-    ("v100", "fast-ddp-multinode", PresetDDPStrategy, "nccl", "16-mixed", "fp16", False, True),
-    ("v100", "fsdp", PresetFSDPStrategy, "nccl", "16-mixed", None, False, True),
-    ("a100x8", "auto", PresetDDPStrategy, "nccl", "bf16-mixed", None, True, True),
-    ("a100x8", "fast-ddp", PresetDDPStrategy, "nccl", "bf16-mixed", None, True, True),
-    ("a100x8", "fsdp", PresetFSDPStrategy, "nccl", "bf16-mixed", None, True, True),
-    ("h100", "auto", PresetSingleDeviceStrategy, None, "bf16-mixed", None, True, True),
-    ("h100", "fast-ddp", PresetDDPStrategy, "nccl", "bf16-mixed", None, True, True),
-    ("h100x8", "auto", PresetDDPStrategy, "nccl", "bf16-mixed", None, True, True),
-    ("h100x8", "fast-ddp-multinode", PresetDDPStrategy, "nccl", "bf16-mixed", "bf16", True, True),
-    ("h100x8", "fsdp", PresetFSDPStrategy, "nccl", "bf16-mixed", None, True, True),
-    ("h100x8-2nodes", "auto", PresetDDPStrategy, "nccl", "bf16-mixed", "bf16", True, True),
-    ("h100x8-2nodes", "fast-ddp-multinode", PresetDDPStrategy, "nccl", "bf16-mixed", "bf16", True, True),
-    ("h100x8-2nodes", "fsdp", PresetFSDPStrategy, "nccl", "bf16-mixed", None, True, True),
+    ("cpu", "auto", PresetSingleDeviceStrategy, "32-true", None, False, False),
+    ("cpu", "fast-ddp", PresetDDPStrategy, "32-true", None, False, False),
+    ("cpu", "fast-ddp-multinode", PresetDDPStrategy, "32-true", None, False, False),
+    ("t4", "auto", PresetSingleDeviceStrategy, "16-mixed", None, False, True),
+    ("t4", "fast-ddp", PresetDDPStrategy, "16-mixed", None, False, True),
+    ("v100", "fast-ddp-multinode", PresetDDPStrategy, "16-mixed", "fp16", False, True),
+    ("v100", "fsdp", PresetFSDPStrategy, "16-mixed", None, False, True),
+    ("a100x8", "auto", PresetDDPStrategy, "bf16-mixed", None, True, True),
+    ("a100x8", "fast-ddp", PresetDDPStrategy, "bf16-mixed", None, True, True),
+    ("a100x8", "fsdp", PresetFSDPStrategy, "bf16-mixed", None, True, True),
+    ("h100", "auto", PresetSingleDeviceStrategy, "bf16-mixed", None, True, True),
+    ("h100", "fast-ddp", PresetDDPStrategy, "bf16-mixed", None, True, True),
+    ("h100x8", "auto", PresetDDPStrategy, "bf16-mixed", None, True, True),
+    ("h100x8", "fast-ddp-multinode", PresetDDPStrategy, "bf16-mixed", "bf16", True, True),
+    ("h100x8", "fsdp", PresetFSDPStrategy, "bf16-mixed", None, True, True),
+    ("h100x8-2nodes", "auto", PresetDDPStrategy, "bf16-mixed", "bf16", True, True),
+    ("h100x8-2nodes", "fast-ddp-multinode", PresetDDPStrategy, "bf16-mixed", "bf16", True, True),
+    ("h100x8-2nodes", "fsdp", PresetFSDPStrategy, "bf16-mixed", None, True, True),
 ]
 
 
-@pytest.mark.parametrize(("hw", "name", "kind", "backend", "precision", "hook", "tf32", "bench"), DECISIONS)
+@pytest.mark.parametrize(("hw", "name", "kind", "precision", "hook", "tf32", "bench"), DECISIONS)
 def test_preset_decisions(
     hw: str,
     name: str,
     kind: type,
-    backend: str | None,
     precision: str,
     hook: str | None,
     tf32: bool,
@@ -89,7 +88,7 @@ def test_preset_decisions(
             "static_graph": False,
             "batched_grad_copy": True,
         }
-        assert strategy.process_group_backend == backend
+        assert strategy.process_group_backend is None  # resolved from the trainer's device at setup
         assert strategy._start_method == "popen"
         expected_hook = {
             None: None,
@@ -98,7 +97,7 @@ def test_preset_decisions(
         }[hook]
         assert strategy._ddp_comm_hook is expected_hook
     if kind is PresetFSDPStrategy:
-        assert strategy.process_group_backend == backend
+        assert strategy.process_group_backend is None
         sharding = "HYBRID_SHARD" if EXAMPLES[hw].is_multi_node else "FULL_SHARD"
         assert strategy.sharding_strategy.name == sharding
         assert strategy.kwargs["limit_all_gathers"] and strategy.kwargs["use_orig_params"]
@@ -318,7 +317,7 @@ def test_fast_ddp_two_cpu_processes(tmp_path: Path) -> None:
     for live in ranks:
         assert live["strategy"] == "PresetDDPStrategy" and live["world_size"] == 2
         assert live["precision"] == promised.precision == "32-true"
-        assert live["backend"] == promised.options["process_group_backend"] == "gloo"
+        assert live["backend"] == "gloo" and promised.options["process_group_backend"] is None
         assert live["bucket_bytes_cap"] == promised.options["bucket_cap_mb"] * 1024 * 1024
         for flag in (
             "find_unused_parameters",
@@ -328,3 +327,29 @@ def test_fast_ddp_two_cpu_processes(tmp_path: Path) -> None:
         ):
             assert live[flag] == promised.options[flag], flag
     assert "fast-ddp: DDPStrategy(" in result.stdout
+
+
+class RankWeights(BoringModel):
+    """Writes each rank's process-group backend and trained weights."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+
+    @override
+    def on_train_end(self) -> None:
+        record = {"backend": torch.distributed.get_backend(), "weight": self.layer.weight.tolist()}
+        Path(self.out, f"rank{self.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.ddp
+def test_a_preset_planned_on_a_gpu_machine_follows_the_trainers_accelerator(tmp_path: Path) -> None:
+    # Simulated: the preset is planned for an H100 machine (as `HardwareInfo.detect()` sees one),
+    # the trainer asks for 2 CPU processes: the backend must be gloo, not the NCCL that died there.
+    strategy = preset("fast-ddp", hardware=EXAMPLES["h100"], precision="32-true", start_method="spawn")
+    assert strategy.process_group_backend is None
+    trainer = tiny_trainer(tmp_path, devices=2, strategy=strategy, logger=False, enable_checkpointing=False)
+    trainer.fit(RankWeights(str(tmp_path)), datamodule=BoringDataModule(length=64))
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["backend"] for r in ranks] == ["gloo", "gloo"]
+    assert ranks[0]["weight"] == ranks[1]["weight"]

@@ -53,8 +53,8 @@ def preset(
     Example:
         >>> from lightning_boost.hardware import EXAMPLES
         >>> strategy = preset("fast-ddp", hardware=EXAMPLES["cpu"])
-        >>> type(strategy).__name__, strategy.plan.precision, strategy.process_group_backend
-        ('PresetDDPStrategy', '32-true', 'gloo')
+        >>> type(strategy).__name__, strategy.plan.precision, strategy.plan.options["bucket_cap_mb"]
+        ('PresetDDPStrategy', '32-true', 25)
     """
     plan = plan_preset(name, hardware or HardwareInfo.detect(), model, **overrides)
     return build(plan)

@@ -196,7 +196,7 @@ def _ddp_options(resolved: str, hw: HardwareInfo, params: int | None) -> dict[st
         "gradient_as_bucket_view": True,
         "bucket_cap_mb": bucket_cap_mb(params),
         "static_graph": False,
-        "process_group_backend": "nccl" if hw.is_cuda else "gloo",
+        "process_group_backend": None,  # Lightning's from the trainer's device: nccl on CUDA, gloo on CPU
         "start_method": "popen",
         "comm_hook": None,
     }
@@ -223,7 +223,7 @@ def _fsdp_options(resolved: str, hw: HardwareInfo, params: int | None) -> dict[s
         "cpu_offload": False,
         "limit_all_gathers": True,
         "use_orig_params": True,
-        "process_group_backend": "nccl",
+        "process_group_backend": None,  # as for DDP: from the trainer's device
     }
 
 
