@@ -1,3 +1,4 @@
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -70,3 +71,19 @@ def test_two_process_ddp_fit_keeps_ranks_identical(tmp_path: Path) -> None:
     assert rank0.keys() == rank1.keys()
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
     assert not torch.equal(rank0["layer.weight"], BoringModel().layer.weight.detach())
+
+
+def test_tiny_trainer_on_a_gpu_machine_raises_no_gpu_not_used_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Simulated: CUDA reports itself available (this machine has no GPU); both trainers pin the CPU.
+    from lightning.fabric.utilities.warnings import PossibleUserWarning
+    from lightning.pytorch.accelerators import CUDAAccelerator
+
+    monkeypatch.setattr(CUDAAccelerator, "is_available", staticmethod(lambda: True))
+    with pytest.warns(PossibleUserWarning, match="GPU available but not used"):
+        L.Trainer(accelerator="cpu", devices=1, logger=False, default_root_dir=str(tmp_path))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        trainer = tiny_trainer(tmp_path)
+    assert trainer.num_devices == 1
