@@ -2,7 +2,8 @@
 accumulation and learning-rate scaling that keep the effective batch. Plain data, no Lightning.
 
 The search grows the batch size by doubling from a start size while steps fit in memory and
-throughput still improves, halves it when the start does not fit, then refines between the
+throughput still improves (a doubling the peaks measured so far say would go over the memory
+budget is replaced by the largest size they say fits, so no trial is spent over it), halves it when the start does not fit, then refines between the
 largest size that fits and the smallest that does not while throughput was still rising there.
 The choice is the smallest measured size within a tolerance of the best measured throughput,
 among sizes whose peak memory stays within the budget: a size that was never measured is never
@@ -112,7 +113,13 @@ def next_size(trials: Sequence[Trial], start: int, limits: Limits) -> tuple[int 
                 None,
                 f"a throughput plateau ({limits.patience} doublings gained under {limits.tolerance:.0%})",
             )
-        return min(2 * largest.size, limits.max_size), ""
+        doubled = min(2 * largest.size, limits.max_size)
+        fits = _projected_fit(ok, limits.budget_bytes)
+        if fits is None or fits >= doubled:
+            return doubled, ""
+        if fits > largest.size:
+            return fits, ""  # the largest size the peaks so far say fits: no trial over the budget
+        return None, f"the memory budget ({doubled} would peak over it, by the peaks measured so far)"
     upper = above[0]
     if max(ok, key=lambda t: t.samples_per_s) is not largest:
         return None, f"{_why_failed(upper)} at {upper.size}, past the throughput peak"
@@ -160,6 +167,27 @@ def lr_factor(rule: str | None, effective: int, reference: int) -> float:
         (4.0, 2.0, 1.0)
     """
     return 1.0 if rule is None else LR_RULES[rule](effective / reference)
+
+
+def _projected_fit(ok: Sequence[Trial], budget_bytes: int) -> int | None:
+    """The largest size whose peak, on the line through the two largest fitting trials' peaks,
+    stays within `budget_bytes` (rounded down to a multiple of 8 above the largest); ``None``
+    without two peaks that grow with the size.
+
+    Example:
+        >>> _projected_fit([Trial(32, 1.0, 1000 + 32 * 10), Trial(64, 1.0, 1000 + 64 * 10)], 3000)
+        200
+    """
+    peaked = [t for t in ok if t.peak_bytes is not None]
+    if len(peaked) < 2:
+        return None
+    small, large = peaked[-2], peaked[-1]
+    slope = (large.peak_bytes - small.peak_bytes) / (large.size - small.size)  # type: ignore[operator]
+    if slope <= 0:
+        return None
+    size = int(large.size + (budget_bytes - large.peak_bytes) / slope)  # type: ignore[operator]
+    rounded = size // 8 * 8
+    return rounded if rounded > large.size else size
 
 
 def _plateaued(ok: Sequence[Trial], limits: Limits) -> bool:
