@@ -532,3 +532,28 @@ def test_cuda_syncs_include_what_only_the_debug_mode_sees(tmp_path: Path) -> Non
     assert found[marked_line("cuda_copy")].data["syncs"] == {"cuda": 3}
     assert "on a GPU" not in found[marked_line("cuda_item")].detail
     assert torch.cuda.get_sync_debug_mode() == 0
+
+
+class _Running:
+    """Stands in for the watch's TorchFunctionMode (its CUDA debug mode needs a GPU)."""
+
+    def __exit__(self, *args: object) -> None:
+        return None
+
+
+def test_allocator_counters_count_only_while_the_watch_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Simulated: the CUDA allocator's counters (no GPU here), already moved before the watch by
+    # work outside any step (e.g. AutoBatchSize's `empty_cache` between trials): the H100's false
+    # WARN "The caching allocator synchronized every stream" on a clean bf16 ResNet-18 came from
+    # reading them at the end of fit with no watch running, i.e. since the process started.
+    from lightning_boost.tuning import sync_watch
+
+    counters = {"num_alloc_retries": 0, "num_sync_all_streams": 7}
+    monkeypatch.setattr(sync_watch, "_allocator_counters", lambda: dict(counters))
+    watch = sync_watch.SyncWatch(lambda pattern, frame: None, cuda=True)
+    assert watch.stop() == {}  # never started: nothing was the user's
+    watch._counters = sync_watch._allocator_counters()  # what `start` reads on CUDA
+    watch._mode = _Running()  # type: ignore[assignment]
+    counters["num_sync_all_streams"] += 2  # two stream syncs inside the watched step
+    assert watch.stop() == {"sync_all_streams": 2}
+    assert watch.stop() == {}  # stopped: counts nothing more

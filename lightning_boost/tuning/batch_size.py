@@ -3,8 +3,9 @@ accumulation and learning-rate scaling that keep the effective batch. Plain data
 
 The search grows the batch size by doubling from a start size while steps fit in memory and
 throughput still improves (a doubling the peaks measured so far say would go over the memory
-budget is replaced by the largest size they say fits, so no trial is spent over it), halves it when the start does not fit, then refines between the
-largest size that fits and the smallest that does not while throughput was still rising there.
+budget is replaced by the largest size they say fits, so no trial is spent over it), halves it
+when the start does not fit, then refines between the largest size that fits and the smallest
+that does not while throughput was still rising there.
 The choice is the smallest measured size within a tolerance of the best measured throughput,
 among sizes whose peak memory stays within the budget: a size that was never measured is never
 returned.

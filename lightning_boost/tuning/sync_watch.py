@@ -146,7 +146,14 @@ class SyncWatch:
         self._mode.__enter__()
 
     def stop(self) -> dict[str, int]:
-        """Switch everything off; return the allocator's sync counters since `start` (CUDA only)."""
+        """Switch everything off; return the allocator's sync counters since `start` (CUDA only).
+
+        Stopping a watch that is not running returns nothing: the counters are cumulative for the
+        process, so read without a `start` they would count everything before it (a batch-size
+        probe's ``empty_cache`` between trials) as the user's.
+        """
+        if not self.active:
+            return {}
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
