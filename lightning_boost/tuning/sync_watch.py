@@ -54,6 +54,8 @@ COLLECTIVES = (
 )
 #: What `torch.cuda.set_sync_debug_mode("warn")` says in each of its warnings.
 _DEBUG_TEXT = "called a synchronizing CUDA operation"
+#: The start of what torch warns when the debug mode is switched on.
+_PROTOTYPE_TEXT = "Synchronization debug mode is a prototype feature"
 #: Patterns whose result is a real host tensor, on a GPU run too: reading it later does not sync.
 HOST_COPIES = frozenset({"cpu", "to_cpu"})
 ALLOCATOR_COUNTERS = {"num_alloc_retries": "alloc_retry", "num_sync_all_streams": "sync_all_streams"}
@@ -181,11 +183,13 @@ class SyncWatch:
     # -- CUDA ----------------------------------------------------------------------------------
 
     def _start_cuda(self) -> None:
-        previous_mode = torch.cuda.get_sync_debug_mode()
-        torch.cuda.set_sync_debug_mode("warn")
         catcher = warnings.catch_warnings()
         catcher.__enter__()
+        # torch says, once, that the debug mode is a prototype: the guard's doing, not the user's
+        warnings.filterwarnings("ignore", message=_PROTOTYPE_TEXT, category=UserWarning)
         warnings.filterwarnings("always", message=".*" + re.escape(_DEBUG_TEXT), category=UserWarning)
+        previous_mode = torch.cuda.get_sync_debug_mode()
+        torch.cuda.set_sync_debug_mode("warn")
         show = warnings.showwarning
 
         def showwarning(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
