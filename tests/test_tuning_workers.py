@@ -28,6 +28,7 @@ from lightning_boost.tuning.workers import (
     search_workers,
     worker_candidates,
     worker_limit,
+    workers_worth_measuring,
 )
 
 CPU16 = EXAMPLES["cpu"].replace(cpus_available=16, ram_available_bytes=64 * GIB, shm_bytes=32 * GIB)
@@ -325,3 +326,27 @@ def test_preserved_rng_restores_every_generator() -> None:
     with preserved_rng():
         draw(), draw()
     assert draw() == expected
+
+
+LINEAR = {threads: 100.0 * threads for threads in range(1, 9)}  # the model: 100 samples/s per thread
+
+
+@pytest.mark.parametrize(
+    ("rates", "loading", "cap"),
+    [
+        (LINEAR, 100_000.0, 0),  # no workers ~794: even 1 worker's 7 threads (700) cannot beat it
+        (LINEAR, 5000.0, 1),  # 690: 7 threads (700) can, 6 (600) cannot
+        (LINEAR, 1000.0, 3),  # 444: up to 3 workers (5 threads, 500)
+        (LINEAR, 300.0, 4),  # 218: up to 5 workers, so the candidate 4 (6 is the next)
+        (LINEAR, 100.0, 8),  # 89: every count can
+        ({8: 800.0}, 100_000.0, 8),  # the other rates are unknown: every count is worth timing
+        ({}, 100.0, 8),
+    ],
+)
+def test_only_worker_counts_that_can_beat_no_workers_are_timed_on_a_cpu_run(
+    rates: dict[int, float], loading: float, cap: int
+) -> None:
+    counts = worker_candidates(8)
+    found, why = workers_worth_measuring(counts, rates, loading, cpus=8, tolerance=0.05)
+    assert found == cap
+    assert (why == "") == (cap == 8)

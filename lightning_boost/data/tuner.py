@@ -42,6 +42,8 @@ from lightning_boost.tuning.workers import (
     open_files_plan,
     search_workers,
     split_cpus,
+    worker_candidates,
+    workers_worth_measuring,
 )
 
 CACHE_FILE = "workers.json"
@@ -159,12 +161,16 @@ class WorkerTuner:
         make = measurement_loaders(dataset, batch_size, settings, self.tuning.timeout_s)
         module = trainer.lightning_module if trainer is not None else None
         tuning, consume, started = self.tuning, None, time.perf_counter()
+        rates: dict[int, float] = {}
+        skipped: list[str] = []
         if trainer is not None and module is not None and hardware.accelerator != "cpu":
             consume = device_transfer(trainer)
             if tuning.target_samples_per_s is None:
                 with preserved_rng():
                     rate = consumer_rate(trainer, module, consume(next(iter(make(0, None)))), batch_size)
                 tuning = dataclasses.replace(tuning, target_samples_per_s=rate)
+        elif module is not None:  # a CPU run: the model's step first, so hopeless counts are not timed
+            rates, tuning, skipped = self._model_first(module, make, batch_size, hardware.cpus_per_process)
 
         def measure(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
             window = tuning.window_s
@@ -174,41 +180,33 @@ class WorkerTuner:
 
         with preserved_rng():
             choice = search_workers(measure, hardware, tuning)
-        choice = choice.replace(seconds=time.perf_counter() - started)  # the step's timing included
-        if hardware.accelerator != "cpu" or module is None:
-            return choice
+        choice = choice.replace(
+            seconds=time.perf_counter() - started,  # the step's timing included
+            skipped=(*skipped, *choice.skipped),
+        )
+        if not rates:
+            return choice  # a GPU run, or no model step to weigh
         if not any(trial.ok and trial.num_workers for trial in choice.trials):
-            return choice  # no worker setting ran: nothing to weigh
-        return self._beside_model(choice, module, make, hardware.cpus_per_process)
+            return choice.replace(reason=f"no workers: {skipped[0]}") if skipped else choice
+        return _beside_model(choice, rates, hardware.cpus_per_process, self.tuning.tolerance)
 
-    def _beside_model(
-        self, choice: WorkerChoice, module: L.LightningModule, make: Callable[..., Any], cpus: int
-    ) -> WorkerChoice:
-        """A CPU run: the loader trial that trains fastest with the model on the CPUs it leaves."""
-        start = time.perf_counter()
+    def _model_first(
+        self, module: L.LightningModule, make: Callable[..., Any], batch_size: int, cpus: int
+    ) -> tuple[dict[int, float], WorkerTuning, list[str]]:
+        """A CPU run: the model's step rates at the thread counts the candidates leave, and the
+        tuning capped at the most workers that can still win (`workers_worth_measuring`)."""
         with preserved_rng():
+            fetch = time.perf_counter()
             batch = next(iter(make(0, None)))
-        counts = sorted({model_threads(cpus, t.num_workers) for t in choice.trials if t.ok}, reverse=True)
-        rates = model_step_rates(module, batch, counts, budget_s=self.tuning.budget_s / 2)
-        seconds = choice.seconds + time.perf_counter() - start
-        pick = split_cpus(choice.trials, rates, cpus, self.tuning.tolerance)
-        if pick is None:
-            return choice.replace(seconds=seconds)
-        trial, predicted = pick
-        model = ", ".join(f"{rate:.0f} at {count} thread(s)" for count, rate in sorted(rates.items()))
-        if trial.num_workers == choice.num_workers:
-            reason = f"{choice.reason}, and beside the model (its steps: {model} samples/s)"
-            return choice.replace(reason=reason, seconds=seconds)
-        reason = (
-            f"fastest beside the model: {predicted:.0f} samples/s predicted (the model's steps:"
-            f" {model} samples/s; the loader's: {trial.samples_per_s:.0f})"
-        )
-        return choice.replace(
-            num_workers=trial.num_workers,
-            prefetch_factor=trial.prefetch_factor,
-            reason=reason,
-            seconds=seconds,
-        )
+            loading = batch_size / max(time.perf_counter() - fetch, 1e-9)  # a first, pessimistic rate
+        tuning = self.tuning
+        counts = worker_candidates(cpus if tuning.max_workers is None else min(cpus, tuning.max_workers))
+        threads = sorted({model_threads(cpus, count) for count in counts}, reverse=True)
+        rates = model_step_rates(module, batch, threads, budget_s=tuning.budget_s / 2)
+        cap, why = workers_worth_measuring(counts, rates, loading, cpus, tuning.tolerance)
+        if cap >= counts[-1]:
+            return rates, tuning, []
+        return rates, dataclasses.replace(tuning, max_workers=cap), [why]
 
     def apply_process_settings(self, hardware: HardwareInfo, num_workers: int) -> None:
         """Open-file limit and, on a CPU run, the model's threads beside the workers."""
@@ -254,6 +252,24 @@ def hardware_for(trainer: L.Trainer | None) -> HardwareInfo:
     elif isinstance(trainer.accelerator, MPSAccelerator):
         accelerator = "mps"
     return hardware.replace(accelerator=accelerator, local_world_size=max(trainer.num_devices, 1))
+
+
+def _beside_model(
+    choice: WorkerChoice, rates: Mapping[int, float], cpus: int, tolerance: float
+) -> WorkerChoice:
+    """A CPU run: the loader trial that trains fastest with the model on the CPUs it leaves."""
+    pick = split_cpus(choice.trials, rates, cpus, tolerance)
+    if pick is None:
+        return choice
+    trial, predicted = pick
+    model = ", ".join(f"{rate:.0f} at {count} thread(s)" for count, rate in sorted(rates.items()))
+    if trial.num_workers == choice.num_workers:
+        return choice.replace(reason=f"{choice.reason}, and beside the model (its steps: {model} samples/s)")
+    reason = (
+        f"fastest beside the model: {predicted:.0f} samples/s predicted (the model's steps:"
+        f" {model} samples/s; the loader's: {trial.samples_per_s:.0f})"
+    )
+    return choice.replace(num_workers=trial.num_workers, prefetch_factor=trial.prefetch_factor, reason=reason)
 
 
 def device_transfer(trainer: L.Trainer) -> Callable[[Any], Any]:

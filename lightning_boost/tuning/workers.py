@@ -26,6 +26,7 @@ model, and deeper prefetching there only holds more memory).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -565,6 +566,40 @@ def split_cpus(
 
     rate, trial = min(near, key=preference)
     return trial, rate
+
+
+def workers_worth_measuring(
+    counts: Sequence[int], step_rates: Mapping[int, float], loading: float, cpus: int, tolerance: float
+) -> tuple[int, str]:
+    """On a CPU run, the most workers worth timing, and why fewer than `counts` allows.
+
+    With ``w`` workers the run trains at most at the model's rate on the CPUs they leave
+    (``step_rates[cpus - w]``); without workers at ``1 / (1 / loading + 1 / step_rates[cpus])``
+    (`loading`: the loader's samples/s in the main process). A count whose bound is not within
+    `tolerance` of that cannot win, and more workers leave the model less. Without the rates
+    needed, every count is worth timing.
+
+    Example:
+        >>> workers_worth_measuring([0, 1, 2], {2: 743.0, 1: 393.0}, 1280.0, cpus=2, tolerance=0.05)[0]
+        0
+        >>> workers_worth_measuring([0, 1, 2], {2: 3000.0, 1: 1700.0}, 500.0, cpus=2, tolerance=0.05)[0]
+        2
+    """
+    full = step_rates.get(cpus)
+    if not full or loading <= 0:
+        return max(counts), ""
+    alone = 1 / (1 / loading + 1 / full)
+    worth = [n for n in counts if step_rates.get(model_threads(cpus, n), math.inf) >= (1 - tolerance) * alone]
+    cap = max(worth)
+    if cap >= max(counts):
+        return cap, ""
+    first = min(n for n in counts if n > cap)
+    threads = model_threads(cpus, first)
+    return cap, (
+        f"{first} worker(s) and up: the model's step on the {threads} CPU(s) they leave"
+        f" ({step_rates[threads]:.0f} samples/s) cannot beat loading in the main process"
+        f" ({alone:.0f} samples/s predicted)"
+    )
 
 
 def open_files_plan(hardware: HardwareInfo, num_workers: int, minimum: int = 4096) -> tuple[str, int] | None:
