@@ -15,8 +15,10 @@ count at a time stops on noise long before it reaches the answer:
   budget feeds it with `feed_margin` to spare, it bisects down to the smallest count that still
   does; otherwise the run is data-bound and the whole budget is used. Every comparison is against
   the consumer's rate with a margin larger than the noise, never between two noisy neighbours;
-- a CPU run measures every candidate up to the budget (0-4, 6, 8, 12, ...): the caller weighs
-  each against the model's step on the CPUs the workers leave (`split_cpus`).
+- a CPU run measures every candidate up to the budget (0-4, 6, 8, 12, ...), with no stop on a
+  noisy plateau; the caller caps the budget at the counts whose model rate can still beat no
+  workers (`workers_worth_measuring`) and weighs each against the model's step on the CPUs the
+  workers leave (`split_cpus`).
 
 A larger ``prefetch_factor`` is then tried on a data-bound winner of a GPU run and kept only
 where it is faster by more than the tolerance (a CPU run's choice is the caller's, beside the
