@@ -6,8 +6,11 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.lightning-boost-installed
+OLDEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python3.10) python3.10)
+OLDEST_VENV ?= .venv-oldest
+OLDEST_STAMP := $(OLDEST_VENV)/.lightning-boost-installed
 
-.PHONY: demo test lint typecheck pytest doctor bench install clean
+.PHONY: demo test test-gpu test-oldest lint typecheck pytest doctor bench install clean
 
 demo: $(STAMP)
 	$(BIN)/lightning-boost demo
@@ -24,6 +27,16 @@ typecheck: $(STAMP)
 pytest: $(STAMP)
 	$(BIN)/pytest
 
+# Every gpu-marked test (the CUDA paths); fails at once on a machine without a CUDA device.
+test-gpu: $(STAMP)
+	$(BIN)/python -c "import sys, torch; torch.cuda.is_available() or sys.exit('make test-gpu needs a CUDA device')"
+	$(BIN)/pytest -m gpu -rA
+
+# The suite over the oldest supported set (pyproject.toml's floors, pinned in
+# constraints-oldest.txt) on the oldest Python allowed, in its own venv.
+test-oldest: $(OLDEST_STAMP)
+	$(OLDEST_VENV)/bin/pytest
+
 doctor: $(STAMP)
 	$(BIN)/lightning-boost doctor
 
@@ -37,5 +50,10 @@ $(STAMP): pyproject.toml constraints.txt
 	$(BIN)/python -m pip install --quiet --constraint constraints.txt --editable '.[dev]'
 	touch $(STAMP)
 
+$(OLDEST_STAMP): pyproject.toml constraints-oldest.txt
+	test -x $(OLDEST_VENV)/bin/python || $(OLDEST_PYTHON) -m venv $(OLDEST_VENV)
+	$(OLDEST_VENV)/bin/python -m pip install --quiet --constraint constraints-oldest.txt --editable '.[dev]'
+	touch $(OLDEST_STAMP)
+
 clean:
-	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache lightning_logs lightning_logs_demo
+	rm -rf $(VENV) $(OLDEST_VENV) .mypy_cache .ruff_cache .pytest_cache lightning_logs lightning_logs_demo

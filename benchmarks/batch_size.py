@@ -87,7 +87,7 @@ class TimedFinder(BatchSizeFinder):
 
 def _trainer(callbacks: list[L.Callback], batches: int) -> L.Trainer:
     return L.Trainer(
-        accelerator="cpu",
+        accelerator="auto",  # the GPU where there is one: where users train
         max_epochs=1,
         limit_train_batches=batches,
         logger=False,

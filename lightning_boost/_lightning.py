@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
+from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from typing_extensions import override
 
 
@@ -19,6 +20,16 @@ def trainer_precision_flag(trainer: L.Trainer) -> str:
     carries one, so the user's own choice is only on the accelerator connector.
     """
     return str(trainer._accelerator_connector._precision_flag)
+
+
+def call_step(module: L.LightningModule, name: str, batch: Any, batch_idx: int = 0) -> Any:
+    """Call ``module.<name>`` (``training_step``, ``validation_step``) the way Lightning's loops do:
+    with `batch_idx` only where the signature takes it (``def training_step(self, batch)`` is legal).
+    """
+    step = getattr(module, name)
+    if is_param_in_hook_signature(step, "batch_idx", min_args=2):
+        return step(batch, batch_idx)
+    return step(batch)
 
 
 def reload_every_n_epochs(trainer: L.Trainer) -> int:

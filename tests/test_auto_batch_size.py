@@ -102,6 +102,23 @@ def test_oom_above_a_size_is_caught_and_the_choice_fits(tmp_path: Path, cpu: boo
     assert "out of memory" in finding.detail and f"Batch size {datamodule.batch_size}" in finding.title
 
 
+class BatchOnly(BoringModel):
+    """Steps without `batch_idx`, as Lightning allows (its GAN example's signature)."""
+
+    def training_step(self, batch: Any) -> Tensor:  # type: ignore[override]
+        return self._loss(batch)
+
+    def validation_step(self, batch: Any) -> None:  # type: ignore[override]
+        self.log("val_loss", self._loss(batch))
+
+
+def test_steps_without_batch_idx_are_tuned(tmp_path: Path) -> None:
+    callback = AutoBatchSize(max_batch_size=32, **FAST)
+    trainer, datamodule = fit(tmp_path, callback, BatchOnly())
+    assert datamodule.batch_size == callback.result["batch_size"] == 32
+    assert trainer.state.finished
+
+
 def test_is_oom_knows_the_real_error_types() -> None:
     with pytest.raises(RuntimeError) as cpu_error:
         torch.empty(2**62, dtype=torch.uint8)
@@ -491,3 +508,60 @@ def test_cuda_steps_are_timed_with_events() -> None:
     matmuls = fastest_step(lambda: torch.mm(x, x), 3, device)
     nothing = fastest_step(lambda: None, 3, device)
     assert 0 < nothing < matmuls < 1  # the events bracket the queued kernels, not the host's call
+
+
+class Hungry(BoringModel):
+    """Holds `mib_per_sample` MiB of activations per sample on the device for the whole step."""
+
+    def __init__(self, mib_per_sample: int) -> None:
+        super().__init__()
+        self.mib_per_sample = mib_per_sample
+
+    @override
+    def _loss(self, batch: tuple[Tensor, Tensor]) -> Tensor:
+        inputs = batch[0]
+        scratch = torch.ones(inputs.shape[0], self.mib_per_sample * 2**18, device=inputs.device)
+        return super()._loss(batch) + 0.0 * scratch.mean()
+
+
+@pytest.mark.gpu
+def test_cuda_peak_is_the_allocators_and_keeps_the_choice_in_the_budget(tmp_path: Path) -> None:
+    budget = 2**29  # 0.5 GiB: a step peaks at > 8 MiB x batch size
+    callback = AutoBatchSize(memory_budget_gib=0.5, max_batch_size=256, steps=1, tolerance=0.0)
+    fit(
+        tmp_path,
+        callback,
+        Hungry(mib_per_sample=8),
+        accelerator="gpu",
+        datamodule=BoringDataModule(length=1024),
+    )
+    tried = sizes(callback)
+    chosen = callback.result["batch_size"]
+    assert not any(trial["oom"] for trial in tried.values())  # the budget binds before the device does
+    assert all(trial["peak_bytes"] >= size * 8 * 2**20 for size, trial in tried.items())
+    assert tried[chosen]["peak_bytes"] <= budget
+    assert 32 <= chosen < 64  # 64 x 8 MiB alone fills the budget; 32 x 8 MiB leaves half of it
+
+
+@pytest.mark.gpu
+def test_cuda_out_of_memory_is_real_and_survived(tmp_path: Path) -> None:
+    # The process may use 1 GiB of the device: a step at 32 MiB per sample runs out above ~30 samples.
+    device = torch.device("cuda")
+    torch.cuda.set_per_process_memory_fraction(2**30 / torch.cuda.get_device_properties(device).total_memory)
+    try:
+        callback = AutoBatchSize(max_batch_size=256, steps=1, tolerance=0.0)
+        trainer, datamodule = fit(
+            tmp_path,
+            callback,
+            Hungry(mib_per_sample=32),
+            accelerator="gpu",
+            datamodule=BoringDataModule(length=1024),
+        )
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    tried = sizes(callback)
+    assert any(trial["oom"] for trial in tried.values())  # torch.OutOfMemoryError, caught
+    chosen = datamodule.batch_size
+    assert chosen == callback.result["batch_size"] < 32 and not tried[chosen]["oom"]
+    assert trainer.state.finished

@@ -26,18 +26,30 @@ def _stack(samples: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     return torch.stack(inputs), torch.stack(indices)
 
 
-def _loaders() -> tuple[DataLoader[Any], DataLoader[Any]]:
-    train = DataLoader(IndexDataset(64), batch_size=8, shuffle=True, drop_last=True, collate_fn=_stack)
-    val = DataLoader(IndexDataset(16), batch_size=4)
+def _loaders(train_workers: int = 0, val_workers: int = 0) -> tuple[DataLoader[Any], DataLoader[Any]]:
+    train = DataLoader(
+        IndexDataset(64),
+        batch_size=8,
+        shuffle=True,
+        drop_last=True,
+        collate_fn=_stack,
+        num_workers=train_workers,
+        persistent_workers=train_workers > 0,
+    )
+    val = DataLoader(
+        IndexDataset(16), batch_size=4, num_workers=val_workers, persistent_workers=val_workers > 0
+    )
     return train, val
 
 
-def _fit(tmp_path: Path, callbacks: list[L.Callback], **overrides: Any) -> tuple[L.Trainer, SeenIndices]:
+def _fit(
+    tmp_path: Path, callbacks: list[L.Callback], workers: tuple[int, int] = (0, 0), **overrides: Any
+) -> tuple[L.Trainer, SeenIndices]:
     L.seed_everything(3, verbose=False)
     model = SeenIndices()
     options = {"limit_train_batches": 1.0, "max_epochs": 2, "logger": False, "enable_checkpointing": False}
     trainer = tiny_trainer(tmp_path, callbacks=callbacks, **(options | overrides))
-    trainer.fit(model, *_loaders())
+    trainer.fit(model, *_loaders(*workers))
     return trainer, model
 
 
@@ -54,8 +66,10 @@ def test_loaders_passed_to_fit_are_rebuilt_with_every_other_setting_kept(tmp_pat
     val = trainer.val_dataloaders
     assert isinstance(val, DataLoader) and val.persistent_workers == (val.num_workers > 0)
     assert callback.findings[0].source == "AutoNumWorkers" and callback.findings[0].data["trials"]
-    _, untuned = _fit(tmp_path, [])
-    assert model.seen == untuned.seen  # the same samples in the same order, epoch after epoch
+    # The same samples in the same order, epoch after epoch, as a run given these counts by hand
+    # (persistent workers draw the loader's base seed once, not every epoch: the count matters).
+    _, by_hand = _fit(tmp_path, [], workers=(train.num_workers, val.num_workers))
+    assert model.seen == by_hand.seen
 
 
 class _OwnLoader(DataLoader[Any]):

@@ -17,7 +17,7 @@ import pytest
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_boost
-from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
+from lightning_boost.testing import BoringDataModule, BoringModel, cpu_only, tiny_trainer
 
 CALLBACKS: list[type[L.Callback]] = sorted(
     (
@@ -118,7 +118,8 @@ def test_configurable_from_lightning_cli_yaml(
     }
     config = tmp_path / "config.yaml"
     config.write_text(json.dumps({"seed_everything": 0, "trainer": trainer}))  # JSON is YAML
-    cli = LightningCLI(BoringModel, BoringDataModule, args=["fit", "--config", str(config)])
+    with cpu_only():  # the config pins the CPU: on a GPU machine Lightning would warn
+        cli = LightningCLI(BoringModel, BoringDataModule, args=["fit", "--config", str(config)])
     (callback,) = [c for c in cli.trainer.callbacks if type(c) is cls]  # type: ignore[attr-defined]
     assert arrived(callback)
     assert cli.trainer.state.finished

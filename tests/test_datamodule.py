@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 from typing_extensions import override
 
 from lightning_boost import BoostedDataModule, BoostWarning, WorkerTuning
-from lightning_boost.testing import BoringModel, RandomDataset, tiny_trainer
+from lightning_boost.testing import BoringModel, RandomDataset, cpu_only, tiny_trainer
 
 FAST = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,))
 
@@ -183,7 +183,10 @@ def test_on_cuda_the_loader_is_held_to_the_steps_rate_in_its_precision(tmp_path:
     (choice,) = tuned.worker_tuner.choices.values()
     assert choice.consumer_samples_per_s is not None and choice.consumer_samples_per_s > 0
     assert "step" in choice.reason
-    assert tuned.train_dataloader().pin_memory
+    loader = tuned.train_dataloader()
+    assert loader.pin_memory
+    inputs, _ = next(iter(loader))
+    assert inputs.is_pinned()  # page-locked: the copy to the GPU can be non-blocking
 
 
 @pytest.mark.parametrize(
@@ -376,8 +379,9 @@ def test_a_subclass_is_configurable_from_lightning_cli(
         f"  default_root_dir: {tmp_path}\n  enable_progress_bar: false\n  enable_model_summary: false\n"
         "data:\n  length: 48\n  batch_size: 12\n  num_workers: 0\n  worker_tuning:\n    window_s: 0.5\n"
     )
-    cli = LightningCLI(BoringModel, FakeImages, args=["fit", "--config", str(config)], save_config_kwargs={
-        "overwrite": True})  # fmt: skip
+    with cpu_only():  # the config pins the CPU: on a GPU machine Lightning would warn
+        args = ["fit", "--config", str(config)]
+        cli = LightningCLI(BoringModel, FakeImages, args=args, save_config_kwargs={"overwrite": True})
     datamodule = cli.datamodule
     assert isinstance(datamodule, FakeImages)
     assert (datamodule.length, datamodule.batch_size, datamodule.num_workers) == (48, 12, 0)

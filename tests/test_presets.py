@@ -1,3 +1,4 @@
+import inspect
 import json
 import pickle
 import subprocess
@@ -21,7 +22,7 @@ from lightning_boost.presets import (
     PresetSingleDeviceStrategy,
     plan_preset,
 )
-from lightning_boost.presets.plans import bucket_cap_mb, model_parameter_count
+from lightning_boost.presets.plans import bucket_cap_mb, ddp_accepts, model_parameter_count
 from lightning_boost.report import Severity
 from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
 
@@ -86,8 +87,7 @@ def test_preset_decisions(
             "gradient_as_bucket_view": True,
             "bucket_cap_mb": 25,
             "static_graph": False,
-            "batched_grad_copy": True,
-        }
+        } | ({"batched_grad_copy": True} if ddp_accepts("batched_grad_copy") else {})
         assert strategy.process_group_backend is None  # resolved from the trainer's device at setup
         assert strategy._start_method == "popen"
         expected_hook = {
@@ -134,9 +134,12 @@ def test_bucket_size_grows_with_the_model(params: int | None, expected: int) -> 
 
 
 def test_batched_grad_copy_only_where_torch_has_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
     from lightning_boost.presets import plans
 
-    assert plans.ddp_accepts("batched_grad_copy")  # torch 2.14.1, the tested version
+    arguments = inspect.signature(DistributedDataParallel.__init__).parameters
+    assert plans.ddp_accepts("batched_grad_copy") == ("batched_grad_copy" in arguments)
     monkeypatch.setattr(plans, "ddp_accepts", lambda argument: False)  # an older torch
     options = plan_preset("fast-ddp", EXAMPLES["cpu"]).options
     assert "batched_grad_copy" not in options and options["gradient_as_bucket_view"] is True
@@ -319,13 +322,9 @@ def test_fast_ddp_two_cpu_processes(tmp_path: Path) -> None:
         assert live["precision"] == promised.precision == "32-true"
         assert live["backend"] == "gloo" and promised.options["process_group_backend"] is None
         assert live["bucket_bytes_cap"] == promised.options["bucket_cap_mb"] * 1024 * 1024
-        for flag in (
-            "find_unused_parameters",
-            "gradient_as_bucket_view",
-            "static_graph",
-            "batched_grad_copy",
-        ):
-            assert live[flag] == promised.options[flag], flag
+        flags = ("find_unused_parameters", "gradient_as_bucket_view", "static_graph", "batched_grad_copy")
+        for flag in flags:
+            assert live[flag] == promised.options.get(flag), flag  # batched_grad_copy: torch >= 2.14
     assert "fast-ddp: DDPStrategy(" in result.stdout
 
 
@@ -353,3 +352,35 @@ def test_a_preset_planned_on_a_gpu_machine_follows_the_trainers_accelerator(tmp_
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["backend"] for r in ranks] == ["gloo", "gloo"]
     assert ranks[0]["weight"] == ranks[1]["weight"]
+
+
+class _RecordAutocast(BoringModel):
+    """Records the dtype a Linear computes in, and the speed flags, inside the training step."""
+
+    seen: tuple[str, torch.dtype, str, bool] | None = None
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self(batch[0])
+        flags = (torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark)
+        self.seen = (out.device.type, out.dtype, *flags)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_preset_trains_in_its_precision_with_tf32_and_cudnn_benchmark(tmp_path: Path) -> None:
+    if torch.cuda.device_count() > 1:
+        pytest.skip("planned for one GPU: on more, preset('auto') picks DDP")
+    hardware = HardwareInfo.detect()
+    strategy = preset("auto")  # one GPU: a single-device strategy on cuda:0
+    plan = strategy.plan
+    assert plan.precision == ("bf16-mixed" if hardware.supports_bf16 else "16-mixed")
+    assert plan.tf32 == hardware.supports_tf32 and plan.cudnn_benchmark
+    before = (torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark)
+    model = _RecordAutocast()
+    trainer = tiny_trainer(tmp_path, accelerator="gpu", devices=1, strategy=strategy)
+    trainer.fit(model, datamodule=BoringDataModule())
+    half = torch.bfloat16 if plan.precision == "bf16-mixed" else torch.float16
+    assert model.seen == ("cuda", half, "high" if plan.tf32 else before[0], True)
+    assert trainer.precision == plan.precision
+    assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark) == before

@@ -40,6 +40,21 @@ def test_step_rates_are_measured_on_a_copy_and_leave_no_trace() -> None:
     assert torch.equal(torch.get_rng_state(), rng) and torch.get_num_threads() == threads
 
 
+class BatchOnly(BoringModel):
+    """Steps without `batch_idx`, as Lightning allows (its GAN example's signature)."""
+
+    def training_step(self, batch: Any) -> Tensor:  # type: ignore[override]
+        return self._loss(batch)
+
+    def validation_step(self, batch: Any) -> None:  # type: ignore[override]
+        self.log("val_loss", self._loss(batch))
+
+
+def test_a_step_without_batch_idx_is_called_as_lightning_calls_it() -> None:
+    rates = probe.model_step_rates(BatchOnly(), (torch.randn(8, 32), torch.randn(8, 2)), [1])
+    assert set(rates) == {1} and rates[1] > 0
+
+
 class ManualOptimization(BoringModel):
     def __init__(self) -> None:
         super().__init__()

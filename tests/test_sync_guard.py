@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytorch_lightning as pl
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
@@ -482,11 +483,15 @@ def test_ddp_framework_syncs_name_sigterm_and_sync_dist(tmp_path: Path) -> None:
     trainer.fit(SyncDist(), datamodule=BoringDataModule())
     report = json.loads((tmp_path / "boost_report.json").read_text())  # written by rank zero
     found = {f["data"]["cause"]: f for f in report["findings"] if f["source"] == "SyncGuard"}
-    assert set(found) == {"sigterm", "sync_dist"}
-    # the flag is broadcast before each batch's hooks: the check of step k sees step k + 1's, and
-    # nothing follows the last step
-    assert found["sigterm"]["data"]["syncs"] == {"collective": 2, "item": 2}
-    assert found["sigterm"]["location"] is None and "no setting" in found["sigterm"]["fix"]
+    from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
+
+    broadcasts = hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")  # Lightning >= 2.5.2
+    assert set(found) == {"sync_dist"} | ({"sigterm"} if broadcasts else set())
+    if broadcasts:
+        # the flag is broadcast before each batch's hooks: the check of step k sees step k + 1's,
+        # and nothing follows the last step
+        assert found["sigterm"]["data"]["syncs"] == {"collective": 2, "item": 2}
+        assert found["sigterm"]["location"] is None and "no setting" in found["sigterm"]["fix"]
     assert found["sync_dist"]["location"] == marked_line("sync_dist")
     assert "on_epoch=True" in found["sync_dist"]["fix"]
 
@@ -512,6 +517,45 @@ def test_ddp_error_mode_stops_every_rank_when_one_syncs(tmp_path: Path) -> None:
         trainer.fit(ItemOnRankOne(), datamodule=BoringDataModule())
 
 
+class PLProgBar(pl.LightningModule):
+    """Written against the standalone namespace (``import pytorch_lightning as pl``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(32, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        inputs, targets = batch
+        loss = F.mse_loss(self.layer(inputs), targets)
+        self.log("train_loss", loss, prog_bar=True)
+        self.value = loss.item()  # syncs: pl_item
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_pytorch_lightning_namespace_is_told_apart_from_the_users_code(tmp_path: Path) -> None:
+    guard = SyncGuard(mode="report", every_n_steps=1)
+    with testing.cpu_only():
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_epochs=1,
+            limit_train_batches=3,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=str(tmp_path),
+            callbacks=[guard],
+        )
+    trainer.fit(PLProgBar(), train_dataloaders=BoringDataModule().train_dataloader())
+    assert set(user_syncs(guard)) == {marked_line("pl_item")}
+    assert set(framework_syncs(guard)) == {"prog_bar_values"}  # not "lightning_fabric syncs in to_item"
+    assert "Keep it a tensor" not in framework_syncs(guard)["prog_bar_values"].fix
+
+
 # -- CUDA --------------------------------------------------------------------------------------
 
 
@@ -532,6 +576,79 @@ def test_cuda_syncs_include_what_only_the_debug_mode_sees(tmp_path: Path) -> Non
     assert found[marked_line("cuda_copy")].data["syncs"] == {"cuda": 3}
     assert "on a GPU" not in found[marked_line("cuda_item")].detail
     assert torch.cuda.get_sync_debug_mode() == 0
+
+
+ALLOCATOR_PATTERNS = {"alloc_retry", "sync_all_streams"}
+
+
+def allocator_findings(guard: SyncGuard) -> dict[str, Finding]:
+    return {f.data["pattern"]: f for f in guard.findings if f.data.get("pattern") in ALLOCATOR_PATTERNS}
+
+
+class CleanResNet(BoringModel):
+    """torchvision's ResNet-18 on random 32x32 images: a step with nothing in it that syncs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchvision.models import resnet18
+
+        self.net = resnet18(num_classes=2)
+
+    def _loss(self, batch: Any) -> Tensor:
+        inputs, targets = batch
+        images = inputs.reshape(-1, 2, 4, 4).repeat(1, 2, 8, 8)[:, :3]  # (N, 3, 32, 32)
+        return F.cross_entropy(self.net(images), targets.argmax(dim=1))
+
+
+@pytest.mark.gpu
+def test_cuda_clean_bf16_resnet_has_no_findings_in_user_code(tmp_path: Path) -> None:
+    guard = fit(CleanResNet(), tmp_path, accelerator="gpu", precision="bf16-mixed", limit_train_batches=6)
+    assert user_syncs(guard) == {}
+    assert allocator_findings(guard) == {}  # the H100's false WARN: counters read outside the watch
+    assert torch.cuda.get_sync_debug_mode() == 0
+
+
+class EmptiesTheCache(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        torch.cuda.empty_cache()  # syncs: cuda_empty_cache
+
+
+@pytest.mark.gpu
+def test_cuda_empty_cache_in_the_step_is_reported_once_at_its_line(tmp_path: Path) -> None:
+    guard = fit(EmptiesTheCache(), tmp_path, accelerator="gpu")
+    found = user_syncs(guard)
+    assert set(found) == {marked_line("cuda_empty_cache")}
+    assert found[marked_line("cuda_empty_cache")].data["syncs"] == {"empty_cache": 3}
+    assert allocator_findings(guard) == {}  # its stream sync is that finding, not another one
+
+
+class RetriesAllocations(OneSync):
+    """Caps the allocator 600 MiB above what it holds, frees a 400 MiB block to the cache, then
+    asks for 500 MiB: the cached block cannot serve it and a new one would pass the cap, so the
+    allocator syncs every stream, frees its cache and retries `cudaMalloc` (a real retry)."""
+
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        mib = 2**20
+        total = torch.cuda.get_device_properties(loss.device).total_memory
+        cap = torch.cuda.memory_reserved(loss.device) + 600 * mib
+        torch.cuda.set_per_process_memory_fraction(cap / total, loss.device)
+        try:
+            block = torch.empty(400 * mib, dtype=torch.uint8, device=loss.device)
+            del block
+            bigger = torch.empty(500 * mib, dtype=torch.uint8, device=loss.device)
+            del bigger
+        finally:
+            torch.cuda.set_per_process_memory_fraction(1.0, loss.device)
+
+
+@pytest.mark.gpu
+def test_cuda_allocation_retries_in_the_step_are_reported_from_the_counters(tmp_path: Path) -> None:
+    guard = fit(RetriesAllocations(), tmp_path, accelerator="gpu")
+    assert user_syncs(guard) == {}  # no sync at the Python API: only the allocator's counters know
+    found = allocator_findings(guard)
+    assert set(found) == ALLOCATOR_PATTERNS
+    assert found["alloc_retry"].data["count"] == found["alloc_retry"].data["checked_steps"] == 3
+    assert found["alloc_retry"].severity is Severity.WARN and found["alloc_retry"].fix
 
 
 class _Running:
@@ -557,3 +674,24 @@ def test_allocator_counters_count_only_while_the_watch_runs(monkeypatch: pytest.
     counters["num_sync_all_streams"] += 2  # two stream syncs inside the watched step
     assert watch.stop() == {"sync_all_streams": 2}
     assert watch.stop() == {}  # stopped: counts nothing more
+
+
+def test_a_reported_call_is_not_counted_again_as_the_allocators(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Simulated counters, as above: `empty_cache` syncs every stream (the counter moves), and the
+    # watch has already reported the call at the user's line; only the retry outside it counts.
+    from lightning_boost.tuning import sync_watch
+
+    counters = {"num_alloc_retries": 0, "num_sync_all_streams": 0}
+    monkeypatch.setattr(sync_watch, "_allocator_counters", lambda: dict(counters))
+    seen: list[str] = []
+    watch = sync_watch.SyncWatch(lambda pattern, frame: seen.append(pattern), cuda=True)
+    watch._counters = sync_watch._allocator_counters()
+    watch._mode = _Running()  # type: ignore[assignment]
+
+    def empty_cache() -> None:
+        counters["num_sync_all_streams"] += 1
+
+    watch.report("empty_cache", None, empty_cache, (), {})
+    counters["num_alloc_retries"] += 1  # an allocation retry in the step, outside any reported call
+    assert seen == ["empty_cache"]
+    assert watch.stop() == {"alloc_retry": 1}

@@ -67,7 +67,7 @@ def test_two_process_ddp_fit_keeps_ranks_identical(tmp_path: Path) -> None:
         callbacks=[_SaveWeights(tmp_path)],
     )
     trainer.fit(BoringModel(), datamodule=BoringDataModule())
-    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    rank0, rank1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1))
     assert rank0.keys() == rank1.keys()
     assert all(torch.equal(rank0[k], rank1[k]) for k in rank0)
     assert not torch.equal(rank0["layer.weight"], BoringModel().layer.weight.detach())

@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_boost._lightning import detached_copy
+from lightning_boost._lightning import call_step, detached_copy
 from lightning_boost.tuning.batch_size import Trial
 
 #: Timed steps per trial stop short of `steps` when they would take longer than this (seconds).
@@ -132,7 +132,7 @@ class StepProbe:
         with torch.enable_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # `self.log` on a copy without a trainer warns and returns
             with self.train_context():
-                output = clone.training_step(batch, 0)
+                output = call_step(clone, "training_step", batch)
             loss = output.get("loss") if isinstance(output, Mapping) else output
             if not isinstance(loss, Tensor):
                 raise TypeError(f"`training_step` returned {type(output).__name__}, expected a loss tensor.")
@@ -150,7 +150,7 @@ class StepProbe:
         begin = time.perf_counter()
         with torch.no_grad(), warnings.catch_warnings(), self.eval_context():
             warnings.simplefilter("ignore")
-            clone.validation_step(batch, 0)
+            call_step(clone, "validation_step", batch)
         _synchronize(self.device)
         return time.perf_counter() - begin
 

@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
 
-from lightning_boost._lightning import detached_copy
+from lightning_boost._lightning import call_step, detached_copy
 from lightning_boost.tuning.rng import preserved_rng
 
 
@@ -72,7 +72,7 @@ def _timed_step(clone: L.LightningModule, batch: Any) -> float:
 
 
 def _step(clone: L.LightningModule, batch: Any) -> None:
-    output = clone.training_step(batch, 0)
+    output = call_step(clone, "training_step", batch)
     loss = output.get("loss") if isinstance(output, Mapping) else output
     if isinstance(loss, Tensor) and loss.requires_grad:
         loss.backward()

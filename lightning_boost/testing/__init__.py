@@ -16,20 +16,21 @@ from the plugin: add ``pytest_plugins = ["lightning_boost.testing.pytest_plugin"
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.fabric.utilities.warnings import PossibleUserWarning
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-__all__ = ["BoringDataModule", "BoringModel", "RandomDataset", "marked_line", "tiny_trainer"]
+__all__ = ["BoringDataModule", "BoringModel", "RandomDataset", "cpu_only", "marked_line", "tiny_trainer"]
 
 
 def marked_line(file: str | Path, mark: str) -> str:
@@ -130,11 +131,25 @@ class BoringDataModule(L.LightningDataModule):
         return self._loader(seed=3)
 
 
+@contextlib.contextmanager
+def cpu_only() -> Iterator[None]:
+    """Build a Trainer that pins the CPU inside this block: on a machine with a GPU, Lightning's
+    "GPU available but not used" warning is not raised here (any other warning is).
+
+    A test that asks for the CPU means it; wrap where its Trainer is built (``tiny_trainer``
+    does, a `LightningCLI` with ``accelerator: cpu`` in its config needs it around the CLI).
+    """
+    with warnings.catch_warnings():
+        # by message: `pytorch_lightning` warns with `lightning_fabric`'s own PossibleUserWarning
+        warnings.filterwarnings("ignore", "GPU available but not used")
+        yield
+
+
 def tiny_trainer(root: str | Path, **overrides: Any) -> L.Trainer:
     """A CPU `Trainer` for tests: a few steps, a CSV logger, no progress bar or summary, under `root`.
 
     On a machine with a GPU, Lightning warns at construction that the GPU is not used; a test
-    that pins the CPU means it, so that one warning is not raised here (any other is).
+    that pins the CPU means it, so that one warning is not raised here (`cpu_only`).
     """
     options: dict[str, Any] = dict(
         accelerator="cpu",
@@ -149,7 +164,7 @@ def tiny_trainer(root: str | Path, **overrides: Any) -> L.Trainer:
         logger=CSVLogger(str(root), name="tiny"),
     )
     options.update(overrides)
-    with warnings.catch_warnings():
-        if options["accelerator"] == "cpu":
-            warnings.filterwarnings("ignore", "GPU available but not used", PossibleUserWarning)
+    if options["accelerator"] != "cpu":
+        return L.Trainer(**options)
+    with cpu_only():
         return L.Trainer(**options)

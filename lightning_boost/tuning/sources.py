@@ -106,7 +106,15 @@ def _sites(
     return sorted((sites or init_sites).values(), key=lambda s: (s.file, s.line))
 
 
-LIBRARIES = ("lightning", "torch", "torchmetrics", "torchvision", "lightning_boost", "pytorch_lightning")
+LIBRARIES = (
+    "lightning",
+    "torch",
+    "torchmetrics",
+    "torchvision",
+    "lightning_boost",
+    "pytorch_lightning",
+    "lightning_fabric",
+)
 
 
 def store_sites(cls: type, attribute: str, stop: tuple[str, ...] = LIBRARIES) -> list[Site]:

@@ -124,13 +124,21 @@ class SyncWatch:
         return ref is not None and ref() is value
 
     def report(self, pattern: str, frame: FrameType | None, func: Any, args: Any, kwargs: Any) -> Any:
-        """Tell `on_sync`, then make the call (the debug mode is quiet for it: already reported)."""
+        """Tell `on_sync`, then make the call (the debug mode is quiet for it: already reported).
+
+        What the call moves on the allocator's counters (``empty_cache`` syncs every stream) is
+        part of this report, so it is not counted again as the allocator's own.
+        """
         self.on_sync(pattern, frame)
         self._quiet += 1
+        before = _allocator_counters() if self._counters else None
         try:
             return func(*args, **kwargs)
         finally:
             self._quiet -= 1
+            if before is not None:
+                for key, value in _allocator_counters().items():
+                    self._counters[key] = self._counters.get(key, 0) + value - before[key]
 
     def start(self) -> None:
         if self.active:

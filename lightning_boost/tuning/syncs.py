@@ -502,8 +502,16 @@ class Attribution:
     framework: bool
 
 
+#: Lightning's standalone namespaces (``import pytorch_lightning as pl``) are Lightning too.
+LIGHTNING_ALIASES = {"pytorch_lightning": "lightning", "lightning_fabric": "lightning"}
+
+
 class Packages:
-    """Which installed package a source file belongs to (``None``: the user's own code)."""
+    """Which installed package a source file belongs to (``None``: the user's own code).
+
+    Lightning's code is ``"lightning"`` under either namespace: ``pytorch_lightning`` and
+    ``lightning_fabric`` (the standalone packages) are the same framework.
+    """
 
     def __init__(self, extra: Iterable[str] = ()) -> None:
         paths = sysconfig.get_paths()
@@ -514,6 +522,7 @@ class Packages:
             "lightning_boost",
             "lightning",
             "pytorch_lightning",
+            "lightning_fabric",
             "torchmetrics",
             "torchvision",
             "torch",
@@ -532,10 +541,11 @@ class Packages:
     def _package(self, file: str) -> str | None:
         for directory, name in self._known:
             if file.startswith(directory + os.sep):
-                return name
+                return LIGHTNING_ALIASES.get(name, name)
         for directory in self._site:
             if file.startswith(directory + os.sep):
-                return file[len(directory) + 1 :].split(os.sep)[0].removesuffix(".py")
+                name = file[len(directory) + 1 :].split(os.sep)[0].removesuffix(".py")
+                return LIGHTNING_ALIASES.get(name, name)
         if file.startswith(self._stdlib) or file.startswith("<"):
             return "python"
         return None
@@ -543,7 +553,7 @@ class Packages:
 
 def _is_loop(frame: Frame, package: str | None) -> bool:
     """Lightning's loops: the edge of the step (``trainer.fit`` and the user's script lie beyond)."""
-    return package in ("lightning", "pytorch_lightning") and "/loops/" in frame.file.replace(os.sep, "/")
+    return package == "lightning" and "/loops/" in frame.file.replace(os.sep, "/")
 
 
 def _is_data_loading(frame: Frame, package: str | None) -> bool:
@@ -581,9 +591,7 @@ def attribute(frames: Sequence[Frame], packages: Callable[[str], str | None]) ->
         elif site is None and library is None and pkg not in ("python",) and not _torch_api(frame, pkg):
             library, package = frame, pkg
     cause = CAUSES[min(causes)] if causes else None
-    framework = (
-        site is None or package in ("lightning", "pytorch_lightning") or bool(cause and cause.framework)
-    )
+    framework = site is None or package == "lightning" or bool(cause and cause.framework)
     return Attribution(site, hook, library, package, cause, framework)
 
 
@@ -672,7 +680,7 @@ class SyncGroup:
         parts = [f"{PATTERNS[p].what} ({n}x)" for p, n in self.counts.items()]
         text = "; ".join(parts) + f", over {steps} checked {self.phase} step(s)."
         a = self.attribution
-        if a.library is not None and a.package not in (None, "lightning", "pytorch_lightning"):
+        if a.library is not None and a.package not in (None, "lightning"):
             reason = f": {a.cause.title}" if a.cause else ""
             text += f" Inside {a.package} ({a.library.function} at {a.library.location}){reason}."
         if self.framework and a.site is not None:
