@@ -259,6 +259,21 @@ def test_validation_steps_are_checked_and_the_sanity_check_is_not(tmp_path: Path
     assert finding.data["syncs"] == {"item": 2} and guard.checked_steps == {"training": 3, "validation": 2}
 
 
+class StepLoggedInValidation(BoringModel):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_step_loss", self._loss(batch), on_step=True)
+
+
+def test_step_values_logged_in_validation_get_the_fix_that_works_there(tmp_path: Path) -> None:
+    logger = CSVLogger(str(tmp_path), name="validation")
+    guard = fit(StepLoggedInValidation(), tmp_path, limit_val_batches=4, log_every_n_steps=2, logger=logger)
+    (finding,) = framework_syncs(guard).values()
+    assert finding.data["cause"] == "logging" and finding.data["phase"] == "validation"
+    assert finding.data["syncs"] == {"item": 4}  # every validation step, whatever log_every_n_steps is
+    assert "on_step=True" in finding.title and "log_every_n_steps=" not in finding.fix
+    assert "on_step=False" in finding.fix and "torchmetrics" in finding.fix
+
+
 class GradNormItem(BoringModel):
     def on_before_optimizer_step(self, optimizer: Any) -> None:
         norm = torch.linalg.vector_norm(self.layer.weight.grad)
@@ -490,7 +505,7 @@ def test_ddp_framework_syncs_name_sigterm_and_sync_dist(tmp_path: Path) -> None:
     if broadcasts:
         # the flag is broadcast before each batch's hooks: the check of step k sees step k + 1's,
         # and nothing follows the last step
-        assert found["sigterm"]["data"]["syncs"] == {"collective": 2, "item": 2}
+        assert found["sigterm"]["data"]["syncs"] == {"h2d": 2, "collective": 2, "item": 2}
         assert found["sigterm"]["location"] is None and "no setting" in found["sigterm"]["fix"]
     assert found["sync_dist"]["location"] == marked_line("sync_dist")
     assert "on_epoch=True" in found["sync_dist"]["fix"]
@@ -515,6 +530,62 @@ def test_ddp_error_mode_stops_every_rank_when_one_syncs(tmp_path: Path) -> None:
     )
     with pytest.raises(Exception, match="SyncGuard"):  # re-raised from the spawned ranks
         trainer.fit(ItemOnRankOne(), datamodule=BoringDataModule())
+
+
+class HostToDevice(BoringModel):
+    """The three host-to-device copies a GPU run blocks on, each on its marked line."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        inputs, _ = batch
+        loss = self._loss(batch)
+        self.log("lr", 0.05)  # syncs: h2d_log
+        ones = torch.ones(inputs.shape[0], 1).type_as(inputs)  # syncs: h2d_type_as
+        weights = torch.tensor([1.0, 2.0]).to(inputs.device)  # syncs: h2d_to
+        on_device = torch.ones(2, device=inputs.device)  # made there: no copy
+        return loss + 0 * (ones.sum() + weights.sum() + on_device.sum())
+
+
+def test_host_to_device_copies_are_reported_with_their_direction_and_fix(tmp_path: Path) -> None:
+    found = user_syncs(fit(HostToDevice(), tmp_path))
+    assert set(found) == {marked_line("h2d_log"), marked_line("h2d_type_as"), marked_line("h2d_to")}
+    assert all(f.data["syncs"] == {"h2d": 3} for f in found.values())
+    assert all("host memory to the GPU" in f.detail for f in found.values())
+    assert found[marked_line("h2d_log")].data["cause"] == "log_number"
+    assert "Log the tensor itself" in found[marked_line("h2d_log")].fix
+    for tag in ("h2d_type_as", "h2d_to"):
+        fix = found[marked_line(tag)].fix
+        assert "device=x.device" in fix and "Keep it a tensor" not in fix
+
+
+class TwoAdams(BoringModel):
+    """Manual optimization with two Adam optimizers, as Lightning's GAN example; a class-weight
+    tensor made in ``__init__`` (not a buffer: a GPU run leaves it on the host)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.other = torch.nn.Linear(32, 2)
+        self.class_weights = torch.tensor([1.0, 3.0])
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        first, second = self.optimizers()  # type: ignore[misc]
+        for optimizer, layer in ((first, self.layer), (second, self.other)):
+            loss = F.mse_loss(layer(batch[0]), batch[1])
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+            self.log("loss", loss)
+        self.heavier = self.class_weights.max().item()  # on the host in a GPU run: no sync
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.layer.parameters()), torch.optim.Adam(self.other.parameters())
+
+
+def test_host_side_tensors_are_not_reported_adam_step_counters_included(tmp_path: Path) -> None:
+    # The false finding on Lightning's GAN example: "`opt_g.step()` syncs 16x per training step"
+    # (Adam reads its step counters, which stay on the host unless capturable or fused).
+    guard = fit(TwoAdams(), tmp_path, limit_train_batches=4, guard=SyncGuard(mode="report", every_n_steps=2))
+    assert user_syncs(guard) == {}
 
 
 class PLProgBar(pl.LightningModule):

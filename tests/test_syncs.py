@@ -217,10 +217,10 @@ def test_the_watch_records_while_active_and_restores_everything() -> None:
     seen: list[str] = []
     watch = SyncWatch(lambda pattern, frame: seen.append(pattern), cuda=False)
     synchronize = torch.cuda.synchronize
+    values = torch.arange(3.0)  # made before the watch: a GPU run's device tensor
     watch.start()
     watch.start()  # idempotent
     assert torch.cuda.synchronize is not synchronize
-    values = torch.arange(3.0)
     values.sum().item()
     host = values.cpu()
     host.tolist()  # a host copy: reading it does not sync on a GPU either
@@ -237,9 +237,10 @@ def test_a_raising_callback_stops_the_call_before_it_runs() -> None:
         raise RuntimeError(pattern)
 
     watch = SyncWatch(refuse, cuda=False)
+    loss = torch.ones(1)
     watch.start()
     try:
         with pytest.raises(RuntimeError, match="item"):
-            torch.ones(1).item()
+            loss.item()
     finally:
         watch.stop()

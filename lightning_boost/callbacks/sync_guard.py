@@ -11,6 +11,7 @@ from types import FrameType
 from typing import Any
 
 import lightning as L
+import torch
 from typing_extensions import override
 
 from lightning_boost._validation import check_sampling, unknown_choice_error
@@ -18,7 +19,7 @@ from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.report import Finding, Severity
 from lightning_boost.tuning.sampling import Sampler
 from lightning_boost.tuning.sources import Site
-from lightning_boost.tuning.sync_watch import SyncWatch
+from lightning_boost.tuning.sync_watch import SyncWatch, host_side
 from lightning_boost.tuning.syncs import (
     PATTERNS,
     Attribution,
@@ -183,6 +184,7 @@ class SyncGuard(BoostCallback):
         self.findings = []
         self._packages = Packages()
         self._watch = SyncWatch(self._on_sync, cuda=self._cuda)
+        self._mark_host_side(trainer, pl_module)
         if self.scope == "fit":
             self._watch.start()
 
@@ -191,6 +193,7 @@ class SyncGuard(BoostCallback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._close(trainer)
+        self._mark_host_side(trainer)
         self._begin("training")
 
     @override
@@ -235,6 +238,14 @@ class SyncGuard(BoostCallback):
         self._finish()
 
     # -- windows -------------------------------------------------------------------------------
+
+    def _mark_host_side(self, trainer: L.Trainer, module: torch.nn.Module | None = None) -> None:
+        """Model a GPU run on the CPU: what would stay on the host (optimizers make their step
+        counters at their first step, so they are looked for before each training step)."""
+        if self._watch is None or self._cuda:
+            return
+        for tensor in host_side(module or torch.nn.Module(), trainer.optimizers):
+            self._watch.mark_host(tensor)
 
     def _begin(self, phase: str) -> None:
         self._phase = phase

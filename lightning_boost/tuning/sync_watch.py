@@ -21,14 +21,15 @@ import re
 import sys
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import Any
 
 import torch
+from torch.optim import Optimizer
 from torch.overrides import TorchFunctionMode
 
-from lightning_boost.tuning.syncs import classify
+from lightning_boost.tuning.syncs import classify, host_copy, made_on_host
 
 #: ``(pattern, frame of the call)``; may raise to stop at the sync (error mode).
 OnSync = Callable[[str, FrameType | None], None]
@@ -70,12 +71,22 @@ class _Mode(TorchFunctionMode):
         self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
-        pattern = classify(func, args, kwargs, self.watch.cuda)
-        if pattern is None or self.watch.on_host(args[0]):
-            return func(*args, **kwargs)
-        result = self.watch.report(pattern, sys._getframe(1), func, args, kwargs)
-        if pattern in HOST_COPIES and isinstance(result, torch.Tensor):
-            self.watch.mark_host(result)
+        watch = self.watch
+        pattern = classify(func, args, kwargs, watch.cuda)
+        if pattern is not None and watch.on_host(args[0]):
+            pattern = None  # a read of a tensor the GPU run keeps on the host: no sync
+        if pattern is None:
+            pattern = host_copy(func, args, kwargs, watch.cuda, watch.on_host)
+        if pattern is None:
+            result = func(*args, **kwargs)
+        else:
+            result = watch.report(pattern, sys._getframe(1), func, args, kwargs)
+        if pattern in HOST_COPIES:
+            watch.mark_host(result)
+        elif pattern == "h2d":
+            watch.mark_device(result)  # on a CPU run `.to(device)` may return the very same tensor
+        elif pattern is None:
+            watch.follow(func, args, kwargs, result)
         return result
 
 
@@ -85,19 +96,24 @@ class SyncWatch:
     Args:
         on_sync: called with the `PATTERNS` name and the caller's frame of each sync.
         cuda: the run is on CUDA: only syncs involving CUDA tensors count, and the debug mode and
-            allocator counters are read. ``False`` models a GPU run on CPU tensors.
+            allocator counters are read. ``False`` models a GPU run on CPU tensors: a tensor is on
+            the GPU unless it was made on the host while watched (a factory told no device, or
+            ``"cpu"``; ops on such tensors alone; ``.cpu()`` copies) or marked with `mark_host`.
 
     Example:
         >>> import torch
         >>> seen = []
         >>> watch = SyncWatch(lambda pattern, frame: seen.append(pattern), cuda=False)
+        >>> batch = torch.ones(2)  # made before: as a batch, on the GPU in a GPU run
         >>> watch.start()
-        >>> loss = torch.ones(2).sum()
+        >>> loss = batch.sum()
         >>> value = loss.item()
+        >>> count = torch.zeros(()).add(1).item()  # made on the host in the step: no sync
+        >>> weights = torch.tensor([0.5, 2.0]).to(batch.device)  # copied to the GPU: a sync
         >>> watch.stop()
         {}
         >>> seen
-        ['item']
+        ['item', 'h2d']
     """
 
     def __init__(self, on_sync: OnSync, cuda: bool) -> None:
@@ -113,15 +129,36 @@ class SyncWatch:
     def active(self) -> bool:
         return self._mode is not None
 
-    def mark_host(self, tensor: torch.Tensor) -> None:
-        """Note that `tensor` is a copy on the host (on a CPU run, where devices cannot tell)."""
-        if not self.cuda:
+    def mark_host(self, tensor: object) -> None:
+        """Note that `tensor` stays on the host in a GPU run (on a CPU run, where devices cannot
+        tell): reading it does not sync, copying it to the device does. Marks last as long as the
+        tensor, across checked steps."""
+        if not self.cuda and isinstance(tensor, torch.Tensor):
             key = id(tensor)
             self._host[key] = weakref.ref(tensor, lambda _: self._host.pop(key, None))
+
+    def mark_device(self, tensor: object) -> None:
+        """Note that `tensor` is on the device now (copied there)."""
+        self._host.pop(id(tensor), None)
 
     def on_host(self, value: object) -> bool:
         ref = self._host.get(id(value))
         return ref is not None and ref() is value
+
+    def follow(self, func: Any, args: Any, kwargs: dict[str, Any], result: object) -> None:
+        """Model where `result` lives in a GPU run (CPU runs): a factory told no device makes it
+        on the host, and an op on host tensors alone keeps it there."""
+        if self.cuda or not isinstance(result, (torch.Tensor, tuple, list)):
+            return
+        if made_on_host(func, kwargs, cuda=False):
+            self.mark_host(result)
+            return
+        if not self._host:
+            return
+        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+        if inputs and all(self.on_host(t) for t in inputs):
+            for tensor in result if isinstance(result, (tuple, list)) else (result,):
+                self.mark_host(tensor)
 
     def report(self, pattern: str, frame: FrameType | None, func: Any, args: Any, kwargs: Any) -> Any:
         """Tell `on_sync`, then make the call (the debug mode is quiet for it: already reported).
@@ -171,7 +208,6 @@ class SyncWatch:
             self._undo.pop()()
         counts = self._counter_deltas() if self.cuda else {}
         self._counters = {}
-        self._host.clear()
         return counts
 
     def _patch(self, owner: Any, name: str, pattern: str) -> None:
@@ -223,6 +259,40 @@ class SyncWatch:
             for key in ALLOCATOR_COUNTERS
             if now.get(key, 0) > self._counters.get(key, 0)
         }
+
+
+def host_side(module: torch.nn.Module, optimizers: Iterable[Optimizer]) -> Iterator[torch.Tensor]:
+    """Tensors a GPU run keeps on the host, for `SyncWatch.mark_host` on a CPU run.
+
+    - A module's plain tensor attributes (``self.weights = torch.tensor(...)`` in ``__init__``):
+      moving a module moves its parameters and buffers only (a module with its own ``_apply``,
+      such as a torchmetrics metric, moves its state too and is skipped).
+    - Optimizers' ``step`` counters, which torch keeps on the host unless ``capturable`` or
+      ``fused`` (its Adam reads them with ``.item()`` in every step).
+
+    Example:
+        >>> import torch
+        >>> model = torch.nn.Linear(2, 1)
+        >>> model.scale = torch.tensor(2.0)
+        >>> adam = torch.optim.Adam(model.parameters())
+        >>> model(torch.ones(2)).sum().backward(); adam.step()
+        >>> [tuple(t.shape) for t in host_side(model, [adam])]
+        [(), (), ()]
+    """
+    for each in module.modules():
+        if type(each)._apply is not torch.nn.Module._apply:
+            continue
+        for value in vars(each).values():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                yield value
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            if group.get("capturable") or group.get("fused"):
+                continue
+            for parameter in group["params"]:
+                step = optimizer.state.get(parameter, {}).get("step")
+                if isinstance(step, torch.Tensor):
+                    yield step
 
 
 def _allocator_counters() -> dict[str, int]:

@@ -95,6 +95,14 @@ PATTERNS: dict[str, Pattern] = {
         ),
         Pattern("cpu", "`.cpu()` copies device memory to the host and waits for it", _HOST_ONCE),
         Pattern("to_cpu", "`.to('cpu')` copies device memory to the host and waits for it", _HOST_ONCE),
+        Pattern(
+            "h2d",
+            "A copy of host memory to the GPU (`torch.tensor(..., device=...)`, or `.to(device)`,"
+            " `.cuda()`, `.type_as(x)` of a tensor made on the host) waits for the GPU's queue",
+            "Make it on the device: `torch.ones(..., device=x.device)`, `x.new_tensor(...)`,"
+            " `x.new_ones(...)`; a constant belongs in `self.register_buffer(...)`, moved once with the"
+            " model; host data: `.pin_memory()` once, then `.to(device, non_blocking=True)`.",
+        ),
         Pattern("tolist", "`.tolist()` copies to the host and builds Python numbers", _HOST_ONCE),
         Pattern("numpy", "`.numpy()` needs the values on the host", _HOST_ONCE),
         Pattern(
@@ -277,6 +285,98 @@ def _rules() -> dict[Callable[..., Any], Rule]:
     return rules
 
 
+#: torch functions that make a tensor where `device=` says: on the host when it says nothing.
+FACTORIES = frozenset(
+    getattr(torch, name)
+    for name in (
+        "tensor",
+        "as_tensor",
+        "scalar_tensor",
+        "ones",
+        "zeros",
+        "empty",
+        "full",
+        "arange",
+        "linspace",
+        "logspace",
+        "eye",
+        "rand",
+        "randn",
+        "randint",
+        "randperm",
+    )
+)
+
+
+def device_side(device: object, cuda: bool) -> bool:
+    """Whether `device` (a ``device=`` argument) is the GPU in a GPU run.
+
+    On a CPU run a device *object* (``self.device``, ``x.device``) is the run's device, which a GPU
+    run points at the GPU; a string says what it means (``"cpu"`` stays on the host).
+    """
+    if device is None:
+        return False
+    if isinstance(device, str) or (cuda and isinstance(device, torch.device)):
+        return torch.device(device).type == "cuda"
+    return isinstance(device, (torch.device, int))
+
+
+def made_on_host(func: Callable[..., Any], kwargs: dict[str, Any], cuda: bool) -> bool:
+    """`func` is a factory (`FACTORIES`) told no device, or the host: its tensor stays on the host."""
+    return func in FACTORIES and not device_side(kwargs.get("device"), cuda)
+
+
+def host_copy(
+    func: Callable[..., Any],
+    args: Sequence[Any],
+    kwargs: dict[str, Any],
+    cuda: bool,
+    on_host: Callable[[object], bool],
+) -> str | None:
+    """``"h2d"`` when calling `func` copies host memory to the GPU (in a GPU run) and waits.
+
+    A copy with ``non_blocking=True`` does not wait (from pinned memory). `on_host` says which
+    tensors a CPU run's model of a GPU run keeps on the host (on CUDA the tensors say it).
+
+    Example:
+        >>> import torch
+        >>> made = set()
+        >>> host = lambda t: id(t) in made
+        >>> weights = torch.tensor([1.0, 2.0]); made.add(id(weights))
+        >>> x = torch.ones(2)  # a batch: on the GPU in a GPU run
+        >>> host_copy(torch.Tensor.to, (weights, x.device), {}, False, host)
+        'h2d'
+        >>> host_copy(torch.Tensor.type_as, (weights, x), {}, False, host)
+        'h2d'
+        >>> host_copy(torch.Tensor.to, (weights, x.device), {"non_blocking": True}, False, host) is None
+        True
+        >>> host_copy(torch.tensor, (0.1,), {"device": x.device}, False, host)  # self.log(name, 0.1)
+        'h2d'
+        >>> host_copy(torch.Tensor.to, (x, x.device), {}, False, host) is None  # already there
+        True
+    """
+    if func is torch.tensor or func is torch.as_tensor:
+        data = args[0] if args else kwargs.get("data")
+        from_host = not isinstance(data, Tensor) or (not data.is_cuda if cuda else on_host(data))
+        return "h2d" if from_host and device_side(kwargs.get("device"), cuda) else None
+    if func not in _COPIES or not args or not isinstance(args[0], Tensor):
+        return None
+    source = args[0]
+    if (source.is_cuda if cuda else not on_host(source)) or kwargs.get("non_blocking"):
+        return None
+    if any(a is True for a in args[1:]):  # non_blocking given by position
+        return None
+    if func is Tensor.cuda:
+        return "h2d"
+    target = args[1] if len(args) > 1 else kwargs.get("other", kwargs.get("device"))
+    if isinstance(target, Tensor):
+        return "h2d" if (target.is_cuda if cuda else not on_host(target)) else None
+    return "h2d" if device_side(target, cuda) else None
+
+
+_COPIES = frozenset({Tensor.to, Tensor.cuda, Tensor.type_as})
+
+
 def classify(
     func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any] | None, cuda: bool
 ) -> str | None:
@@ -338,6 +438,8 @@ class Cause:
         framework: whether it is the training framework's own sync (not the user's code).
         title: what it is.
         fix: the setting that removes it.
+        in_validation: ``(title, fix)`` where validation works otherwise, if it does.
+        reported: ``False`` for a one-time setup cost with nothing to change (not reported).
     """
 
     key: str
@@ -347,6 +449,14 @@ class Cause:
     framework: bool
     title: str
     fix: str
+    in_validation: tuple[str, str] | None = None
+    reported: bool = True
+
+    def says(self, phase: str) -> tuple[str, str]:
+        """``(title, fix)`` for a sync seen in `phase` (``"training"`` or ``"validation"``)."""
+        if phase == "validation" and self.in_validation is not None:
+            return self.in_validation
+        return self.title, self.fix
 
     def matches(self, frame: Frame, package: str | None) -> bool:
         return (
@@ -364,7 +474,8 @@ CAUSES: tuple[Cause, ...] = (
         "/loops/training_epoch_loop.py",
         ("_broadcast_sigterm_tensor",),
         True,
-        "DDP: Lightning broadcasts a SIGTERM flag before every training batch and reads it with `.item()`",
+        "DDP: Lightning copies a SIGTERM flag to the GPU, broadcasts it before every training batch"
+        " and reads it with `.item()`",
         "Lightning 2.6 has no setting for it; it is one one-element broadcast per batch, so larger"
         " batches (`AutoBatchSize`) make it rarer.",
     ),
@@ -396,6 +507,16 @@ CAUSES: tuple[Cause, ...] = (
         "The progress bar reads the `prog_bar=True` values again at each refresh",
         "Refresh less often (`TQDMProgressBar(refresh_rate=50)`, `RichProgressBar(refresh_rate=50)`),"
         " or `Trainer(enable_progress_bar=False)`; fewer `prog_bar=True` values.",
+    ),
+    Cause(
+        "lightning_moves",
+        "lightning",
+        "fabric/utilities/apply_func.py",
+        ("batch_to",),
+        True,
+        "Lightning moves batches and logged state to the GPU with `non_blocking=True`",
+        "Nothing to change here; pinned batches (`pin_memory=True`) make the copy truly asynchronous.",
+        reported=False,
     ),
     Cause(
         "prog_bar_values",
@@ -466,6 +587,17 @@ CAUSES: tuple[Cause, ...] = (
         "`error_if_nonfinite=False` (the default); Lightning's `gradient_clip_val` does not sync.",
     ),
     Cause(
+        "log_number",
+        "lightning",
+        "/core/module.py",
+        ("__to_tensor",),
+        False,
+        "`self.log(name, number)`: Lightning makes each Python number a tensor on the GPU, a blocking"
+        " copy at every call",
+        "Log the tensor itself (`self.log(name, loss)`, not `loss.item()` or a float); log a constant"
+        " once per epoch (`on_step=False, on_epoch=True`), and learning rates with `LearningRateMonitor`.",
+    ),
+    Cause(
         "logging",
         "lightning",
         "/logger_connector/logger_connector.py",
@@ -473,6 +605,13 @@ CAUSES: tuple[Cause, ...] = (
         True,
         "Logged values are read with `.item()` every `log_every_n_steps`",
         "`Trainer(log_every_n_steps=...)`: a larger interval means fewer reads.",
+        (
+            "Values logged with `on_step=True` in `validation_step` are read with `.item()` at every"
+            " validation step (`log_every_n_steps` does not apply to validation)",
+            "Log them per epoch: `self.log(name, value)` without `on_step=True` (validation's default"
+            " is `on_step=False, on_epoch=True`: one read per epoch), or update a torchmetrics metric"
+            " in the step and log the metric object.",
+        ),
     ),
 )
 
@@ -561,7 +700,8 @@ def _is_data_loading(frame: Frame, package: str | None) -> bool:
 
 
 def attribute(frames: Sequence[Frame], packages: Callable[[str], str | None]) -> Attribution | None:
-    """Read a sync's stack, innermost frame first; ``None`` when it belongs to data loading.
+    """Read a sync's stack, innermost frame first; ``None`` when it belongs to data loading or
+    to a cause not worth reporting (a one-time setup cost).
 
     The walk stops at Lightning's loops, so the user's script that called ``trainer.fit`` is never
     taken for the step's code. Data loading (``torch.utils.data``) runs on the host by design.
@@ -591,7 +731,9 @@ def attribute(frames: Sequence[Frame], packages: Callable[[str], str | None]) ->
         elif site is None and library is None and pkg not in ("python",) and not _torch_api(frame, pkg):
             library, package = frame, pkg
     cause = CAUSES[min(causes)] if causes else None
-    framework = site is None or package == "lightning" or bool(cause and cause.framework)
+    if cause is not None and not cause.reported:
+        return None
+    framework = site is None or (cause.framework if cause else package == "lightning")
     return Attribution(site, hook, library, package, cause, framework)
 
 
@@ -672,7 +814,7 @@ class SyncGroup:
         a = self.attribution
         if self.framework:
             where = f"{a.package} syncs in `{a.library.function}`" if a.library else "The framework syncs"
-            what = a.cause.title if a.cause else where
+            what = a.cause.says(self.phase)[0] if a.cause else where
             return f"{what} ({rate})"
         return f"`{self.code}` syncs {rate} in {a.hook}"
 
@@ -681,7 +823,7 @@ class SyncGroup:
         text = "; ".join(parts) + f", over {steps} checked {self.phase} step(s)."
         a = self.attribution
         if a.library is not None and a.package not in (None, "lightning"):
-            reason = f": {a.cause.title}" if a.cause else ""
+            reason = f": {a.cause.says(self.phase)[0]}" if a.cause else ""
             text += f" Inside {a.package} ({a.library.function} at {a.library.location}){reason}."
         if self.framework and a.site is not None:
             text += f" Called from `{self.code}` at {a.site.location}."
@@ -691,7 +833,7 @@ class SyncGroup:
 
     def fix(self) -> str:
         if self.attribution.cause is not None:
-            return self.attribution.cause.fix
+            return self.attribution.cause.says(self.phase)[1]
         return " ".join(dict.fromkeys(PATTERNS[p].fix for p in self.counts))
 
     def to_data(self, steps: int) -> dict[str, Any]:
