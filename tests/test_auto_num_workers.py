@@ -18,7 +18,7 @@ from lightning_boost import AutoNumWorkers, WorkerTuning
 from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
 from tests.test_datamodule import IndexDataset, SeenIndices
 
-FAST = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,))
+FAST = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,), skip_short_runs=False)
 
 
 def _stack(samples: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
@@ -152,3 +152,25 @@ def test_cpu_threads_follow_the_workers_and_come_back(tmp_path: Path) -> None:
     if workers and before > 1:
         assert probe.during == max(before - workers, 1)
     assert torch.get_num_threads() == before
+
+
+def test_loaders_too_small_to_pay_back_measuring_load_in_the_main_process(tmp_path: Path) -> None:
+    # 64 training and 16 validation samples over 2 epochs: loading them all takes less time than
+    # measuring one worker setting (a 128-image validation set once took 23 s to tune).
+    callback = AutoNumWorkers(WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,)))
+    trainer, _ = _fit(tmp_path, [callback])
+    choices = list(callback.worker_tuner.choices.values())
+    assert len(choices) == 2 and trainer.state.finished
+    assert all(c.source == "short run" and c.num_workers == 0 and len(c.trials) == 1 for c in choices)
+    assert all("a longer run measures" in f.detail for f in callback.findings if f.source == "AutoNumWorkers")
+    assert not (tmp_path / "lightning_boost_cache" / "workers.json").exists()  # not cached for long runs
+
+
+def test_the_run_workload_comes_from_the_trainer(tmp_path: Path) -> None:
+    from lightning_boost.data.tuner import workload
+
+    trainer = tiny_trainer(tmp_path, max_epochs=3, limit_train_batches=5, limit_val_batches=1.0)
+    assert workload(trainer, "train", IndexDataset(64), 8) == 3 * 5 * 8
+    assert workload(trainer, "val", IndexDataset(16), 4) == 3 * 16
+    unbounded = tiny_trainer(tmp_path, max_epochs=-1, max_steps=-1)
+    assert workload(unbounded, "train", IndexDataset(64), 8) is None  # unknown: measured

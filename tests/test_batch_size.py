@@ -81,8 +81,9 @@ def test_max_size_and_time_budget_bound_the_search() -> None:
     assert [t.size for t in trials] == [2, 4, 8, 16, 32, 64, 100]
     assert reason == "the size limit of 100"
     timed = Limits(max_size=4096, budget_bytes=80 * GIB, time_budget_s=3.0)
-    trials, reason = drive(gpu_like(10_000, 10_000), 2, timed)
-    assert [t.size for t in trials] == [2, 4, 8] and "time budget" in reason
+    trials, reason = drive(gpu_like(10_000, 10_000), 2, timed)  # 1 s per trial
+    assert [t.size for t in trials] == [2, 4] and "time budget" in reason  # 8 might take 2 s more
+    assert sum(t.seconds for t in trials) <= timed.time_budget_s
 
 
 def test_a_peak_that_grows_faster_than_projected_is_refined_as_before() -> None:

@@ -27,7 +27,7 @@ from lightning_boost.plots import INSTALL_HINT, write_plots
 from lightning_boost.report import AREAS, SCHEMA_VERSION, Finding, Severity, plot_data
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
 
-FAST = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,))
+FAST = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,), skip_short_runs=False)
 
 
 class Data(BoostedDataModule):

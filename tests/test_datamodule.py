@@ -20,7 +20,7 @@ from typing_extensions import override
 from lightning_boost import BoostedDataModule, BoostWarning, WorkerTuning
 from lightning_boost.testing import BoringModel, RandomDataset, cpu_only, tiny_trainer
 
-FAST = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,))
+FAST = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,), skip_short_runs=False)
 
 
 class IndexDataset(Dataset[tuple[Tensor, Tensor]]):
@@ -159,7 +159,9 @@ def test_a_gpu_run_holds_the_loader_to_the_steps_own_rate(
     from lightning_boost.hardware import EXAMPLES
 
     monkeypatch.setattr(tuner, "hardware_for", lambda trainer: EXAMPLES["h100"])
-    tuning = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,), max_workers=2)
+    tuning = WorkerTuning(
+        window_s=0.2, timeout_s=5.0, prefetch_factors=(2,), max_workers=2, skip_short_runs=False
+    )
     tuned = Indexed(batch_size=8, worker_tuning=tuning, retune=True)
     model = _fit(tmp_path, tuned, epochs=2)
     (choice,) = tuned.worker_tuner.choices.values()
@@ -177,7 +179,7 @@ def test_a_gpu_run_holds_the_loader_to_the_steps_own_rate(
 
 @pytest.mark.gpu
 def test_on_cuda_the_loader_is_held_to_the_steps_rate_in_its_precision(tmp_path: Path) -> None:
-    tuning = WorkerTuning(window_s=0.2, timeout_s=10.0, prefetch_factors=(2,))
+    tuning = WorkerTuning(window_s=0.2, timeout_s=10.0, prefetch_factors=(2,), skip_short_runs=False)
     tuned = Indexed(IndexDataset(4096), batch_size=64, worker_tuning=tuning, retune=True)
     _fit(tmp_path, tuned, accelerator="cuda", precision="bf16-mixed", limit_train_batches=4)
     (choice,) = tuned.worker_tuner.choices.values()
@@ -195,7 +197,7 @@ def test_on_cuda_the_loader_is_held_to_the_steps_rate_in_its_precision(tmp_path:
 def test_failing_workers_are_survived_with_a_fallback(
     tmp_path: Path, dataset: Dataset[Any], cause: str
 ) -> None:
-    tuning = WorkerTuning(window_s=0.2, timeout_s=2.0, prefetch_factors=(2,))
+    tuning = WorkerTuning(window_s=0.2, timeout_s=2.0, prefetch_factors=(2,), skip_short_runs=False)
     datamodule = Indexed(dataset, batch_size=8, worker_tuning=tuning)
     model = _fit(tmp_path, datamodule)
     assert len(model.seen) == 8  # the epoch ran, in the main process

@@ -191,7 +191,28 @@ def test_the_time_budget_bounds_the_search() -> None:
         measure, CPU16, WorkerTuning(budget_s=25, prefetch_factors=(2,)), lambda: next(ticks)
     )
     assert len(measure.calls) < len(worker_candidates(16))
-    assert any("tuning budget was spent" in note for note in choice.skipped)
+    assert any("tuning budget would be passed" in note for note in choice.skipped)
+
+
+def test_a_trial_that_would_end_past_the_budget_is_not_started() -> None:
+    now = [0.0]
+
+    def measure(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
+        now[0] += 8.0  # each trial takes 8 s
+        return WorkerTrial(num_workers, prefetch_factor, 100.0 * (num_workers + 1), 8.0, batch_bytes=MIB)
+
+    choice = search_workers(measure, CPU16, WorkerTuning(budget_s=20, prefetch_factors=(2,)), lambda: now[0])
+    assert [t.num_workers for t in choice.trials] == [0, 1]  # a third would end at 24 s
+    assert now[0] <= 20
+
+
+def test_a_run_too_short_to_pay_back_measuring_loads_in_the_main_process() -> None:
+    measure = ScriptedLoader({n: 100.0 * (n + 1) for n in range(17)})
+    choice = search_workers(measure, CPU16, WorkerTuning(prefetch_factors=(2,)), workload_samples=64)
+    assert measure.calls == [(0, None)] and choice.num_workers == 0 and choice.source == "short run"
+    assert "64 samples" in choice.reason  # 0.64 s of loading, less than one more 1 s trial
+    long_run = search_workers(measure, CPU16, WorkerTuning(prefetch_factors=(2,)), workload_samples=10**6)
+    assert long_run.num_workers > 0 and long_run.source == "measured"
 
 
 def _batches(seconds_per_batch: float, clock: list[float], batch: Any) -> Iterator[Any]:

@@ -20,7 +20,7 @@ from lightning_boost.data.loaders import (
     loader_batch_size,
     rebuild_loader,
 )
-from lightning_boost.data.tuner import WorkerTuner
+from lightning_boost.data.tuner import WorkerTuner, workload
 from lightning_boost.report import Finding, Severity
 from lightning_boost.tuning.workers import WorkerTuning
 
@@ -100,7 +100,8 @@ class AutoNumWorkers(BoostCallback):
             self._cannot(split, why_not or "no batch size")
             return loader
         settings = {name: getattr(loader, name, None) for name in MEASURED_SETTINGS}
-        choice = self.worker_tuner.choose(trainer, loader.dataset, batch_size, settings)
+        samples = workload(trainer, split, loader.dataset, batch_size)
+        choice = self.worker_tuner.choose(trainer, loader.dataset, batch_size, settings, samples)
         persistent = keep_workers_alive(choice.num_workers, loader.pin_memory, reload_every_n_epochs(trainer))
         return rebuild_loader(
             loader,

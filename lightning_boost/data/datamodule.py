@@ -17,7 +17,7 @@ from typing_extensions import override
 from lightning_boost._lightning import reload_every_n_epochs
 from lightning_boost._validation import unknown_choice_error
 from lightning_boost.data.loaders import keep_workers_alive
-from lightning_boost.data.tuner import WorkerTuner, hardware_for
+from lightning_boost.data.tuner import WorkerTuner, hardware_for, workload
 from lightning_boost.report import Finding
 from lightning_boost.tuning.workers import WorkerTuning
 
@@ -195,7 +195,9 @@ class BoostedDataModule(L.LightningDataModule):
         }
         workers, prefetch = self.num_workers, self.prefetch_factor
         if workers is None:
-            choice = self.worker_tuner.choose(trainer, tuning_dataset, self.batch_size, settings)
+            train = tuning_dataset is self.train_dataset
+            samples = workload(trainer, "train", tuning_dataset, self.batch_size) if train else None
+            choice = self.worker_tuner.choose(trainer, tuning_dataset, self.batch_size, settings, samples)
             workers, prefetch = choice.num_workers, prefetch or choice.prefetch_factor
         else:
             self.worker_tuner.apply_process_settings(hardware, workers)

@@ -39,7 +39,9 @@ from lightning_boost.tuning.workers import (
     compute_threads,
     measure_loader,
     model_threads,
+    not_worth_measuring,
     open_files_plan,
+    run_samples,
     search_workers,
     split_cpus,
     worker_candidates,
@@ -79,11 +81,18 @@ class WorkerTuner:
         self._threads_before: int | None = None
 
     def choose(
-        self, trainer: L.Trainer | None, dataset: Dataset[Any], batch_size: int, settings: Mapping[str, Any]
+        self,
+        trainer: L.Trainer | None,
+        dataset: Dataset[Any],
+        batch_size: int,
+        settings: Mapping[str, Any],
+        workload_samples: int | None = None,
     ) -> WorkerChoice:
         """The worker setting for `dataset` at `batch_size`, the same on every rank.
 
-        `settings` are the real loader's other arguments (collate function, pinning, ...).
+        `settings` are the real loader's other arguments (collate function, pinning, ...);
+        `workload_samples`, what the run will load from it, when known (`run_samples`): a run too
+        short for measuring to pay back loads in the main process, and that is not cached.
         """
         hardware = hardware_for(trainer)
         # the model's step is part of the decision: on a CPU it shares the CPUs with the workers,
@@ -98,7 +107,7 @@ class WorkerTuner:
         if choice is None:
             result: dict[str, Any] | None = None
             if trainer is None or trainer.is_global_zero:
-                result = self._decide(hardware, key, dataset, batch_size, settings, trainer)
+                result = self._decide(hardware, key, dataset, batch_size, settings, trainer, workload_samples)
             if trainer is not None:
                 result = trainer.strategy.broadcast(result, src=0)
             assert result is not None  # rank zero always decides; the others receive it
@@ -119,6 +128,7 @@ class WorkerTuner:
         batch_size: int,
         settings: Mapping[str, Any],
         trainer: L.Trainer | None,
+        workload_samples: int | None,
     ) -> dict[str, Any]:
         """Rank zero: the cached choice, else a measured one; never raises (the others are waiting)."""
         try:
@@ -130,8 +140,9 @@ class WorkerTuner:
                 cached = self._cached(path, key)
                 if cached is not None:
                     return cached.to_dict()
-            choice = self._measure(hardware, dataset, batch_size, settings, trainer)
-            cache.store_entry(path, key, {"choice": choice.to_dict()})
+            choice = self._measure(hardware, dataset, batch_size, settings, trainer, workload_samples)
+            if choice.source == "measured":  # a short run's shortcut would shortchange a long one
+                cache.store_entry(path, key, {"choice": choice.to_dict()})
             return choice.to_dict()
         except Exception as err:  # every rank waits on this one: fall back rather than hang them
             reason = f"tuning failed ({type(err).__name__}: {err})"
@@ -157,20 +168,16 @@ class WorkerTuner:
         batch_size: int,
         settings: Mapping[str, Any],
         trainer: L.Trainer | None,
+        workload_samples: int | None = None,
     ) -> WorkerChoice:
         make = measurement_loaders(dataset, batch_size, settings, self.tuning.timeout_s)
         module = trainer.lightning_module if trainer is not None else None
         tuning, consume, started = self.tuning, None, time.perf_counter()
         rates: dict[int, float] = {}
         skipped: list[str] = []
-        if trainer is not None and module is not None and hardware.accelerator != "cpu":
-            consume = device_transfer(trainer)
-            if tuning.target_samples_per_s is None:
-                with preserved_rng():
-                    rate = consumer_rate(trainer, module, consume(next(iter(make(0, None)))), batch_size)
-                tuning = dataclasses.replace(tuning, target_samples_per_s=rate)
-        elif module is not None:  # a CPU run: the model's step first, so hopeless counts are not timed
-            rates, tuning, skipped = self._model_first(module, make, batch_size, hardware.cpus_per_process)
+        gpu = trainer is not None and module is not None and hardware.accelerator != "cpu"
+        if gpu:
+            consume = device_transfer(trainer)  # type: ignore[arg-type]
 
         def measure(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
             window = tuning.window_s
@@ -179,7 +186,24 @@ class WorkerTuner:
             )
 
         with preserved_rng():
-            choice = search_workers(measure, hardware, tuning)
+            first = measure(0, None)  # before timing the model: a short run may need nothing more
+        if not (tuning.skip_short_runs and not_worth_measuring(first, workload_samples)):
+            if gpu and tuning.target_samples_per_s is None:
+                with preserved_rng():
+                    rate = consumer_rate(trainer, module, consume(next(iter(make(0, None)))), batch_size)  # type: ignore[arg-type, misc]
+                tuning = dataclasses.replace(tuning, target_samples_per_s=rate)
+            elif (
+                module is not None and not gpu
+            ):  # a CPU run: the model's step first (hopeless counts untimed)
+                rates, tuning, skipped = self._model_first(
+                    module, make, batch_size, hardware.cpus_per_process
+                )
+
+        def measure_once(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
+            return first if num_workers == 0 else measure(num_workers, prefetch_factor)
+
+        with preserved_rng():
+            choice = search_workers(measure_once, hardware, tuning, workload_samples=workload_samples)
         choice = choice.replace(
             seconds=time.perf_counter() - started,  # the step's timing included
             skipped=(*skipped, *choice.skipped),
@@ -314,6 +338,27 @@ def apply_open_files_plan(action: str, minimum: int) -> str:
     return "switched torch's tensor sharing strategy to 'file_system'"
 
 
+def workload(trainer: L.Trainer | None, split: str, dataset: Dataset[Any], batch_size: int) -> int | None:
+    """Samples the run will load from its `split` loader over `dataset` (`run_samples`); ``None``
+    when unknown (no trainer, no length, validation by steps)."""
+    try:
+        length = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    if trainer is None or split not in ("train", "val"):
+        return None
+    return run_samples(
+        split,
+        length,
+        batch_size,
+        trainer.limit_train_batches if split == "train" else trainer.limit_val_batches,
+        trainer.max_epochs,
+        trainer.max_steps,
+        trainer.accumulate_grad_batches,
+        trainer.check_val_every_n_epoch,
+    )
+
+
 def choice_findings(source: str, choice: WorkerChoice) -> list[Finding]:
     """The choice with its evidence, and one finding per candidate that failed."""
     label = f"num_workers={choice.num_workers}"
@@ -327,6 +372,8 @@ def choice_findings(source: str, choice: WorkerChoice) -> list[Finding]:
         "measured": f"Measured {measured}. Tuning took {choice.seconds:.1f} s.",
         "cache": "Reused the cached measurement (`retune=True` measures again).",
         "checkpoint": "Restored from the checkpoint; not measured again.",
+        "short run": f"Measured {measured}. Tuning took {choice.seconds:.1f} s; a longer run measures"
+        " worker counts.",
     }.get(choice.source, "")
     startups = [trial.startup_s for trial in choice.trials if trial.ok and trial.num_workers]
     if startups and choice.source == "measured":

@@ -61,7 +61,7 @@ class Limits:
         budget_bytes: peak memory a step may reach.
         tolerance: sizes within this fraction of the best throughput count as equally fast.
         patience: stop growing after this many doublings in a row gain less than `tolerance`.
-        time_budget_s: stop starting new trials once the trials so far took this long.
+        time_budget_s: no trial starts that would end past this many seconds of trials.
     """
 
     max_size: int
@@ -87,13 +87,34 @@ def merge(size: int, per_rank: Sequence[Trial]) -> Trial:
 def next_size(trials: Sequence[Trial], start: int, limits: Limits) -> tuple[int | None, str]:
     """The next size to measure, or ``(None, why the search stopped)``.
 
+    A size whose trial would end past the time budget is not measured. Its time is bounded by
+    the nearest smaller trial's, scaled by the sizes' ratio (a trial's fixed costs do not grow
+    with the batch, so this overestimates rather than overruns).
+
     Example:
         >>> limits = Limits(max_size=64, budget_bytes=100)
         >>> next_size([Trial(8, 80.0, 10)], 8, limits)
         (16, '')
         >>> next_size([Trial(8, 0.0, None, oom=True)], 8, limits)
         (4, '')
+        >>> next_size([Trial(8, 80.0, 10, seconds=40.0)], 8, Limits(64, 100, time_budget_s=60.0))
+        (None, 'the time budget of 60 s (16 would take about 80 s more)')
     """
+    size, why = _next_size(trials, start, limits)
+    if size is None or not trials:
+        return size, why
+    spent = sum(t.seconds for t in trials)
+    ran = [t for t in trials if not t.oom] or list(trials)
+    below = [t for t in ran if t.size <= size]
+    nearest = max(below, key=lambda t: t.size) if below else min(ran, key=lambda t: t.size)
+    expected = nearest.seconds * max(size / nearest.size, 1.0)
+    if spent + expected > limits.time_budget_s:
+        more = f"{size} would take about {expected:.2g} s more"
+        return None, f"the time budget of {limits.time_budget_s:g} s ({more})"
+    return size, why
+
+
+def _next_size(trials: Sequence[Trial], start: int, limits: Limits) -> tuple[int | None, str]:
     if not trials:
         return min(start, limits.max_size), ""
     if sum(t.seconds for t in trials) >= limits.time_budget_s:

@@ -62,6 +62,9 @@ class WorkerTuning:
             it: covers timing noise and the workers' share of the training process's CPU.
         ram_fraction: share of available RAM that prefetched batches may hold.
         shm_fraction: share of ``/dev/shm`` that prefetched batches may hold.
+        skip_short_runs: load in the main process, after one measurement, when the run is too
+            short for worker tuning to pay back (`not_worth_measuring`); ``False`` measures anyway
+            (to cache the result for a longer run).
 
     Raises:
         ValueError: for a non-positive time, a fraction outside (0, 1], or a prefetch factor < 1.
@@ -81,6 +84,7 @@ class WorkerTuning:
     feed_margin: float = 0.25
     ram_fraction: float = 0.25
     shm_fraction: float = 0.5
+    skip_short_runs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("window_s", "budget_s", "timeout_s"):
@@ -96,6 +100,8 @@ class WorkerTuning:
         if not factors or any(not isinstance(f, int) or f < 1 for f in factors):
             raise ValueError(f"`prefetch_factors` expected integers >= 1, e.g. (2, 4), got {factors}.")
         object.__setattr__(self, "prefetch_factors", factors)
+        if not isinstance(self.skip_short_runs, bool):
+            raise TypeError(f"`skip_short_runs` expected True or False, got {self.skip_short_runs!r}.")
         if self.target_samples_per_s is not None and not self.target_samples_per_s > 0:
             raise ValueError(f"`target_samples_per_s` expected None or > 0, got {self.target_samples_per_s}.")
 
@@ -308,12 +314,87 @@ def choose_worker_trial(
     )
 
 
+def run_samples(
+    split: str,
+    samples_per_pass: int,
+    batch_size: int,
+    limit_batches: int | float,
+    max_epochs: int | None,
+    max_steps: int = -1,
+    accumulate: int = 1,
+    val_every_n_epochs: int | None = 1,
+) -> int | None:
+    """Samples a run loads from its ``"train"`` or ``"val"`` loader; ``None`` when unbounded.
+
+    The arguments are the Trainer's (``limit_<split>_batches``, ``max_epochs``, ``max_steps``,
+    ``accumulate_grad_batches``, ``check_val_every_n_epoch``).
+
+    Example:
+        >>> run_samples("val", 128, 32, 1.0, max_epochs=3)  # 4 batches, validated after each epoch
+        384
+        >>> run_samples("train", 50_000, 100, 10, max_epochs=2)  # limit_train_batches=10
+        2000
+        >>> run_samples("train", 50_000, 100, 1.0, max_epochs=-1, max_steps=300, accumulate=2)
+        60000
+        >>> run_samples("val", 128, 32, 1.0, max_epochs=-1, max_steps=100) is None  # by steps: unknown
+        True
+    """
+    batches = -(-samples_per_pass // batch_size)
+    batches = (
+        int(batches * limit_batches) if isinstance(limit_batches, float) else min(batches, limit_batches)
+    )
+    epochs = max_epochs if max_epochs is not None and max_epochs >= 0 else None
+    if split == "val":
+        if epochs is None or not val_every_n_epochs:
+            return None
+        return batches * batch_size * max(epochs // val_every_n_epochs, 1)
+    bounds = []  # in batches: the epochs', the optimizer steps'
+    if epochs is not None:
+        bounds.append(epochs * batches)
+    if max_steps >= 0:
+        bounds.append(max_steps * accumulate)
+    return min(bounds) * batch_size if bounds else None
+
+
+def not_worth_measuring(first: WorkerTrial, workload_samples: int | None) -> str | None:
+    """Why measuring worker settings cannot pay back, or ``None`` when it may.
+
+    Workers can save at most the time the run spends loading in the main process; when that is
+    less than one more trial takes (at least as long as the first, without worker start-up),
+    the run is faster without measuring (a small validation set, a few-batch job).
+
+    Example:
+        >>> first = WorkerTrial(0, None, samples_per_s=1000.0, seconds=0.6)
+        >>> print(not_worth_measuring(first, 128))
+        the run loads 128 samples from it, about 0.13 s in the main process,
+        less than one more measurement takes (~0.6 s)
+        >>> not_worth_measuring(first, 50_000) is None  # 50 s of loading: worth measuring
+        True
+    """
+    if workload_samples is None or not first.ok or first.samples_per_s <= 0:
+        return None
+    loading_s = workload_samples / first.samples_per_s
+    if loading_s > first.seconds:
+        return None
+    return (
+        f"the run loads {workload_samples} samples from it, about {loading_s:.2g} s in the main process,"
+        f" less than one more measurement takes (~{first.seconds:.2g} s)"
+    )
+
+
 def search_workers(
-    measure: Measure, hardware: HardwareInfo, tuning: WorkerTuning, clock: Clock = time.perf_counter
+    measure: Measure,
+    hardware: HardwareInfo,
+    tuning: WorkerTuning,
+    clock: Clock = time.perf_counter,
+    workload_samples: int | None = None,
 ) -> WorkerChoice:
     """Measure the candidates the run needs (see the module's docstring) and return the choice.
 
-    Falls back to ``num_workers=0`` and says why when every candidate with workers failed.
+    Falls back to ``num_workers=0`` and says why when every candidate with workers failed. With
+    `workload_samples` (what the run will load from this loader) a run too short for workers to
+    pay back their measurement stops after the first trial (`not_worth_measuring`). A trial that
+    would end past ``budget_s`` (as long as the last one took) is not started.
 
     Example:
         >>> from lightning_boost.hardware import EXAMPLES
@@ -327,13 +408,18 @@ def search_workers(
     start = clock()
     factor = tuning.prefetch_factors[0]
     trials = [measure(0, None)]
+    short = not_worth_measuring(trials[0], workload_samples) if tuning.skip_short_runs else None
+    if short is not None:
+        return WorkerChoice(
+            0, None, f"no workers: {short}", tuple(trials), (), clock() - start, source="short run"
+        )
     limit, notes = worker_limit(hardware, trials[0].batch_bytes, factor, tuning)
     skipped = [f"more than {limit} workers ({'; '.join(notes)})"]
 
     def measured(count: int) -> WorkerTrial | None:
-        """Measure `count` workers unless the time budget is spent (then note it)."""
-        if clock() - start > tuning.budget_s:
-            skipped.append(f"{count} workers: the {tuning.budget_s:.0f} s tuning budget was spent")
+        """Measure `count` workers unless that would pass the time budget (then note it)."""
+        if clock() - start + trials[-1].seconds > tuning.budget_s:
+            skipped.append(f"{count} workers: the {tuning.budget_s:.0f} s tuning budget would be passed")
             return None
         trials.append(measure(count, factor))
         return trials[-1]
