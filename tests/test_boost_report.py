@@ -131,12 +131,20 @@ def test_options_turn_parts_off(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "lightning-boost report" not in capsys.readouterr().out
 
 
-def test_dirpath_and_no_logger(tmp_path: Path) -> None:
+def test_dirpath_and_no_logger(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")  # where a run without a logger used to leave its files
     target = tmp_path / "reports"
     trainer = tiny_trainer(tmp_path, logger=False, callbacks=[BoostReport(console=False, dirpath=target)])
     trainer.fit(BoringModel(), datamodule=BoringDataModule())
     assert (target / "boost_report.json").exists() and (target / "boost_report.md").exists()
-    trainer = tiny_trainer(tmp_path / "root", logger=False, callbacks=[BoostReport(console=False)])
+    quiet = BoostReport(console=False)
+    trainer = tiny_trainer(tmp_path / "quiet", logger=False, callbacks=[quiet])
+    trainer.fit(BoringModel(), datamodule=BoringDataModule())
+    assert quiet.report is not None and quiet.paths == []  # no logger, not asked: no file anywhere
+    assert not list(tmp_path.glob("quiet/**/boost_*")) and not list(Path.cwd().iterdir())
+    asked = BoostReport(console=False, files=True)
+    trainer = tiny_trainer(tmp_path / "root", logger=False, callbacks=[asked])
     trainer.fit(BoringModel(), datamodule=BoringDataModule())
     assert (tmp_path / "root" / "boost_report.json").exists()  # default_root_dir without a logger
 

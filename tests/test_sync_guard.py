@@ -21,7 +21,7 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAccuracy
 
-from lightning_boost import BoostWarning, Finding, Severity, SyncError, SyncGuard, testing
+from lightning_boost import BoostReport, BoostWarning, Finding, Severity, SyncError, SyncGuard, testing
 from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
 
 THIS_FILE = str(Path(__file__).resolve())
@@ -490,7 +490,7 @@ def test_ddp_framework_syncs_name_sigterm_and_sync_dist(tmp_path: Path) -> None:
         tmp_path,
         devices=2,
         strategy="ddp_spawn",
-        callbacks=[SyncGuard(mode="report", every_n_steps=1)],
+        callbacks=[SyncGuard(mode="report", every_n_steps=1), BoostReport(console=False, files=True)],
         limit_train_batches=3,
         limit_val_batches=0,
         logger=False,

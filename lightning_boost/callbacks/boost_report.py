@@ -31,7 +31,8 @@ class BoostReport(L.Callback):
       syncs, retained graphs, step time), each row with what was found, its cost where measured
       and the fix;
     - ``boost_report.json`` (schema in the README), ``boost_report.md`` and PNG plots
-      (``boost_<name>.png``, with matplotlib) in the run's log directory;
+      (``boost_<name>.png``, with matplotlib) in the run's log directory, when it has a logger
+      (with ``logger=False`` nothing is written unless asked: `files` or `dirpath`);
     - when training starts, the values the run was tuned to (batch size, workers, precision,
       strategy flags) logged as hyperparameters, prefixed ``boost/``, to every logger.
 
@@ -43,10 +44,12 @@ class BoostReport(L.Callback):
 
     Args:
         console: print the table at the end of fit.
-        files: write the JSON, Markdown and plot files.
+        files: write the JSON, Markdown and plot files: ``None`` (default) where the run keeps
+            its logs (its first logger's directory; none without a logger), ``True`` also
+            without a logger (in ``default_root_dir``), ``False`` never.
         plots: draw the PNG plots (needs matplotlib: ``pip install 'lightning-boost[plots]'``).
         log_hyperparams: log tuned values to the loggers.
-        dirpath: write files here instead of the trainer's log directory.
+        dirpath: write files here instead of the trainer's log directory (with or without a logger).
 
     Example::
 
@@ -57,15 +60,17 @@ class BoostReport(L.Callback):
         self,
         *,
         console: bool = True,
-        files: bool = True,
+        files: bool | None = None,
         plots: bool = True,
         log_hyperparams: bool = True,
         dirpath: str | Path | None = None,
     ) -> None:
-        flags = {"console": console, "files": files, "plots": plots, "log_hyperparams": log_hyperparams}
+        flags = {"console": console, "plots": plots, "log_hyperparams": log_hyperparams}
         for name, value in flags.items():
             if not isinstance(value, bool):
                 raise TypeError(f"`{name}` expected True or False, got {value!r}.")
+        if files is not None and not isinstance(files, bool):
+            raise TypeError(f"`files` expected True, False or None (where the run logs), got {files!r}.")
         if dirpath is not None and not isinstance(dirpath, (str, Path)):
             raise TypeError(f"`dirpath` expected a path or None, got {type(dirpath).__name__}.")
         self.console = console
@@ -105,8 +110,8 @@ class BoostReport(L.Callback):
             return
         report = collect_report(trainer)
         self.report, self.paths = report, []
-        directory = Path(self.dirpath) if self.dirpath is not None else log_dir(trainer)
-        if self.files and self.plots:
+        directory = self._directory(trainer)
+        if directory is not None and self.plots:
             try:
                 plots = write_plots(report.findings, directory)
             except ModuleNotFoundError:
@@ -114,8 +119,18 @@ class BoostReport(L.Callback):
             else:
                 report.plots = [path.name for path in plots]
                 self.paths += plots
-        if self.files:
+        if directory is not None:
             self.paths = list(report.write(directory)) + self.paths
+
+    def _directory(self, trainer: L.Trainer) -> Path | None:
+        """Where the files go, or ``None`` for none: a run without a logger writes nothing unasked."""
+        if self.files is False:
+            return None
+        if self.dirpath is not None:
+            return Path(self.dirpath)
+        if trainer.loggers or self.files:
+            return log_dir(trainer)
+        return None
 
 
 def attach_report(trainer: L.Trainer) -> None:
