@@ -1,24 +1,38 @@
-"""lightning-boost: fast PyTorch Lightning training without becoming a performance engineer."""
+"""lightning-boost: fast PyTorch Lightning training without becoming a performance engineer.
 
-from lightning_boost.callbacks import (
-    AutoBatchSize,
-    AutoNumWorkers,
-    BoostReport,
-    LossLoggingGuard,
-    RetainedGraphError,
-    StepTimeMonitor,
-    SyncError,
-    SyncGuard,
-    boost_callbacks,
-)
-from lightning_boost.data import BoostedDataModule
-from lightning_boost.hardware import HardwareInfo
-from lightning_boost.precision import auto_precision
-from lightning_boost.presets import preset, presets
-from lightning_boost.report import BoostWarning, Finding, Report, Severity
-from lightning_boost.tuning.workers import WorkerTuning
+The public names load on first use (PEP 562), so ``import lightning_boost`` and the
+``lightning-boost`` command start without importing torch and Lightning.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0.dev0"
+
+#: Public name -> the module that defines it.
+_EXPORTS = {
+    "AutoBatchSize": "lightning_boost.callbacks",
+    "AutoNumWorkers": "lightning_boost.callbacks",
+    "BoostReport": "lightning_boost.callbacks",
+    "LossLoggingGuard": "lightning_boost.callbacks",
+    "RetainedGraphError": "lightning_boost.callbacks",
+    "StepTimeMonitor": "lightning_boost.callbacks",
+    "SyncError": "lightning_boost.callbacks",
+    "SyncGuard": "lightning_boost.callbacks",
+    "boost_callbacks": "lightning_boost.callbacks",
+    "BoostedDataModule": "lightning_boost.data",
+    "HardwareInfo": "lightning_boost.hardware",
+    "auto_precision": "lightning_boost.precision",
+    "preset": "lightning_boost.presets",
+    "presets": "lightning_boost.presets",
+    "BoostWarning": "lightning_boost.report",
+    "Finding": "lightning_boost.report",
+    "Report": "lightning_boost.report",
+    "Severity": "lightning_boost.report",
+    "WorkerTuning": "lightning_boost.tuning.workers",
+}
 
 __all__ = [
     "AutoBatchSize",
@@ -42,3 +56,36 @@ __all__ = [
     "preset",
     "presets",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_boost' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # the names as type checkers and IDEs see them
+    from lightning_boost.callbacks import (
+        AutoBatchSize,
+        AutoNumWorkers,
+        BoostReport,
+        LossLoggingGuard,
+        RetainedGraphError,
+        StepTimeMonitor,
+        SyncError,
+        SyncGuard,
+        boost_callbacks,
+    )
+    from lightning_boost.data import BoostedDataModule
+    from lightning_boost.hardware import HardwareInfo
+    from lightning_boost.precision import auto_precision
+    from lightning_boost.presets import preset, presets
+    from lightning_boost.report import BoostWarning, Finding, Report, Severity
+    from lightning_boost.tuning.workers import WorkerTuning

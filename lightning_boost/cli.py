@@ -6,14 +6,19 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from lightning_boost.report import Report, Severity
+from lightning_boost import __version__
+
+if TYPE_CHECKING:
+    from lightning_boost.report import Report
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lightning-boost", description="Fast PyTorch Lightning training, measured."
     )
+    parser.add_argument("--version", action="version", version=f"lightning-boost {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     doctor = commands.add_parser("doctor", help="check this machine before training")
     doctor.add_argument("--json", action="store_true", help="print machine-readable JSON")
@@ -30,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _print_report(report: Report, title: str) -> None:
     from rich.console import Console
+
+    from lightning_boost.report import Severity
 
     console = Console()
     console.print(report.table(title=title))
@@ -51,19 +58,30 @@ def _print_side_by_side(rows: list[tuple[str, str, str]], report: object) -> Non
 
 def doctor(as_json: bool) -> int:
     """Run the checks on the real machine; exit status 1 when any check FAILs."""
-    from lightning_boost.doctor import run_checks
+    from lightning_boost.doctor import run_checks, versions
     from lightning_boost.hardware import HardwareInfo
+    from lightning_boost.report import Severity
 
     hardware = HardwareInfo.detect()
     report = run_checks(hardware)
     if as_json:
-        print(json.dumps({"hardware": hardware.to_dict(), **report.to_dict()}, indent=2))
+        print(
+            json.dumps({"versions": versions(), "hardware": hardware.to_dict(), **report.to_dict()}, indent=2)
+        )
     else:
         _print_report(report, "lightning-boost doctor")
     return 1 if report.worst is Severity.ERROR else 0
 
 
+DEMO_INSTALL = "pip install 'lightning-boost[demo]'  (or: pip install torchvision)"
+
+
 def demo(args: argparse.Namespace) -> int:
+    try:
+        import torchvision  # noqa: F401
+    except ModuleNotFoundError:
+        print(f"The demo trains torchvision's ResNet-18, and torchvision is not installed: {DEMO_INSTALL}")
+        return 2
     from lightning_boost.demo import run_demo, side_by_side
 
     plain, boosted = run_demo(  # the boosted fit's report prints its own table first

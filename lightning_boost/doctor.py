@@ -6,6 +6,7 @@ made-up hardware. `run_checks` runs them all; a finding of severity ``error`` is
 
 from __future__ import annotations
 
+import platform
 from collections.abc import Callable
 
 from lightning_boost.hardware import GIB, MIB, HardwareInfo
@@ -240,6 +241,29 @@ CHECKS: tuple[Check, ...] = (
     check_open_files,
     check_distributed,
 )
+
+
+def versions() -> dict[str, str]:
+    """What a bug report needs: Python, the OS, and the versions of the packages that train.
+
+    Example:
+        >>> sorted(versions())
+        ['lightning', 'lightning_boost', 'os', 'python', 'torch', 'torchmetrics']
+    """
+    import lightning
+    import torch
+    import torchmetrics
+
+    from lightning_boost import __version__
+
+    return {
+        "python": platform.python_version(),
+        "os": platform.platform(),
+        "torch": torch.__version__,
+        "lightning": lightning.__version__,
+        "torchmetrics": torchmetrics.__version__,
+        "lightning_boost": __version__,
+    }
 
 
 def run_checks(hw: HardwareInfo) -> Report:

@@ -158,6 +158,35 @@ def test_cli_json_parses_and_exit_status(capsys: pytest.CaptureFixture[str]) -> 
     assert data["schema_version"] == 1
     assert data["hardware"]["cpus_available"] >= 1
     assert {f["area"] for f in data["findings"]} >= {"environment", "data"}
+    import platform
+
+    import lightning
+
+    assert data["versions"]["python"] == platform.python_version()
+    assert data["versions"]["lightning"] == lightning.__version__ and data["versions"]["os"]
+
+
+def test_cli_version(capsys: pytest.CaptureFixture[str]) -> None:
+    from lightning_boost import __version__
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0 and capsys.readouterr().out.strip() == f"lightning-boost {__version__}"
+
+
+def test_the_package_and_its_command_start_without_torch() -> None:
+    # `lightning-boost --help` took 5.7 s importing torch and Lightning it did not need.
+    code = (
+        "import sys, lightning_boost, lightning_boost.cli;"
+        "assert 'torch' not in sys.modules and 'lightning' not in sys.modules, 'imported eagerly';"
+        "from lightning_boost import SyncGuard, __all__;"
+        "import lightning_boost as lb;"
+        "assert all(getattr(lb, name) is not None for name in __all__)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
 
 
 def test_cli_exits_1_on_fail(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
@@ -179,3 +208,11 @@ def test_python_m_entry_point() -> None:
     )
     assert result.returncode in (0, 1), result.stderr
     assert json.loads(result.stdout)["hardware"]["torch_version"]
+
+
+def test_the_demo_says_how_to_get_torchvision(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "torchvision", None)  # as if not installed: only the demo needs it
+    assert cli.main(["demo"]) == 2
+    assert "pip install 'lightning-boost[demo]'" in capsys.readouterr().out
