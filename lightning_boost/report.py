@@ -196,6 +196,7 @@ class Report:
 
     def table(self, title: str = "lightning-boost") -> Any:
         """A `rich.table.Table` of the findings, grouped by area (rich ships with Lightning)."""
+        from rich.markup import escape
         from rich.table import Table
 
         table = Table(title=title, show_lines=False, expand=False)
@@ -208,10 +209,12 @@ class Report:
         styles = {Severity.INFO: "green", Severity.WARN: "yellow", Severity.ERROR: "bold red"}
         for area, found in self.by_area():
             for index, f in enumerate(found):
-                what = f.title + (f"\n[dim]{f.detail}[/dim]" if f.detail else "")
-                what += f"\n[dim]at {f.location}[/dim]" if f.location else ""
+                # the findings' own text is plain: `[plots]` in a fix is not rich markup
+                what = escape(f.title) + (f"\n[dim]{escape(f.detail)}[/dim]" if f.detail else "")
+                what += f"\n[dim]at {escape(f.location)}[/dim]" if f.location else ""
                 label = f"[{styles[f.severity]}]{f.severity.label}[/]"
-                cells = [area if index == 0 else "", label, what] + [getattr(f, name) for name in optional]
+                texts = [escape(getattr(f, name)) for name in optional]
+                cells = [area if index == 0 else "", label, what, *texts]
                 table.add_row(*cells)
         return table
 

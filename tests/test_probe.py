@@ -128,3 +128,24 @@ def _two_cpus() -> Any:
     from lightning_boost.hardware import HardwareInfo
 
     return HardwareInfo.example("cpu").replace(cpus_available=2)
+
+
+def _process_settings() -> tuple[Any, str]:
+    import resource
+
+    return resource.getrlimit(resource.RLIMIT_NOFILE), torch.multiprocessing.get_sharing_strategy()
+
+
+@pytest.mark.parametrize("hard", [1 << 20, 1024], ids=["raise_limit", "file_system"])
+def test_process_settings_changed_by_tuning_are_put_back_at_teardown(hard: int) -> None:
+    # Simulated: a machine whose open-file limit is 1024 (this one's is higher); the change the
+    # plan makes is real, to this process, and must not outlive the run.
+    from lightning_boost.hardware import EXAMPLES
+
+    before = _process_settings()
+    box = EXAMPLES["cpu"].replace(open_files_limit=1024, open_files_hard_limit=min(hard, before[0][1]))
+    worker_tuner = tuner.WorkerTuner("test", WorkerTuning(), None, retune=False)
+    worker_tuner.apply_process_settings(box, num_workers=4)
+    assert _process_settings() != before and worker_tuner.findings
+    worker_tuner.restore()
+    assert _process_settings() == before

@@ -94,6 +94,18 @@ def test_table_renders_every_finding() -> None:
         assert word in text
 
 
+def test_table_shows_brackets_in_findings_as_text() -> None:
+    report = Report()
+    fix = "pip install 'lightning-boost[plots]'"
+    title = "plots need matplotlib [dim]"
+    report.add([Finding("BoostReport", "environment", "info", title, "x[0] > 1", fix)])
+    console = Console(record=True, width=200)
+    console.print(report.table())
+    text = console.export_text()
+    assert fix in text  # rich took `[plots]` for markup and dropped it
+    assert "plots need matplotlib [dim]" in text and "x[0] > 1" in text
+
+
 def test_table_drops_fix_column_when_nothing_to_fix() -> None:
     report = Report()
     report.add([Finding("doctor", "environment", "info", "all good")])

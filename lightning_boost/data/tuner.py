@@ -79,6 +79,7 @@ class WorkerTuner:
         self.findings: list[Finding] = []
         self.restored: set[str] = set()
         self._threads_before: int | None = None
+        self._files_before: tuple[tuple[int, int], str] | None = None
 
     def choose(
         self,
@@ -236,6 +237,11 @@ class WorkerTuner:
         """Open-file limit and, on a CPU run, the model's threads beside the workers."""
         plan = open_files_plan(hardware, num_workers)
         if plan is not None:
+            if self._files_before is None:  # put back at teardown: they are the process's, not the run's
+                self._files_before = (
+                    resource.getrlimit(resource.RLIMIT_NOFILE),
+                    torch.multiprocessing.get_sharing_strategy(),
+                )
             self.add_finding(open_files_finding(self.source, apply_open_files_plan(*plan), hardware))
         threads = compute_threads(hardware, num_workers, torch.get_num_threads())
         if threads is not None:
@@ -250,10 +256,16 @@ class WorkerTuner:
             self.findings.append(finding)
 
     def restore(self) -> None:
-        """Give torch back the intra-op thread count it had before tuning (call at teardown)."""
+        """Put back what tuning changed in the process (call at teardown): torch's intra-op
+        thread count, the open-file limit and torch's tensor sharing strategy."""
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
+        if self._files_before is not None:
+            limits, strategy = self._files_before
+            resource.setrlimit(resource.RLIMIT_NOFILE, limits)
+            torch.multiprocessing.set_sharing_strategy(strategy)
+            self._files_before = None
 
     def state_dict(self) -> dict[str, Any]:
         return {"choices": {key: choice.to_dict() for key, choice in self.choices.items()}}
