@@ -172,7 +172,7 @@ class HardwareInfo:
         capabilities = tuple(d[1] for d in devices)
         ampere = bool(capabilities) and min(capabilities) >= (8, 0)
         soft, hard = _open_files_limits()
-        ram_total, ram_available = _meminfo()
+        ram_total, ram_available = ram(_meminfo(), cgroup_memory(Path("/sys/fs/cgroup")))
         return cls(
             accelerator=accelerator,
             device_names=tuple(d[0] for d in devices),
@@ -225,6 +225,48 @@ def cgroup_cpu_quota(root: Path) -> int | None:
     except (OSError, ValueError):
         return None
     return None
+
+
+def cgroup_memory(root: Path) -> tuple[int | None, int | None]:
+    """``(limit, usage)`` in bytes of a cgroup v2 ``memory.max`` (or v1 ``limit_in_bytes``)
+    under `root`; ``(None, None)`` without a limit (v1 writes "no limit" as a huge number)."""
+    try:
+        if (root / "memory.max").exists():
+            limit = (root / "memory.max").read_text().strip()
+            usage = root / "memory.current"
+        elif (root / "memory" / "memory.limit_in_bytes").exists():
+            limit = (root / "memory" / "memory.limit_in_bytes").read_text().strip()
+            usage = root / "memory" / "memory.usage_in_bytes"
+        else:
+            return None, None
+        if limit == "max" or int(limit) >= 1 << 60:
+            return None, None
+        return int(limit), int(usage.read_text()) if usage.exists() else None
+    except (OSError, ValueError):
+        return None, None
+
+
+def ram(
+    meminfo: tuple[int | None, int | None], cgroup: tuple[int | None, int | None]
+) -> tuple[int | None, int | None]:
+    """``(total, available)`` RAM for this process: the machine's, within a container's limit
+    (as `available_cpus` honours its CPU quota), so a budget never counts memory it cannot have.
+
+    Example:
+        >>> ram((64 * GIB, 60 * GIB), (8 * GIB, 3 * GIB))[1] // GIB  # 8 GiB limit, 3 GiB in use
+        5
+        >>> ram((64 * GIB, 60 * GIB), (None, None))[1] // GIB
+        60
+    """
+    total, available = meminfo
+    limit, usage = cgroup
+    if limit is None:
+        return total, available
+    room = max(limit - (usage or 0), 0)
+    return (
+        min(total, limit) if total is not None else limit,
+        min(available, room) if available is not None else room,
+    )
 
 
 def nvidia_driver_present() -> bool:

@@ -5,7 +5,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_boost.hardware import EXAMPLES, GIB, HardwareInfo, _first_int_env, _meminfo, cgroup_cpu_quota
+from lightning_boost.hardware import (
+    EXAMPLES,
+    GIB,
+    HardwareInfo,
+    _first_int_env,
+    _meminfo,
+    cgroup_cpu_quota,
+    cgroup_memory,
+    ram,
+)
 
 
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
@@ -107,6 +116,35 @@ def test_cgroup_cpu_quota(tmp_path: Path, files: dict[str, str], expected: int |
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(text)
     assert cgroup_cpu_quota(tmp_path) == expected
+
+
+@pytest.mark.parametrize(
+    ("files", "expected"),
+    [
+        ({"memory.max": "8589934592\n", "memory.current": "3221225472\n"}, (8 * GIB, 3 * GIB)),
+        ({"memory.max": "max\n", "memory.current": "1\n"}, (None, None)),
+        (
+            {"memory/memory.limit_in_bytes": "4294967296\n", "memory/memory.usage_in_bytes": "0\n"},
+            (4 * GIB, 0),
+        ),
+        ({"memory/memory.limit_in_bytes": "9223372036854771712\n"}, (None, None)),  # v1's "no limit"
+        ({"memory.max": "garbage\n"}, (None, None)),
+        ({}, (None, None)),
+    ],
+)
+def test_cgroup_memory(
+    tmp_path: Path, files: dict[str, str], expected: tuple[int | None, int | None]
+) -> None:
+    # Simulated container files: the machine's RAM budget must stay within a container's limit,
+    # as the CPU count already stays within its quota.
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cgroup_memory(tmp_path) == expected
+    total, available = ram((64 * GIB, 60 * GIB), cgroup_memory(tmp_path))
+    limit, usage = expected
+    assert total == (limit if limit is not None else 64 * GIB)
+    assert available == (limit - (usage or 0) if limit is not None else 60 * GIB)
 
 
 def test_meminfo_parses_kilobytes(tmp_path: Path) -> None:
