@@ -23,6 +23,7 @@ BENCHMARKS = (
     "batch_size",
     "monitor_overhead",
     "guard_overhead",
+    "diagnosis",
 )
 RESULTS = Path(__file__).with_name("RESULTS.md")
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"

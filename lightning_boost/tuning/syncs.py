@@ -568,6 +568,17 @@ CAUSES: tuple[Cause, ...] = (
         " torchmetrics count by comparison instead (it also changes other kernels).",
     ),
     Cause(
+        "metric_compute_groups",
+        "torchmetrics",
+        "torchmetrics/collections.py",
+        ("_equal_metric_states",),
+        False,
+        "A `MetricCollection` compares its metrics' states at its first `update()` to share their"
+        " computation (`compute_groups`)",
+        "Nothing to change: once per collection; `compute_groups=[[...]]` names the groups instead.",
+        reported=False,
+    ),
+    Cause(
         "metric_forward",
         "torchmetrics",
         "/torchmetrics/metric.py",
