@@ -532,6 +532,20 @@ def test_ddp_error_mode_stops_every_rank_when_one_syncs(tmp_path: Path) -> None:
         trainer.fit(ItemOnRankOne(), datamodule=BoringDataModule())
 
 
+class MakesAGrid(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        from torchvision.utils import make_grid
+
+        self.grid = make_grid(batch[0].reshape(-1, 1, 4, 8), normalize=True)  # syncs: library
+
+
+def test_a_library_sync_of_no_known_cause_gets_a_fix_about_the_library(tmp_path: Path) -> None:
+    (finding,) = user_syncs(fit(MakesAGrid(), tmp_path)).values()
+    assert finding.location == marked_line("library")
+    assert finding.data["library"].startswith("torchvision.") and "Inside torchvision" in finding.detail
+    assert "inside torchvision" in finding.fix and "Keep it a tensor" not in finding.fix
+
+
 class HostToDevice(BoringModel):
     """The three host-to-device copies a GPU run blocks on, each on its marked line."""
 

@@ -843,8 +843,16 @@ class SyncGroup:
         return text
 
     def fix(self) -> str:
-        if self.attribution.cause is not None:
-            return self.attribution.cause.says(self.phase)[1]
+        """The cause's setting; for a library's sync of no known cause, where to look (advice meant
+        for the user's own `.item()` would not fit a line inside a library)."""
+        a = self.attribution
+        if a.cause is not None:
+            return a.cause.says(self.phase)[1]
+        if a.library is not None and a.package not in (None, "lightning") and not self.framework:
+            return (
+                f"It syncs inside {a.package} (in `{a.library.function}`): look for a {a.package} setting"
+                " that avoids it, or make this call less often (once per epoch, or every N steps)."
+            )
         return " ".join(dict.fromkeys(PATTERNS[p].fix for p in self.counts))
 
     def to_data(self, steps: int) -> dict[str, Any]:
