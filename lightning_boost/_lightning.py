@@ -32,6 +32,24 @@ def call_step(module: L.LightningModule, name: str, batch: Any, batch_idx: int =
     return step(batch)
 
 
+def overrides(instance: object, hook: str) -> bool:
+    """Whether `instance`'s class implements `hook` itself rather than inheriting Lightning's
+    default, under either namespace (`lightning` or `pytorch_lightning`; Lightning's own
+    ``is_overridden`` knows only its own).
+
+    Example:
+        >>> import lightning as L
+        >>> class Model(L.LightningModule):
+        ...     def validation_step(self, batch, batch_idx): ...
+        >>> overrides(Model(), "validation_step"), overrides(Model(), "test_step")
+        (True, False)
+    """
+    for base in type(instance).__mro__:
+        if base.__module__.split(".")[0] in ("lightning", "pytorch_lightning") and hook in vars(base):
+            return getattr(type(instance), hook) is not getattr(base, hook)
+    return callable(getattr(instance, hook, None))
+
+
 def reload_every_n_epochs(trainer: L.Trainer) -> int:
     """``Trainer(reload_dataloaders_every_n_epochs=...)``, which Lightning stores without declaring it."""
     return int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0))
@@ -67,9 +85,23 @@ class _RebuildingSource(_DataLoaderSource):
         self.original = original
         self.rebuild = rebuild
 
+    # The original answers (its own class knows its namespace: `pytorch_lightning` too); Lightning
+    # may point this source at another instance, which the original follows.
+
     @override
     def dataloader(self) -> Any:
-        return self.rebuild(super().dataloader())
+        self.original.instance = self.instance
+        return self.rebuild(self.original.dataloader())
+
+    @override
+    def is_defined(self) -> bool:
+        self.original.instance = self.instance
+        return self.original.is_defined()
+
+    @override
+    def is_module(self) -> bool:
+        self.original.instance = self.instance
+        return self.original.is_module()
 
 
 def rebuild_dataloaders(

@@ -123,3 +123,53 @@ def test_configurable_from_lightning_cli_yaml(
     (callback,) = [c for c in cli.trainer.callbacks if type(c) is cls]  # type: ignore[attr-defined]
     assert arrived(callback)
     assert cli.trainer.state.finished
+
+
+def test_the_callbacks_run_under_the_pytorch_lightning_namespace(tmp_path: Path) -> None:
+    # `import pytorch_lightning as pl` (3 of 5 real modules tried): AutoBatchSize crashed in
+    # Lightning's is_overridden and AutoNumWorkers handed the model itself over as the loader.
+    import pytorch_lightning as pl
+    import torch
+    from torch.utils.data import DataLoader
+
+    from lightning_boost import AutoBatchSize, AutoNumWorkers, WorkerTuning, boost_callbacks
+    from lightning_boost.testing import RandomDataset, cpu_only
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(32, 2)
+            self.batch_size = 8
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+            self.log("train_loss", loss)
+            return loss
+
+        def train_dataloader(self) -> DataLoader[Any]:
+            return DataLoader(RandomDataset(length=256), batch_size=self.batch_size, shuffle=True)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    tuning = WorkerTuning(window_s=0.2, prefetch_factors=(2,), skip_short_runs=False)
+    callbacks = [
+        *boost_callbacks(auto_num_workers={"tuning": tuning}),
+        AutoBatchSize(max_batch_size=32, steps=1),
+    ]
+    with cpu_only():
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            max_epochs=1,
+            limit_train_batches=3,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            default_root_dir=str(tmp_path),
+            callbacks=callbacks,
+        )
+    model = Model()
+    trainer.fit(model)
+    assert trainer.state.finished and model.batch_size == trainer.train_dataloader.batch_size
+    (workers,) = [c for c in callbacks if isinstance(c, AutoNumWorkers)]
+    assert workers.worker_tuner.choices  # the loader was measured and rebuilt

@@ -13,12 +13,11 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_boost._lightning import callbacks_of, datamodule_of, user_dataloaders
+from lightning_boost._lightning import callbacks_of, datamodule_of, overrides, user_dataloaders
 from lightning_boost._validation import check_fraction, check_int, check_positive, unknown_choice_error
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.batch_probe import StepProbe, first_batch, is_oom
@@ -238,7 +237,7 @@ class AutoBatchSize(BoostCallback):
             choice = choose(trials, limits.budget_bytes, self.tolerance)
             if choice is None:
                 raise MemoryError(_nothing_fits(trials, limits, reason))
-            validates = self.check_validation and is_overridden("validation_step", pl_module)
+            validates = self.check_validation and overrides(pl_module, "validation_step")
             val_data = _split_data(trainer, "val") if validates else None
             checks: list[Trial] = []
             if val_data is not None:

@@ -10,11 +10,10 @@ from typing import Any
 
 import lightning as L
 from lightning.fabric.utilities.seed import pl_worker_init_function
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_boost._lightning import reload_every_n_epochs
+from lightning_boost._lightning import overrides, reload_every_n_epochs
 from lightning_boost._validation import unknown_choice_error
 from lightning_boost.data.loaders import keep_workers_alive
 from lightning_boost.data.tuner import WorkerTuner, hardware_for, workload
@@ -145,7 +144,7 @@ class BoostedDataModule(L.LightningDataModule):
         """
         if self.val_dataset is None:
             module = self.trainer.lightning_module if self.trainer is not None else None
-            no_step = module is not None and not is_overridden("validation_step", module)
+            no_step = module is not None and not overrides(module, "validation_step")
             if self.train_dataset is not None or no_step:
                 return None
         return functools.partial(self.build_dataloader, "val", shuffle=False, drop_last=False)
