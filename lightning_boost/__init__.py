@@ -7,6 +7,8 @@ The public names load on first use (PEP 562), so ``import lightning_boost`` and 
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0.dev0"
@@ -69,6 +71,22 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
+
+
+class _Package(types.ModuleType):
+    """The package module: `presets` is both a subpackage and the function it exports.
+
+    Importing ``lightning_boost.presets`` binds the subpackage to this attribute; the function of
+    that name is what ``from lightning_boost import presets`` has always given, so it stays.
+    """
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "presets" and isinstance(value, types.ModuleType):
+            value = value.presets
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
 
 
 if TYPE_CHECKING:  # the names as type checkers and IDEs see them

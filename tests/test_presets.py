@@ -217,6 +217,20 @@ def test_presets_lists_names_with_descriptions() -> None:
     assert presets()  # a copy
 
 
+def test_presets_is_the_function_even_after_its_subpackage_is_imported() -> None:
+    # The package loads its names lazily; importing the subpackage `lightning_boost.presets`
+    # first must not leave the module where `from lightning_boost import presets` is imported.
+    code = (
+        "import lightning_boost.presets.plans;"
+        "from lightning_boost import presets;"
+        "assert callable(presets) and 'auto' in presets(), presets"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr
+
+
 def test_strategy_pickles_for_spawned_processes() -> None:
     strategy = pickle.loads(pickle.dumps(build("fast-ddp-multinode", EXAMPLES["h100x8-2nodes"])))
     assert strategy._ddp_comm_hook is default_hooks.bf16_compress_hook
