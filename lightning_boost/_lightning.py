@@ -44,10 +44,12 @@ def overrides(instance: object, hook: str) -> bool:
         >>> overrides(Model(), "validation_step"), overrides(Model(), "test_step")
         (True, False)
     """
+    if getattr(instance, hook, None) is None:  # removed with `validation_step = None`
+        return False
     for base in type(instance).__mro__:
         if base.__module__.split(".")[0] in ("lightning", "pytorch_lightning") and hook in vars(base):
             return getattr(type(instance), hook) is not getattr(base, hook)
-    return callable(getattr(instance, hook, None))
+    return True
 
 
 def reload_every_n_epochs(trainer: L.Trainer) -> int:
