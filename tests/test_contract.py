@@ -133,7 +133,7 @@ def test_the_callbacks_run_under_the_pytorch_lightning_namespace(tmp_path: Path)
     from torch.utils.data import DataLoader
 
     from lightning_boost import AutoBatchSize, AutoNumWorkers, WorkerTuning, boost_callbacks
-    from lightning_boost.testing import RandomDataset, cpu_only
+    from lightning_boost.testing import RandomDataset
 
     class Model(pl.LightningModule):
         def __init__(self) -> None:
@@ -157,17 +157,9 @@ def test_the_callbacks_run_under_the_pytorch_lightning_namespace(tmp_path: Path)
         *boost_callbacks(auto_num_workers={"tuning": tuning}),
         AutoBatchSize(max_batch_size=32, steps=1),
     ]
-    with cpu_only():
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            max_epochs=1,
-            limit_train_batches=3,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            default_root_dir=str(tmp_path),
-            callbacks=callbacks,
-        )
+    trainer = tiny_trainer(
+        tmp_path, trainer_class=pl.Trainer, logger=False, enable_checkpointing=False, callbacks=callbacks
+    )
     model = Model()
     trainer.fit(model)
     assert trainer.state.finished and model.batch_size == trainer.train_dataloader.batch_size

@@ -622,19 +622,7 @@ class PLProgBar(pl.LightningModule):
 
 def test_pytorch_lightning_namespace_is_told_apart_from_the_users_code(tmp_path: Path) -> None:
     guard = SyncGuard(mode="report", every_n_steps=1)
-    with testing.cpu_only():
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            devices=1,
-            max_epochs=1,
-            limit_train_batches=3,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=str(tmp_path),
-            callbacks=[guard],
-        )
+    trainer = tiny_trainer(tmp_path, trainer_class=pl.Trainer, logger=False, callbacks=[guard])
     trainer.fit(PLProgBar(), train_dataloaders=BoringDataModule().train_dataloader())
     assert set(user_syncs(guard)) == {marked_line("pl_item")}
     assert set(framework_syncs(guard)) == {"prog_bar_values"}  # not "lightning_fabric syncs in to_item"

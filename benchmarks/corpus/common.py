@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_boost.testing import cpu_only
+from lightning_boost.testing import tiny_trainer
 
 
 def images(count: int = 64, size: int = 32, classes: int = 10, seed: int = 0) -> TensorDataset:
@@ -22,20 +21,9 @@ def loader(dataset: TensorDataset, batch_size: int = 16, shuffle: bool = False) 
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle)
 
 
-def trainer(root: str, callbacks: list[L.Callback], **options: Any) -> L.Trainer:
+def trainer(root: str, callbacks: list[Any], **options: Any) -> Any:
+    """A few CPU steps, no logger, no sanity check (`tiny_trainer`, whose options these override)."""
     settings: dict[str, Any] = dict(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=1,
-        limit_train_batches=3,
-        limit_val_batches=2,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=root,
-        callbacks=callbacks,
+        limit_train_batches=3, num_sanity_val_steps=0, logger=False, enable_checkpointing=False
     )
-    with cpu_only():
-        return L.Trainer(**(settings | options))
+    return tiny_trainer(root, callbacks=callbacks, **(settings | options))

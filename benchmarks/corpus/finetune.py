@@ -12,8 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torchvision.models import resnet18
 
-from benchmarks.corpus.common import images, loader
-from lightning_boost.testing import cpu_only
+from benchmarks.corpus.common import images, loader, trainer
 
 CLASSES = 10
 WEIGHTS = [1.0] * (CLASSES - 1) + [5.0]
@@ -51,16 +50,5 @@ class FineTuner(pl.LightningModule):
 
 
 def run(planted: bool, root: str, callbacks: list[Any]) -> None:
-    with cpu_only():
-        trainer = pl.Trainer(
-            accelerator="cpu",
-            max_epochs=1,
-            limit_train_batches=3,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=root,
-            callbacks=callbacks,
-        )
-    trainer.fit(FineTuner(planted), loader(images(), shuffle=True))
+    fit = trainer(root, callbacks, trainer_class=pl.Trainer, limit_val_batches=0)
+    fit.fit(FineTuner(planted), loader(images(), shuffle=True))

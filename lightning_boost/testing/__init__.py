@@ -20,7 +20,7 @@ import contextlib
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, overload
 
 import lightning as L
 import torch
@@ -145,11 +145,19 @@ def cpu_only() -> Iterator[None]:
         yield
 
 
-def tiny_trainer(root: str | Path, **overrides: Any) -> L.Trainer:
+_Trainer = TypeVar("_Trainer")
+
+
+@overload
+def tiny_trainer(root: str | Path, *, trainer_class: type[_Trainer], **overrides: Any) -> _Trainer: ...
+@overload
+def tiny_trainer(root: str | Path, **overrides: Any) -> L.Trainer: ...
+def tiny_trainer(root: str | Path, *, trainer_class: type[Any] = L.Trainer, **overrides: Any) -> Any:
     """A CPU `Trainer` for tests: a few steps, a CSV logger, no progress bar or summary, under `root`.
 
     On a machine with a GPU, Lightning warns at construction that the GPU is not used; a test
     that pins the CPU means it, so that one warning is not raised here (`cpu_only`).
+    ``trainer_class=pytorch_lightning.Trainer`` builds one for a ``pytorch_lightning`` module.
     """
     options: dict[str, Any] = dict(
         accelerator="cpu",
@@ -165,6 +173,6 @@ def tiny_trainer(root: str | Path, **overrides: Any) -> L.Trainer:
     )
     options.update(overrides)
     if options["accelerator"] != "cpu":
-        return L.Trainer(**options)
+        return trainer_class(**options)
     with cpu_only():
-        return L.Trainer(**options)
+        return trainer_class(**options)
