@@ -316,7 +316,8 @@ def test_a_missing_dataset_says_where_to_assign_it(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"batch_size": 0}, ValueError, "`batch_size` expected None or an int >= 1, got 0"),
+        ({"batch_size": 0}, ValueError, "`batch_size` expected an int >= 1, got 0"),
+        ({"batch_size": None}, ValueError, "`batch_size` expected an int >= 1, got None"),
         ({"num_workers": -1}, ValueError, "`num_workers` expected None or an int >= 0"),
         ({"num_workers": 0, "prefetch_factor": 2}, ValueError, "`prefetch_factor` expected None with"),
         ({"collate_fn": "stack"}, TypeError, "`collate_fn` expected a callable or None, got str"),

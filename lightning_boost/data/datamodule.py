@@ -102,7 +102,7 @@ class BoostedDataModule(L.LightningDataModule):
         loader_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        _check_int("batch_size", batch_size, 1)
+        _check_int("batch_size", batch_size, 1, optional=False)  # None would load single samples
         _check_int("num_workers", num_workers, 0)
         _check_int("prefetch_factor", prefetch_factor, 1)
         if prefetch_factor is not None and num_workers == 0:
@@ -229,9 +229,12 @@ class BoostedDataModule(L.LightningDataModule):
         self.worker_tuner.load_state_dict(state_dict.get("worker_tuner", {}))
 
 
-def _check_int(name: str, value: int | None, minimum: int) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < minimum):
-        raise ValueError(f"`{name}` expected None or an int >= {minimum}, got {value!r}.")
+def _check_int(name: str, value: int | None, minimum: int, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        expected = f"None or an int >= {minimum}" if optional else f"an int >= {minimum}"
+        raise ValueError(f"`{name}` expected {expected}, got {value!r}.")
 
 
 def _checked_loader_kwargs(loader_kwargs: Mapping[str, Any]) -> dict[str, Any]:
