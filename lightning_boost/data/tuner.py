@@ -176,9 +176,8 @@ class WorkerTuner:
         tuning, consume, started = self.tuning, None, time.perf_counter()
         rates: dict[int, float] = {}
         skipped: list[str] = []
-        gpu = trainer is not None and module is not None and hardware.accelerator != "cpu"
-        if gpu:
-            consume = device_transfer(trainer)  # type: ignore[arg-type]
+        if trainer is not None and module is not None and hardware.accelerator != "cpu":
+            consume = device_transfer(trainer)
 
         def measure(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
             window = tuning.window_s
@@ -188,17 +187,16 @@ class WorkerTuner:
 
         with preserved_rng():
             first = measure(0, None)  # before timing the model: a short run may need nothing more
-        if not (tuning.skip_short_runs and not_worth_measuring(first, workload_samples)):
-            if gpu and tuning.target_samples_per_s is None:
-                with preserved_rng():
-                    rate = consumer_rate(trainer, module, consume(next(iter(make(0, None)))), batch_size)  # type: ignore[arg-type, misc]
-                tuning = dataclasses.replace(tuning, target_samples_per_s=rate)
-            elif (
-                module is not None and not gpu
-            ):  # a CPU run: the model's step first (hopeless counts untimed)
+        worth = not (tuning.skip_short_runs and not_worth_measuring(first, workload_samples))
+        if worth and trainer is not None and module is not None:
+            if consume is None:  # a CPU run: the model's step first, so hopeless counts are not timed
                 rates, tuning, skipped = self._model_first(
                     module, make, batch_size, hardware.cpus_per_process
                 )
+            elif tuning.target_samples_per_s is None:
+                with preserved_rng():
+                    rate = consumer_rate(trainer, module, consume(next(iter(make(0, None)))), batch_size)
+                tuning = dataclasses.replace(tuning, target_samples_per_s=rate)
 
         def measure_once(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
             return first if num_workers == 0 else measure(num_workers, prefetch_factor)
