@@ -100,10 +100,14 @@ def next_size(trials: Sequence[Trial], start: int, limits: Limits) -> tuple[int 
         >>> next_size([Trial(8, 80.0, 10, seconds=40.0)], 8, Limits(64, 100, time_budget_s=60.0))
         (None, 'the time budget of 60 s (16 would take about 80 s more)')
     """
-    size, why = _next_size(trials, start, limits)
-    if size is None or not trials:
-        return size, why
+    if not trials:
+        return min(start, limits.max_size), ""
     spent = sum(t.seconds for t in trials)
+    if spent >= limits.time_budget_s:
+        return None, f"the time budget of {limits.time_budget_s:g} s"
+    size, why = _next_size(trials, limits)
+    if size is None:
+        return size, why
     ran = [t for t in trials if not t.oom] or list(trials)
     below = [t for t in ran if t.size <= size]
     nearest = max(below, key=lambda t: t.size) if below else min(ran, key=lambda t: t.size)
@@ -114,11 +118,8 @@ def next_size(trials: Sequence[Trial], start: int, limits: Limits) -> tuple[int 
     return size, why
 
 
-def _next_size(trials: Sequence[Trial], start: int, limits: Limits) -> tuple[int | None, str]:
-    if not trials:
-        return min(start, limits.max_size), ""
-    if sum(t.seconds for t in trials) >= limits.time_budget_s:
-        return None, f"the time budget of {limits.time_budget_s:g} s"
+def _next_size(trials: Sequence[Trial], limits: Limits) -> tuple[int | None, str]:
+    """The search's next size after `trials` (at least one), budget aside."""
     tried = {t.size for t in trials}
     ok = sorted((t for t in trials if t.fits(limits.budget_bytes)), key=lambda t: t.size)
     failed = sorted((t for t in trials if not t.fits(limits.budget_bytes)), key=lambda t: t.size)
