@@ -193,8 +193,7 @@ class SyncGuard(BoostCallback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._close(trainer)
-        self._mark_host_side(trainer)
-        self._begin("training")
+        self._begin("training", trainer)
 
     @override
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -212,7 +211,7 @@ class SyncGuard(BoostCallback):
         if trainer.sanity_checking:
             return
         self._close(trainer)
-        self._begin("validation")
+        self._begin("validation", trainer)
 
     @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -241,16 +240,19 @@ class SyncGuard(BoostCallback):
 
     def _mark_host_side(self, trainer: L.Trainer, module: torch.nn.Module | None = None) -> None:
         """Model a GPU run on the CPU: what would stay on the host (optimizers make their step
-        counters at their first step, so they are looked for before each training step)."""
+        counters at their first step, so they are looked for before each checked training step)."""
         if self._watch is None or self._cuda:
             return
         for tensor in host_side(module or torch.nn.Module(), trainer.optimizers):
             self._watch.mark_host(tensor)
 
-    def _begin(self, phase: str) -> None:
+    def _begin(self, phase: str, trainer: L.Trainer) -> None:
         self._phase = phase
         now = time.perf_counter()
-        if self._phases[phase].begin(now) and self._watch is not None:
+        checked = self._phases[phase].begin(now) and self._watch is not None
+        if phase == "training" and (checked or self.scope == "fit"):  # unchecked steps: no work
+            self._mark_host_side(trainer)
+        if checked and self._watch is not None:
             self._window = (phase, now)
             self._watch.start()
 

@@ -326,6 +326,10 @@ def made_on_host(func: Callable[..., Any], kwargs: dict[str, Any], cuda: bool) -
     return func in FACTORIES and not device_side(kwargs.get("device"), cuda)
 
 
+#: The tensor methods that copy to a device.
+_COPIES = frozenset({Tensor.to, Tensor.cuda, Tensor.type_as})
+
+
 def host_copy(
     func: Callable[..., Any],
     args: Sequence[Any],
@@ -372,9 +376,6 @@ def host_copy(
     if isinstance(target, Tensor):
         return "h2d" if (target.is_cuda if cuda else not on_host(target)) else None
     return "h2d" if device_side(target, cuda) else None
-
-
-_COPIES = frozenset({Tensor.to, Tensor.cuda, Tensor.type_as})
 
 
 def classify(
