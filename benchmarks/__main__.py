@@ -24,6 +24,7 @@ BENCHMARKS = (
     "monitor_overhead",
     "guard_overhead",
     "diagnosis",
+    "arguments",
 )
 RESULTS = Path(__file__).with_name("RESULTS.md")
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from lightning_boost.hardware import GIB, MIB, HardwareInfo
 from lightning_boost.precision import auto_precision
-from lightning_boost.report import Finding, Report, Severity
+from lightning_boost.report import Area, Finding, Report, Severity
 
 #: DataLoader workers hand batches over in /dev/shm; below this, a few workers fill it.
 MIN_SHM_BYTES = 1 * GIB
@@ -27,7 +27,7 @@ Check = Callable[[HardwareInfo], list[Finding]]
 
 
 def _finding(
-    area: str,
+    area: Area,
     severity: str,
     title: str,
     detail: str = "",

@@ -13,8 +13,14 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Literal
 
-from lightning_boost._validation import unknown_choice_error
+from lightning_boost._validation import Count, PositiveInt, Range, unknown_choice_error, validated
+
+#: The devices training can run on.
+Accelerator = Literal["cuda", "mps", "cpu"]
+_Bytes = Annotated[int, Range(ge=0)]
+_Capability = tuple[Annotated[int, Range(ge=1)], Count]
 
 GIB = 1024**3
 MIB = 1024**2
@@ -24,6 +30,7 @@ _LOCAL_WORLD_SIZE_VARS = ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COM
 _NODE_COUNT_VARS = ("GROUP_WORLD_SIZE", "SLURM_NNODES", "NUM_NODES", "PET_NNODES")
 
 
+@validated
 @dataclass(frozen=True)
 class HardwareInfo:
     """Everything lightning-boost's decisions depend on, as immutable plain data.
@@ -61,24 +68,24 @@ class HardwareInfo:
         (True, False)
     """
 
-    accelerator: str
+    accelerator: Accelerator
     device_names: tuple[str, ...] = ()
-    compute_capabilities: tuple[tuple[int, int], ...] = ()
-    device_memory_bytes: tuple[int, ...] = ()
+    compute_capabilities: tuple[_Capability, ...] = ()
+    device_memory_bytes: tuple[_Bytes, ...] = ()
     supports_bf16: bool = False
     supports_tf32: bool = False
-    cpus_available: int = 1
-    cpu_count: int = 1
-    ram_total_bytes: int | None = None
-    ram_available_bytes: int | None = None
-    local_world_size: int = 1
-    node_count: int = 1
-    shm_bytes: int | None = None
-    open_files_limit: int | None = None
-    open_files_hard_limit: int | None = None
+    cpus_available: PositiveInt = 1
+    cpu_count: PositiveInt = 1
+    ram_total_bytes: _Bytes | None = None
+    ram_available_bytes: _Bytes | None = None
+    local_world_size: PositiveInt = 1
+    node_count: PositiveInt = 1
+    shm_bytes: _Bytes | None = None
+    open_files_limit: Count | None = None
+    open_files_hard_limit: Count | None = None
     torch_version: str = ""
     cuda_version: str | None = None
-    cudnn_version: int | None = None
+    cudnn_version: Count | None = None
     nccl_version: str | None = None
     nccl_available: bool = False
     cpu_only_build: bool = True
@@ -86,17 +93,12 @@ class HardwareInfo:
     cuda_error: str | None = None
 
     def __post_init__(self) -> None:
-        if self.accelerator not in ("cuda", "mps", "cpu"):
-            raise ValueError(f"`accelerator` expected one of 'cuda', 'mps', 'cpu', got {self.accelerator!r}.")
         per_device = (len(self.compute_capabilities), len(self.device_memory_bytes))
         if self.accelerator == "cuda" and per_device != (self.device_count, self.device_count):
             raise ValueError(
                 "`compute_capabilities` and `device_memory_bytes` expected one entry per device in"
                 f" `device_names` ({self.device_count}), got {per_device[0]} and {per_device[1]}."
             )
-        for name in ("cpus_available", "local_world_size", "node_count"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"`{name}` expected an int >= 1, got {getattr(self, name)!r}.")
 
     @property
     def device_count(self) -> int:
@@ -163,6 +165,7 @@ class HardwareInfo:
         import torch
 
         devices = _cuda_devices() if torch.cuda.is_available() else []
+        accelerator: Accelerator
         if devices:
             accelerator = "cuda"
         elif _mps_available():

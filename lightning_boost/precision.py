@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from lightning_boost._validation import validated
 from lightning_boost.hardware import HardwareInfo
 
 
+@validated
 def auto_precision(hardware: HardwareInfo) -> str:
     """The Lightning ``precision`` an expert would pick for this hardware.
 

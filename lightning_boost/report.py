@@ -14,16 +14,16 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from lightning_boost._files import atomic_write_text
-from lightning_boost._validation import unknown_choice_error
+from lightning_boost._validation import validated
 
 #: Bumped on any incompatible change to the JSON written by `Report.to_dict`.
 SCHEMA_VERSION = 1
 
 #: Report sections, in display order.
-AREAS = (
+Area = Literal[
     "environment",
     "data",
     "batch size",
@@ -31,7 +31,8 @@ AREAS = (
     "syncs",
     "retained graphs",
     "step time",
-)
+]
+AREAS: tuple[str, ...] = get_args(Area)
 
 
 class BoostWarning(UserWarning):
@@ -51,6 +52,7 @@ class Severity(str, Enum):
         return {"info": "OK", "warn": "WARN", "error": "FAIL"}[self.value]
 
 
+@validated
 @dataclass(frozen=True)
 class Finding:
     """One thing a boost part found, with the fix.
@@ -75,7 +77,7 @@ class Finding:
     """
 
     source: str
-    area: str
+    area: Area
     severity: Severity
     title: str
     detail: str = ""
@@ -85,12 +87,7 @@ class Finding:
     cost: str = ""
 
     def __post_init__(self) -> None:
-        if self.area not in AREAS:
-            raise unknown_choice_error("area", self.area, AREAS)
-        if not isinstance(self.severity, Severity):
-            if self.severity not in {s.value for s in Severity}:
-                raise unknown_choice_error("severity", self.severity, [s.value for s in Severity])
-            object.__setattr__(self, "severity", Severity(self.severity))
+        object.__setattr__(self, "severity", Severity(self.severity))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -120,6 +117,7 @@ class Finding:
         )
 
 
+@validated
 @dataclass
 class Report:
     """Findings from every boost part and the values they tuned, rendered once.

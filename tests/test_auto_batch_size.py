@@ -394,11 +394,21 @@ def test_no_batch_size_anywhere_says_where_to_add_it(tmp_path: Path) -> None:
         trainer.fit(BoringModel(), *loaders)
 
 
-def test_a_loader_that_ignores_the_attribute_is_an_error(tmp_path: Path) -> None:
+def test_a_loader_that_ignores_the_attribute_is_an_error_before_any_measurement(tmp_path: Path) -> None:
     datamodule = BoringDataModule(length=128)
     datamodule.train_dataloader = lambda: DataLoader(RandomDataset(32, 128), batch_size=8)  # type: ignore[method-assign]
-    with pytest.raises(RuntimeError, match=r"set `batch_size` to \d+, but .* batch_size=8"):
-        fit(tmp_path, AutoBatchSize(max_batch_size=32, **FAST), datamodule=datamodule)
+    callback = AutoBatchSize(max_batch_size=32, **FAST)
+    with pytest.raises(ValueError, match=r"`attr_name` is 'batch_size', but .* batch_size=8.*=self"):
+        fit(tmp_path, callback, datamodule=datamodule)
+    assert callback.result == {}  # found at the start of fit, before a single trial
+
+
+def test_an_attr_name_a_boosted_datamodule_does_not_read_is_an_error(tmp_path: Path) -> None:
+    model = BoringModel()
+    model.bs = 16  # the model has it, but the datamodule's loaders read `batch_size`
+    datamodule = Boosted(batch_size=8, num_workers=0)
+    with pytest.raises(ValueError, match=r"`attr_name` is 'bs', but the training DataLoader does not"):
+        fit(tmp_path, AutoBatchSize(attr_name="bs", **FAST), model, datamodule=datamodule)
 
 
 class ManualModel(BoringModel):
@@ -464,21 +474,21 @@ def test_ddp_takes_the_smallest_fit_over_ranks_without_hanging(tmp_path: Path) -
         ({"init_batch_size": 0}, "`init_batch_size` expected an int >= 1 or None, got 0"),
         ({"max_batch_size": 2.5}, "`max_batch_size` expected an int >= 1 or None, got 2.5"),
         ({"init_batch_size": 64, "max_batch_size": 32}, "`init_batch_size` (64) expected to be at most"),
-        ({"headroom": 1.5}, "`headroom` expected a fraction > 0 and <= 1, got 1.5"),
-        ({"cpu_memory_fraction": 0}, "`cpu_memory_fraction` expected a fraction > 0 and <= 1, got 0"),
-        ({"memory_budget_gib": 0}, "`memory_budget_gib` expected a number of GiB > 0 or None, got 0"),
-        ({"tolerance": 1}, "`tolerance` expected a fraction >= 0 and < 1, got 1"),
-        ({"time_budget_s": -1}, "`time_budget_s` expected a number of seconds > 0, got -1"),
-        ({"steps": True}, "`steps` expected an int >= 1, got True"),
+        ({"headroom": 1.5}, "`headroom` expected a finite number > 0 and <= 1, got 1.5"),
+        ({"cpu_memory_fraction": 0}, "`cpu_memory_fraction` expected a finite number > 0 and <= 1, got 0"),
+        ({"memory_budget_gib": 0}, "`memory_budget_gib` expected a finite number of GiB > 0 or None, got 0"),
+        ({"tolerance": 1}, "`tolerance` expected a finite number >= 0 and < 1, got 1"),
+        ({"time_budget_s": -1}, "`time_budget_s` expected a finite number of seconds > 0, got -1"),
+        ({"steps": True}, "`steps` expected an int >= 1 and <= 100, got True (bool)"),
         ({"target_global_batch_size": 0}, "`target_global_batch_size` expected an int >= 1 or None, got 0"),
         (
             {"lr_scaling": "linaer"},
-            "`lr_scaling` expected one of 'linear', 'sqrt', got 'linaer'. Did you mean 'linear'",
+            "`lr_scaling` expected one of 'linear', 'sqrt' or None, got 'linaer'. Did you mean 'linear'",
         ),
         ({"reference_batch_size": 64}, "`reference_batch_size` only applies with `lr_scaling`"),
         ({"retune": "yes"}, "`retune` expected True or False, got 'yes'"),
-        ({"cache_dir": 123}, "`cache_dir` expected a path (str or Path) or None, got int"),
-        ({"attr_name": "batch size"}, "`attr_name` expected an attribute name, got 'batch size'"),
+        ({"cache_dir": 123}, "`cache_dir` expected a string or a path or None, got 123 (int)"),
+        ({"attr_name": "batch size"}, "`attr_name` expected a string that is an attribute name, got 'batch"),
     ],
 )
 def test_bad_arguments_raise_clear_errors(kwargs: dict[str, Any], message: str) -> None:

@@ -47,18 +47,18 @@ def test_options_configure_or_drop_each_callback() -> None:
     [
         (
             {"step_time": True},
-            ValueError,
-            r"`option` expected one of .* got 'step_time'. Did you mean 'step_time_monitor'",
+            TypeError,
+            r"boost_callbacks\(\) got an unknown argument `step_time`.* Did you mean 'step_time_monitor'",
         ),
         (
             {"boost_report": "off"},
             TypeError,
-            r"`boost_report` expected True, False or a dict of BoostReport's arguments, got str",
+            r"`boost_report` expected True or False or a mapping with string keys, got 'off' \(str\)",
         ),
         (
             {"step_time_monitor": {"threshold": 2}},
             ValueError,
-            r"`threshold` expected a fraction between 0 and 1, got 2",
+            r"`threshold` expected a finite number > 0 and < 1, got 2",
         ),
     ],
 )

@@ -243,7 +243,7 @@ def test_report_collects_strategy_datamodule_and_callbacks_once(tmp_path: Path) 
     [
         ({"console": "yes"}, TypeError, "`console` expected True or False, got 'yes'"),
         ({"plots": 1}, TypeError, "`plots` expected True or False, got 1"),
-        ({"dirpath": 3}, TypeError, "`dirpath` expected a path or None, got int"),
+        ({"dirpath": 3}, TypeError, r"`dirpath` expected a string or a path or None, got 3 \(int\)"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:

@@ -313,14 +313,51 @@ def test_a_missing_dataset_says_where_to_assign_it(tmp_path: Path) -> None:
         tiny_trainer(tmp_path, logger=False).test(BoringModel(), datamodule=datamodule)
 
 
+class _NoLength(Dataset[tuple[Tensor, Tensor]]):
+    """Indexable, but with no `__len__`: a sampler cannot draw from it."""
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        return torch.zeros(32), torch.tensor(index)
+
+
+class _Stream(torch.utils.data.IterableDataset[tuple[Tensor, Tensor]]):
+    """64 samples in order, as a stream."""
+
+    def __iter__(self) -> Any:
+        dataset = IndexDataset()
+        return (dataset[i] for i in range(len(dataset)))
+
+
+def test_a_map_style_dataset_without_length_is_named_before_training(tmp_path: Path) -> None:
+    model = SeenIndices()
+    with pytest.raises(
+        TypeError, match=r"`Indexed.train_dataset` \(_NoLength\) has no `__len__`.*IterableDataset"
+    ):
+        tiny_trainer(tmp_path, logger=False).fit(model, datamodule=Indexed(_NoLength(), batch_size=8))
+    assert model.seen == []  # not a step was taken
+
+
+def test_an_iterable_dataset_trains_in_its_own_order_with_the_reasons(tmp_path: Path) -> None:
+    datamodule = Indexed(_Stream(), batch_size=8)  # shuffle=True, the default
+    model = _fit(tmp_path, datamodule)
+    assert [i for batch in model.seen for i in batch] == list(range(64))  # the stream's own order
+    titles = [f.title for f in datamodule.findings]
+    assert "`shuffle` left to _Stream" in titles
+    assert any(
+        f.title == "num_workers=0: not measured" and "IterableDataset" in f.detail
+        for f in datamodule.findings
+    )
+    assert datamodule.train_dataloader().num_workers == 0  # its sharding across workers is its own
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
         ({"batch_size": 0}, ValueError, "`batch_size` expected an int >= 1, got 0"),
-        ({"batch_size": None}, ValueError, "`batch_size` expected an int >= 1, got None"),
-        ({"num_workers": -1}, ValueError, "`num_workers` expected None or an int >= 0"),
+        ({"batch_size": None}, TypeError, "`batch_size` expected an int >= 1, got None"),
+        ({"num_workers": -1}, ValueError, "`num_workers` expected an int >= 0 or None"),
         ({"num_workers": 0, "prefetch_factor": 2}, ValueError, "`prefetch_factor` expected None with"),
-        ({"collate_fn": "stack"}, TypeError, "`collate_fn` expected a callable or None, got str"),
+        ({"collate_fn": "stack"}, TypeError, r"`collate_fn` expected a callable or None, got 'stack'"),
         ({"loader_kwargs": {"num_workers": 2}}, ValueError, "pass `num_workers=...` instead"),
         ({"loader_kwargs": {"timeuot": 2}}, ValueError, "Did you mean 'timeout'"),
     ],

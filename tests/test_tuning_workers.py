@@ -296,12 +296,12 @@ def test_low_open_file_limits_are_raised_or_worked_around() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"window_s": 0}, "`window_s` expected a positive"),
-        ({"tolerance": 1.5}, r"`tolerance` expected a fraction in \(0, 1\]"),
-        ({"max_workers": -1}, "`max_workers` expected None or >= 0"),
-        ({"prefetch_factors": (0,)}, "`prefetch_factors` expected integers >= 1"),
-        ({"target_samples_per_s": -5.0}, "`target_samples_per_s` expected None or > 0"),
-        ({"feed_margin": 0}, r"`feed_margin` expected a fraction in \(0, 1\]"),
+        ({"window_s": 0}, "`window_s` expected a finite number of seconds > 0"),
+        ({"tolerance": 1.5}, "`tolerance` expected a finite number > 0 and <= 1"),
+        ({"max_workers": -1}, "`max_workers` expected an int >= 0 and <= 1024 or None"),
+        ({"prefetch_factors": (0,)}, "`prefetch_factors` expected a non-empty tuple, each item an int >= 1"),
+        ({"target_samples_per_s": -5.0}, "`target_samples_per_s` expected a finite number of samples/s > 0"),
+        ({"feed_margin": 0}, "`feed_margin` expected a finite number > 0 and <= 1"),
     ],
 )
 def test_bad_tuning_arguments_are_named(kwargs: dict[str, Any], match: str) -> None:

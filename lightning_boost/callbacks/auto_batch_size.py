@@ -7,7 +7,7 @@ import math
 import time
 from collections.abc import Sized
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import lightning as L
 import torch
@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_boost._lightning import callbacks_of, datamodule_of, overrides, user_dataloaders
-from lightning_boost._validation import check_fraction, check_int, check_positive, unknown_choice_error
+from lightning_boost._validation import Fraction, Identifier, PositiveInt, Range, Seconds, validated
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.batch_probe import StepProbe, first_batch, is_oom
 from lightning_boost.data.datamodule import BoostedDataModule
@@ -27,7 +27,6 @@ from lightning_boost.data.tuner import hardware_for
 from lightning_boost.report import BoostWarning, Finding, Severity, plot_data
 from lightning_boost.tuning import cache
 from lightning_boost.tuning.batch_size import (
-    LR_RULES,
     Limits,
     Trial,
     accumulation,
@@ -42,6 +41,10 @@ from lightning_boost.tuning.rng import preserved_rng
 LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
 
 _GIB = 1024**3
+#: How learning rates follow the effective batch size (`lightning_boost.tuning.batch_size.LR_RULES`).
+LRScaling = Literal["linear", "sqrt"]
+#: Timed steps per size: past 100 a trial only repeats itself.
+MAX_STEPS = 100
 
 CACHE_FILE = "batch_size.json"
 #: What a cached result must hold to be used.
@@ -99,37 +102,26 @@ class AutoBatchSize(BoostCallback):
         trainer.fit(model, datamodule=CIFAR(batch_size=64))
     """
 
+    @validated
     def __init__(
         self,
         *,
-        init_batch_size: int | None = None,
-        max_batch_size: int | None = None,
-        headroom: float = 0.9,
-        cpu_memory_fraction: float = 0.5,
-        memory_budget_gib: float | None = None,
-        tolerance: float = 0.05,
-        time_budget_s: float = 60.0,
-        steps: int = 3,
-        target_global_batch_size: int | None = None,
-        lr_scaling: str | None = None,
-        reference_batch_size: int | None = None,
+        init_batch_size: PositiveInt | None = None,
+        max_batch_size: PositiveInt | None = None,
+        headroom: Fraction = 0.9,
+        cpu_memory_fraction: Fraction = 0.5,
+        memory_budget_gib: Annotated[float, Range(gt=0, unit="GiB")] | None = None,
+        tolerance: Annotated[float, Range(ge=0, lt=1)] = 0.05,
+        time_budget_s: Seconds = 60.0,
+        steps: Annotated[int, Range(ge=1, le=MAX_STEPS)] = 3,
+        target_global_batch_size: PositiveInt | None = None,
+        lr_scaling: LRScaling | None = None,
+        reference_batch_size: PositiveInt | None = None,
         check_validation: bool = True,
-        attr_name: str = "batch_size",
+        attr_name: Annotated[str, Identifier()] = "batch_size",
         retune: bool = False,
         cache_dir: str | Path | None = None,
     ) -> None:
-        check_int("init_batch_size", init_batch_size, 1, optional=True)
-        check_int("max_batch_size", max_batch_size, 1, optional=True)
-        check_fraction("headroom", headroom)
-        check_fraction("cpu_memory_fraction", cpu_memory_fraction)
-        check_positive("memory_budget_gib", memory_budget_gib, "GiB", optional=True)
-        check_fraction("tolerance", tolerance, zero_ok=True)
-        check_positive("time_budget_s", time_budget_s, "seconds")
-        check_int("steps", steps, 1)
-        check_int("target_global_batch_size", target_global_batch_size, 1, optional=True)
-        if lr_scaling is not None and lr_scaling not in LR_RULES:
-            raise unknown_choice_error("lr_scaling", lr_scaling, LR_RULES)
-        check_int("reference_batch_size", reference_batch_size, 1, optional=True)
         if reference_batch_size is not None and lr_scaling is None:
             raise ValueError(
                 "`reference_batch_size` only applies with `lr_scaling`: pass lr_scaling='linear' or 'sqrt'."
@@ -138,14 +130,6 @@ class AutoBatchSize(BoostCallback):
             raise ValueError(
                 f"`init_batch_size` ({init_batch_size}) expected to be at most"
                 f" `max_batch_size` ({max_batch_size})."
-            )
-        if not isinstance(attr_name, str) or not attr_name.isidentifier():
-            raise ValueError(f"`attr_name` expected an attribute name, got {attr_name!r}.")
-        if not isinstance(retune, bool):
-            raise TypeError(f"`retune` expected True or False, got {retune!r}.")
-        if cache_dir is not None and not isinstance(cache_dir, (str, Path)):
-            raise TypeError(
-                f"`cache_dir` expected a path (str or Path) or None, got {type(cache_dir).__name__}."
             )
         self.init_batch_size = init_batch_size
         self.max_batch_size = max_batch_size
@@ -193,6 +177,7 @@ class AutoBatchSize(BoostCallback):
         if self._restored and self.result:
             self.findings.append(_restored_finding(self.result))
         else:
+            _check_loader_reads(trainer, pl_module, self.attr_name, configured)
             self.result = self._tune(trainer, pl_module, configured)
             self.findings.append(_finding(self.result, self.tolerance))
         lightning_setattr(pl_module, self.attr_name, self.result["batch_size"])
@@ -351,6 +336,36 @@ def _check_has_batch_size(pl_module: L.LightningModule, name: str) -> None:
             " with `self.save_hyperparameters()`. Loaders passed to `trainer.fit(train_dataloaders=...)`"
             " cannot be re-batched: pass a datamodule instead."
         )
+
+
+def _check_loader_reads(trainer: L.Trainer, pl_module: L.LightningModule, name: str, configured: int) -> None:
+    """Raise before any measurement when the training loader does not take its batch size from `name`."""
+    datamodule = datamodule_of(trainer)
+    if isinstance(datamodule, BoostedDataModule) and (
+        type(datamodule).train_dataloader is BoostedDataModule.train_dataloader
+    ):
+        if name == "batch_size":
+            return
+        built: int | None = datamodule.batch_size
+    else:
+        lightning_setattr(pl_module, name, configured + 1)
+        try:
+            loader = user_dataloaders(trainer, "train")
+        finally:
+            lightning_setattr(pl_module, name, configured)
+        if isinstance(loader, (list, tuple)) and loader:
+            loader = loader[0]
+        if not isinstance(loader, DataLoader):
+            return  # `_split_data` says what is wrong with it
+        built = loader_batch_size(loader)
+        if built == configured + 1:
+            return
+    raise ValueError(
+        f"`attr_name` is {name!r}, but the training DataLoader does not read it: with `{name}` set to"
+        f" {configured + 1} it was built with batch_size={built}, so a tuned size would never reach"
+        f" training. Build the loader with `batch_size=self.{name}` in `train_dataloader()`, or pass"
+        " `attr_name=` the attribute it reads."
+    )
 
 
 def _split_data(trainer: L.Trainer, split: str) -> tuple[Any, Any] | None:

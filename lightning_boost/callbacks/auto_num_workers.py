@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_boost._lightning import datamodule_of, rebuild_dataloaders, reload_every_n_epochs
+from lightning_boost._validation import validated
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataModule
 from lightning_boost.data.loaders import (
@@ -51,11 +52,10 @@ class AutoNumWorkers(BoostCallback):
         trainer.fit(model, train_dataloaders=DataLoader(dataset, batch_size=64, shuffle=True))
     """
 
+    @validated
     def __init__(
         self, tuning: WorkerTuning | None = None, *, retune: bool = False, cache_dir: str | Path | None = None
     ) -> None:
-        if tuning is not None and not isinstance(tuning, WorkerTuning):
-            raise TypeError(f"`tuning` expected a WorkerTuning or None, got {type(tuning).__name__}.")
         self.tuning = tuning or WorkerTuning()
         self.retune = retune
         self.cache_dir = cache_dir

@@ -3,15 +3,23 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
+from lightning_boost._validation import PositiveInt, Range
 from lightning_boost.callbacks.boost_report import attach_report
 from lightning_boost.report import BoostWarning
 from lightning_boost.tuning.sources import Site
+
+#: What a guard does with what it finds: warn at the line, raise (for CI), or only report.
+GuardMode = Literal["warn", "error", "report"]
+#: How often a guard checks, when not following its overhead budget.
+EveryNSteps = PositiveInt | None
+#: The share of step time a guard's checks may take.
+Overhead = Annotated[float, Range(gt=0, lt=1)]
 
 
 class BoostCallback(L.Callback):

@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_boost._lightning import callbacks_of, datamodule_of
+from lightning_boost._validation import validated
 from lightning_boost.plots import matplotlib_missing, write_plots
 from lightning_boost.report import BoostWarning, Finding, Report
 
@@ -56,6 +57,7 @@ class BoostReport(L.Callback):
         trainer = L.Trainer(callbacks=[AutoNumWorkers(), BoostReport(console=False)])
     """
 
+    @validated
     def __init__(
         self,
         *,
@@ -65,14 +67,6 @@ class BoostReport(L.Callback):
         log_hyperparams: bool = True,
         dirpath: str | Path | None = None,
     ) -> None:
-        flags = {"console": console, "plots": plots, "log_hyperparams": log_hyperparams}
-        for name, value in flags.items():
-            if not isinstance(value, bool):
-                raise TypeError(f"`{name}` expected True or False, got {value!r}.")
-        if files is not None and not isinstance(files, bool):
-            raise TypeError(f"`files` expected True, False or None (where the run logs), got {files!r}.")
-        if dirpath is not None and not isinstance(dirpath, (str, Path)):
-            raise TypeError(f"`dirpath` expected a path or None, got {type(dirpath).__name__}.")
         self.console = console
         self.files = files
         self.plots = plots

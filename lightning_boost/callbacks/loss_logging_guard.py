@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Annotated, Any, get_args
 
 import lightning as L
 import torch
@@ -13,15 +13,17 @@ from lightning.pytorch.loggers import Logger
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_boost._validation import check_sampling, unknown_choice_error
-from lightning_boost.callbacks.base import BoostCallback
+from lightning_boost._validation import Matches, validated
+from lightning_boost.callbacks.base import BoostCallback, EveryNSteps, GuardMode, Overhead
 from lightning_boost.report import Finding, Severity, plot_data
 from lightning_boost.tuning.graphs import census, footprint, graph_tensors, growth, holds_graph, thin
 from lightning_boost.tuning.retained import Holder, format_bytes, unnamed_growth_fix
 from lightning_boost.tuning.sampling import Sampler, TimeBudget
 from lightning_boost.tuning.sources import Site, return_sites, store_sites, user_frame
 
-MODES = ("warn", "error", "report")
+MODES = get_args(GuardMode)
+#: An attribute of the module, or a dotted path into one.
+AttributePath = Annotated[str, Matches(r"(self\.)?[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", "hidden")]
 
 
 class RetainedGraphError(RuntimeError):
@@ -72,28 +74,23 @@ class LossLoggingGuard(BoostCallback):
             checks and half for the growth watch's scans.
 
     Raises:
-        ValueError: for an unknown `mode`, a bad `every_n_steps` or `max_overhead`.
-        TypeError: for `allow` given as one string or holding non-strings.
+        ValueError: for an unknown `mode`, a bad `every_n_steps` or `max_overhead`, or an `allow`
+            entry that is not an attribute name.
+        TypeError: for an argument of the wrong type (`allow` given as one string, ...).
 
     Example::
 
         trainer = L.Trainer(callbacks=[LossLoggingGuard(mode="error")])  # in CI
     """
 
+    @validated
     def __init__(
         self,
-        mode: str = "warn",
-        allow: Sequence[str] = (),
-        every_n_steps: int | None = None,
-        max_overhead: float = 0.005,
+        mode: GuardMode = "warn",
+        allow: Sequence[AttributePath] = (),
+        every_n_steps: EveryNSteps = None,
+        max_overhead: Overhead = 0.005,
     ) -> None:
-        if mode not in MODES:
-            raise unknown_choice_error("mode", mode, MODES)
-        if isinstance(allow, str) or not all(isinstance(name, str) and name for name in allow):
-            raise TypeError(
-                f"`allow` expected a list of attribute names, got {allow!r}; e.g. `allow=['hidden']`."
-            )
-        check_sampling(every_n_steps, max_overhead)
         self.mode = mode
         self.allow = tuple(name.removeprefix("self.") for name in allow)
         self.every_n_steps = every_n_steps

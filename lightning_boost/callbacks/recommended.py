@@ -6,8 +6,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning as L
+from typing_extensions import TypedDict, Unpack
 
-from lightning_boost._validation import unknown_choice_error
+from lightning_boost._validation import validated
 from lightning_boost.callbacks.auto_num_workers import AutoNumWorkers
 from lightning_boost.callbacks.boost_report import BoostReport
 from lightning_boost.callbacks.loss_logging_guard import LossLoggingGuard
@@ -24,7 +25,18 @@ RECOMMENDED: dict[str, Callable[..., L.Callback]] = {
 }
 
 
-def boost_callbacks(**options: bool | Mapping[str, Any]) -> list[L.Callback]:
+class RecommendedOptions(TypedDict, total=False):
+    """`boost_callbacks`' options: each on (``True``), off (``False``) or the callback's arguments."""
+
+    auto_num_workers: bool | Mapping[str, Any]
+    step_time_monitor: bool | Mapping[str, Any]
+    loss_logging_guard: bool | Mapping[str, Any]
+    sync_guard: bool | Mapping[str, Any]
+    boost_report: bool | Mapping[str, Any]
+
+
+@validated
+def boost_callbacks(**options: Unpack[RecommendedOptions]) -> list[L.Callback]:
     """The recommended callbacks: worker tuning, step-time monitoring, the two guards, the report.
 
     Each option is named after a callback and is ``True`` (on, with its defaults, the default),
@@ -41,8 +53,9 @@ def boost_callbacks(**options: bool | Mapping[str, Any]) -> list[L.Callback]:
     ====================== ==================== ================================================
 
     Raises:
-        ValueError: for an unknown option (with close matches).
-        TypeError: for a value that is not a bool or a dict.
+        TypeError: for an unknown option (with close matches), a value that is not a bool or a
+            dict, or a dict key the callback does not take.
+        ValueError: for a bad value in a callback's dict.
 
     Example:
         >>> [type(c).__name__ for c in boost_callbacks(step_time_monitor={"threshold": 0.2})]
@@ -50,17 +63,9 @@ def boost_callbacks(**options: bool | Mapping[str, Any]) -> list[L.Callback]:
         >>> [type(c).__name__ for c in boost_callbacks(auto_num_workers=False)]
         ['StepTimeMonitor', 'LossLoggingGuard', 'SyncGuard', 'BoostReport']
     """
-    for name, value in options.items():
-        if name not in RECOMMENDED:
-            raise unknown_choice_error("option", name, RECOMMENDED)
-        if not isinstance(value, (bool, Mapping)):
-            raise TypeError(
-                f"`{name}` expected True, False or a dict of {RECOMMENDED[name].__name__}'s arguments,"
-                f" got {type(value).__name__}."
-            )
     callbacks = []
     for name, factory in RECOMMENDED.items():
-        value = options.get(name, True)
+        value: bool | Mapping[str, Any] = options.get(name, True)  # type: ignore[assignment]
         if value is False:
             continue
         callbacks.append(factory(**value) if isinstance(value, Mapping) else factory())

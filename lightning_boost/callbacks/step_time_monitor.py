@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import lightning as L
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_boost._lightning import callbacks_of, datamodule_of, training_log_step
+from lightning_boost._validation import Count, Range, validated
 from lightning_boost.callbacks.auto_num_workers import AutoNumWorkers
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataModule
@@ -47,18 +48,16 @@ class StepTimeMonitor(BoostCallback):
         warmup_steps: first steps left out of the verdict (worker start-up, CUDA warm-up).
 
     Raises:
-        ValueError: for a threshold outside (0, 1) or negative `warmup_steps`.
+        TypeError, ValueError: for a threshold that is not a number in (0, 1) or `warmup_steps`
+            that is not an int >= 0.
 
     Example::
 
         trainer = L.Trainer(callbacks=[StepTimeMonitor(threshold=0.1)])
     """
 
-    def __init__(self, threshold: float = 0.1, warmup_steps: int = 3) -> None:
-        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < 1:
-            raise ValueError(f"`threshold` expected a fraction between 0 and 1, got {threshold!r}.")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
-            raise ValueError(f"`warmup_steps` expected an int >= 0, got {warmup_steps!r}.")
+    @validated
+    def __init__(self, threshold: Annotated[float, Range(gt=0, lt=1)] = 0.1, warmup_steps: Count = 3) -> None:
         self.threshold = float(threshold)
         self.warmup_steps = warmup_steps
         self.times = StepTimes(warmup_steps)

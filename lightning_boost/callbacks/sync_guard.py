@@ -8,14 +8,14 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import Annotated, Any, Literal, get_args
 
 import lightning as L
 import torch
 from typing_extensions import override
 
-from lightning_boost._validation import check_sampling, unknown_choice_error
-from lightning_boost.callbacks.base import BoostCallback
+from lightning_boost._validation import Matches, validated
+from lightning_boost.callbacks.base import BoostCallback, EveryNSteps, GuardMode, Overhead
 from lightning_boost.report import Finding, Severity
 from lightning_boost.tuning.sampling import Sampler
 from lightning_boost.tuning.sources import Site
@@ -30,8 +30,11 @@ from lightning_boost.tuning.syncs import (
     frames_from,
 )
 
-MODES = ("warn", "error", "report")
-SCOPES = ("steps", "fit")
+MODES = get_args(GuardMode)
+Scope = Literal["steps", "fit"]
+SCOPES = get_args(Scope)
+#: A line of the user's code, as the end of its location.
+Location = Annotated[str, Matches(r".+:[0-9]+", "model.py:57")]
 
 
 class SyncError(RuntimeError):
@@ -114,32 +117,24 @@ class SyncGuard(BoostCallback):
             checked; an audit, not for long runs).
 
     Raises:
-        ValueError: for an unknown `mode` or `scope`, a bad `every_n_steps` or `max_overhead`.
-        TypeError: for `allow` given as one string or holding something other than locations.
+        ValueError: for an unknown `mode` or `scope`, a bad `every_n_steps` or `max_overhead`, or
+            an `allow` entry that is not a location.
+        TypeError: for an argument of the wrong type (`allow` given as one string, ...).
 
     Example::
 
         trainer = L.Trainer(callbacks=[SyncGuard(mode="error")])  # in CI
     """
 
+    @validated
     def __init__(
         self,
-        mode: str = "warn",
-        allow: Sequence[str] = (),
-        every_n_steps: int | None = None,
-        max_overhead: float = 0.005,
-        scope: str = "steps",
+        mode: GuardMode = "warn",
+        allow: Sequence[Location] = (),
+        every_n_steps: EveryNSteps = None,
+        max_overhead: Overhead = 0.005,
+        scope: Scope = "steps",
     ) -> None:
-        if mode not in MODES:
-            raise unknown_choice_error("mode", mode, MODES)
-        if scope not in SCOPES:
-            raise unknown_choice_error("scope", scope, SCOPES)
-        if isinstance(allow, str) or not all(_is_location(entry) for entry in allow):
-            raise TypeError(
-                f"`allow` expected a list of locations like 'model.py:57', got {allow!r};"
-                " e.g. `allow=['model.py:57']`."
-            )
-        check_sampling(every_n_steps, max_overhead)
         self.mode = mode
         self.allow = tuple(allow)
         self.every_n_steps = every_n_steps
@@ -353,13 +348,6 @@ class SyncGuard(BoostCallback):
                 )
             )
         return findings
-
-
-def _is_location(entry: object) -> bool:
-    if not isinstance(entry, str) or ":" not in entry:
-        return False
-    file, _, line = entry.rpartition(":")
-    return bool(file) and line.isdigit()
 
 
 def _error_message(group: SyncGroup, pattern: str) -> str:

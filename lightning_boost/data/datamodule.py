@@ -10,14 +10,14 @@ from typing import Any
 
 import lightning as L
 from lightning.fabric.utilities.seed import pl_worker_init_function
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 from typing_extensions import override
 
 from lightning_boost._lightning import overrides, reload_every_n_epochs
-from lightning_boost._validation import unknown_choice_error
+from lightning_boost._validation import Count, PositiveInt, unknown_choice_error, validated
 from lightning_boost.data.loaders import keep_workers_alive
 from lightning_boost.data.tuner import WorkerTuner, hardware_for, workload
-from lightning_boost.report import Finding
+from lightning_boost.report import Finding, Severity
 from lightning_boost.tuning.workers import WorkerTuning
 
 #: Loader arguments the mixin manages itself; the rest of DataLoader's may go in `loader_kwargs`.
@@ -65,8 +65,9 @@ class BoostedDataModule(L.LightningDataModule):
             ``multiprocessing_context``, ``worker_init_fn``, ...).
 
     Raises:
-        ValueError: for a batch size below 1, a negative worker count, or a `loader_kwargs` key
-            that is not a DataLoader argument or that has its own parameter here.
+        TypeError, ValueError: for an argument that does not fit its type (a batch size below 1,
+            a negative worker count, ``shuffle="no"``, ...), or a `loader_kwargs` key that is not
+            a DataLoader argument or that has its own parameter here.
 
     Example::
 
@@ -83,15 +84,16 @@ class BoostedDataModule(L.LightningDataModule):
     test_dataset: Dataset[Any] | None = None
     predict_dataset: Dataset[Any] | None = None
 
+    @validated
     def __init__(
         self,
-        batch_size: int = 32,
+        batch_size: PositiveInt = 32,
         *,
         shuffle: bool = True,
         drop_last: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
-        num_workers: int | None = None,
-        prefetch_factor: int | None = None,
+        num_workers: Count | None = None,
+        prefetch_factor: PositiveInt | None = None,
         pin_memory: bool | None = None,
         persistent_workers: bool | None = None,
         device_transforms: Callable[[Any], Any] | None = None,
@@ -102,15 +104,8 @@ class BoostedDataModule(L.LightningDataModule):
         loader_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        _check_int("batch_size", batch_size, 1, optional=False)  # None would load single samples
-        _check_int("num_workers", num_workers, 0)
-        _check_int("prefetch_factor", prefetch_factor, 1)
         if prefetch_factor is not None and num_workers == 0:
             raise ValueError("`prefetch_factor` expected None with `num_workers=0` (no workers load ahead).")
-        for name, value in (("collate_fn", collate_fn), ("device_transforms", device_transforms),
-                            ("eval_device_transforms", eval_device_transforms)):  # fmt: skip
-            if value is not None and not callable(value):
-                raise TypeError(f"`{name}` expected a callable or None, got {type(value).__name__}.")
         self.batch_size = batch_size
         self.shuffle = shuffle
         self.drop_last = drop_last
@@ -171,10 +166,33 @@ class BoostedDataModule(L.LightningDataModule):
                 f"`{type(self).__name__}.{split}_dataset` is not set: assign `self.{split}_dataset = ...` "
                 f"in `setup()` for the stage that needs it."
             )
+        if isinstance(dataset, IterableDataset):
+            shuffle = self._stream_order(split, dataset, shuffle)
+        elif not hasattr(dataset, "__len__"):
+            raise TypeError(
+                f"`{type(self).__name__}.{split}_dataset` ({type(dataset).__name__}) has no `__len__`:"
+                " the DataLoader's sampler needs the length of a map-style dataset. Define `__len__`,"
+                " or subclass `torch.utils.data.IterableDataset` if it is a stream."
+            )
         settings = self.loader_settings(self.train_dataset if self.train_dataset is not None else dataset)
         return DataLoader(
             dataset, batch_size=self.batch_size, shuffle=shuffle, drop_last=drop_last, **settings
         )
+
+    def _stream_order(self, split: str, dataset: IterableDataset[Any], shuffle: bool) -> bool:
+        """An IterableDataset orders its own samples: the DataLoader takes no ``shuffle`` for it."""
+        if shuffle and split == "train":
+            self.worker_tuner.add_finding(
+                Finding(
+                    "BoostedDataModule",
+                    "data",
+                    Severity.INFO,
+                    f"`shuffle` left to {type(dataset).__name__}",
+                    "an IterableDataset yields samples in its own order; a DataLoader cannot shuffle it",
+                    "shuffle inside the dataset's `__iter__` (e.g. a shuffle buffer), or pass shuffle=False",
+                )
+            )
+        return False
 
     def loader_settings(self, tuning_dataset: Dataset[Any]) -> dict[str, Any]:
         """Every DataLoader argument but dataset, batch size, shuffle and drop_last.
@@ -227,14 +245,6 @@ class BoostedDataModule(L.LightningDataModule):
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.worker_tuner.load_state_dict(state_dict.get("worker_tuner", {}))
-
-
-def _check_int(name: str, value: int | None, minimum: int, optional: bool = True) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        expected = f"None or an int >= {minimum}" if optional else f"an int >= {minimum}"
-        raise ValueError(f"`{name}` expected {expected}, got {value!r}.")
 
 
 def _checked_loader_kwargs(loader_kwargs: Mapping[str, Any]) -> dict[str, Any]:

@@ -66,8 +66,9 @@ def cannot_measure(dataset: object) -> str | None:
     """Why worker tuning cannot measure `dataset` without consuming it, or ``None`` when it can."""
     if isinstance(dataset, IterableDataset):
         return (
-            f"{type(dataset).__name__} is an IterableDataset: timing it would consume the stream "
-            "and its sharding across workers is the dataset's own. Set `num_workers` by hand."
+            f"{type(dataset).__name__} is an IterableDataset: timing it would consume the stream, and"
+            " how it splits across workers is its own (each worker must read its own shard, e.g. by"
+            " `torch.utils.data.get_worker_info()`)"
         )
     if not hasattr(dataset, "__getitem__") or not hasattr(dataset, "__len__"):
         return f"{type(dataset).__name__} has no `__getitem__` and `__len__` to sample from."

@@ -395,7 +395,14 @@ def choice_findings(source: str, choice: WorkerChoice) -> list[Finding]:
         detail += f" The training step alone: {choice.consumer_samples_per_s:.0f} samples/s."
     if choice.skipped and choice.source == "measured":
         detail += " Not tried: " + "; ".join(choice.skipped) + "."
-    fell_back = choice.reason.startswith("fell back") or choice.source in ("error", "unmeasurable")
+    if choice.source == "unmeasurable":
+        why = choice.reason.removeprefix("not measured: ")
+        return [
+            Finding(
+                source, "data", Severity.INFO, f"{label}: not measured", why, "Set `num_workers` by hand."
+            )
+        ]
+    fell_back = choice.reason.startswith("fell back") or choice.source == "error"
     data = {**choice.to_dict(), "cost_s": round(choice.seconds, 3)}
     plot = worker_plot(choice) if choice.source == "measured" else None
     if plot is not None:

@@ -7,12 +7,13 @@ See `presets()` for the names and the README's preset table for what each sets a
 
 from __future__ import annotations
 
-from typing import Any
-
+import torch
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
+from typing_extensions import Unpack
 
+from lightning_boost._validation import Count, validated
 from lightning_boost.hardware import HardwareInfo
-from lightning_boost.presets.plans import PRESETS, PresetPlan, plan_preset
+from lightning_boost.presets.plans import PRESETS, PresetName, PresetOverrides, PresetPlan, plan_preset
 from lightning_boost.presets.strategies import (
     PresetDDPStrategy,
     PresetFSDPStrategy,
@@ -24,6 +25,8 @@ from lightning_boost.presets.strategies import (
 __all__ = [
     "PresetDDPStrategy",
     "PresetFSDPStrategy",
+    "PresetName",
+    "PresetOverrides",
     "PresetPlan",
     "PresetSingleDeviceStrategy",
     "PresetStrategy",
@@ -33,8 +36,13 @@ __all__ = [
 ]
 
 
+@validated
 def preset(
-    name: str, *, hardware: HardwareInfo | None = None, model: object = None, **overrides: Any
+    name: PresetName,
+    *,
+    hardware: HardwareInfo | None = None,
+    model: torch.nn.Module | Count | None = None,
+    **overrides: Unpack[PresetOverrides],
 ) -> PresetStrategy:
     """A configured Lightning Strategy instance for `name`, with the precision that fits.
 
@@ -47,8 +55,10 @@ def preset(
             ``cudnn_benchmark``, and the strategy's own (e.g. ``static_graph=True``).
 
     Raises:
-        ValueError: for an unknown name or override (with close matches and the list), a
-            precision the hardware cannot run, or FSDP without CUDA.
+        TypeError: for an unknown override (with close matches) or an argument of the wrong type.
+        ValueError: for an unknown name (with close matches), an override the preset's strategy
+            does not take, a bad override value, a precision the hardware cannot run, or FSDP
+            without CUDA.
 
     Example:
         >>> from lightning_boost.hardware import EXAMPLES

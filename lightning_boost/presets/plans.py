@@ -9,9 +9,11 @@ import functools
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from lightning_boost._validation import unknown_choice_error
+from typing_extensions import TypedDict
+
+from lightning_boost._validation import OneOf, PositiveInt, Range, unknown_choice_error
 from lightning_boost.hardware import GIB, MIB, HardwareInfo
 from lightning_boost.precision import auto_precision
 from lightning_boost.report import Finding, Severity
@@ -24,6 +26,8 @@ PRESETS: dict[str, str] = {
     "fsdp": "fully sharded data parallel for models that do not fit per device",
 }
 
+#: The preset names (`PRESETS` describes each).
+PresetName = Literal["auto", "fast-ddp", "fast-ddp-multinode", "fsdp"]
 #: Precisions a preset can carry (Lightning's names).
 PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
 #: Lightning's short spellings and what they mean.
@@ -62,6 +66,46 @@ _FSDP_OVERRIDES = (
 )
 _OVERRIDES = {"single": _COMMON_OVERRIDES, "ddp": _COMMON_OVERRIDES + _DDP_OVERRIDES}
 _OVERRIDES["fsdp"] = _COMMON_OVERRIDES + _FSDP_OVERRIDES
+
+
+def distributed_backends() -> list[str]:
+    """The process-group backends this torch has registered (``gloo``, ``nccl``, ``mpi``, ...)."""
+    import torch.distributed
+
+    return [name for name in torch.distributed.Backend.backend_list if name != "undefined"]
+
+
+class _BackendSpec(OneOf):
+    """A backend name, or a per-device list such as ``"cpu:gloo,cuda:nccl"``."""
+
+    def holds(self, value: Any) -> bool:
+        return all(super(_BackendSpec, self).holds(part.rpartition(":")[2]) for part in value.split(","))
+
+
+class PresetOverrides(TypedDict, total=False):
+    """What ``preset(name, **overrides)`` takes instead of its own choice (each kind takes some)."""
+
+    precision: Literal[
+        "32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "32", "16", "bf16", 32, 16
+    ]
+    tf32: bool
+    cudnn_benchmark: bool
+    find_unused_parameters: bool
+    gradient_as_bucket_view: bool
+    bucket_cap_mb: Annotated[float, Range(gt=0, unit="MB")]
+    static_graph: bool
+    batched_grad_copy: bool
+    process_group_backend: Annotated[str, _BackendSpec(distributed_backends)] | None
+    start_method: Literal["popen", "spawn", "fork", "forkserver"]
+    comm_hook: Literal["bf16_compress", "fp16_compress"] | None
+    sharding_strategy: Literal[
+        "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"
+    ]
+    min_num_params: PositiveInt
+    state_dict_type: Literal["full", "sharded"]
+    cpu_offload: bool
+    limit_all_gathers: bool
+    use_orig_params: bool
 
 
 @dataclass(frozen=True)

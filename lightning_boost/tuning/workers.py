@@ -32,17 +32,22 @@ import math
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
 
 import torch
 
+from lightning_boost._validation import Fraction, NonEmpty, PositiveInt, Range, Seconds, validated
 from lightning_boost.hardware import HardwareInfo
+
+#: More worker processes than any machine runs: a cap above this is a mistake, not a cap.
+MAX_WORKERS_CAP = 1024
 
 Clock = Callable[[], float]
 #: ``measure(num_workers, prefetch_factor)``: one timed trial of a loader setting.
 Measure = Callable[[int, "int | None"], "WorkerTrial"]
 
 
+@validated
 @dataclass(frozen=True)
 class WorkerTuning:
     """How worker tuning measures and decides.
@@ -67,43 +72,28 @@ class WorkerTuning:
             (to cache the result for a longer run).
 
     Raises:
-        ValueError: for a non-positive time, a fraction outside (0, 1], or a prefetch factor < 1.
+        TypeError, ValueError: for a value that does not fit its field (a time that is not a
+            finite number > 0, a fraction outside (0, 1], a prefetch factor < 1, ...).
 
     Example:
         >>> WorkerTuning(window_s=1.0).prefetch_factors
         (2, 4)
     """
 
-    window_s: float = 0.5
-    budget_s: float = 60.0
-    timeout_s: float = 30.0
-    tolerance: float = 0.05
-    max_workers: int | None = None
-    prefetch_factors: tuple[int, ...] = (2, 4)
-    target_samples_per_s: float | None = None
-    feed_margin: float = 0.25
-    ram_fraction: float = 0.25
-    shm_fraction: float = 0.5
+    window_s: Seconds = 0.5
+    budget_s: Seconds = 60.0
+    timeout_s: Seconds = 30.0
+    tolerance: Fraction = 0.05
+    max_workers: Annotated[int, Range(ge=0, le=MAX_WORKERS_CAP)] | None = None
+    prefetch_factors: Annotated[tuple[PositiveInt, ...], NonEmpty()] = (2, 4)
+    target_samples_per_s: Annotated[float, Range(gt=0, unit="samples/s")] | None = None
+    feed_margin: Fraction = 0.25
+    ram_fraction: Fraction = 0.25
+    shm_fraction: Fraction = 0.5
     skip_short_runs: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("window_s", "budget_s", "timeout_s"):
-            if not getattr(self, name) > 0:
-                value = getattr(self, name)
-                raise ValueError(f"`{name}` expected a positive number of seconds, got {value}.")
-        for name in ("tolerance", "feed_margin", "ram_fraction", "shm_fraction"):
-            if not 0 < getattr(self, name) <= 1:
-                raise ValueError(f"`{name}` expected a fraction in (0, 1], got {getattr(self, name)}.")
-        if self.max_workers is not None and self.max_workers < 0:
-            raise ValueError(f"`max_workers` expected None or >= 0, got {self.max_workers}.")
-        factors = tuple(self.prefetch_factors)
-        if not factors or any(not isinstance(f, int) or f < 1 for f in factors):
-            raise ValueError(f"`prefetch_factors` expected integers >= 1, e.g. (2, 4), got {factors}.")
-        object.__setattr__(self, "prefetch_factors", factors)
-        if not isinstance(self.skip_short_runs, bool):
-            raise TypeError(f"`skip_short_runs` expected True or False, got {self.skip_short_runs!r}.")
-        if self.target_samples_per_s is not None and not self.target_samples_per_s > 0:
-            raise ValueError(f"`target_samples_per_s` expected None or > 0, got {self.target_samples_per_s}.")
+        object.__setattr__(self, "prefetch_factors", tuple(self.prefetch_factors))
 
     @property
     def need(self) -> float | None:
