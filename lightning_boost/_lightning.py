@@ -52,6 +52,21 @@ def overrides(instance: object, hook: str) -> bool:
     return True
 
 
+def is_lightning(instance: object, *names: str) -> bool:
+    """Whether `instance` is of Lightning's class named one of `names` (or a subclass), under either
+    namespace: ``isinstance`` against ``lightning``'s class is false for ``pytorch_lightning``'s.
+
+    Example:
+        >>> from pytorch_lightning.loggers import CSVLogger
+        >>> is_lightning(CSVLogger("logs"), "TensorBoardLogger", "CSVLogger")
+        True
+    """
+    return any(
+        base.__name__ in names and base.__module__.split(".")[0] in ("lightning", "pytorch_lightning")
+        for base in type(instance).__mro__
+    )
+
+
 def reload_every_n_epochs(trainer: L.Trainer) -> int:
     """``Trainer(reload_dataloaders_every_n_epochs=...)``, which Lightning stores without declaring it."""
     return int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0))

@@ -225,7 +225,7 @@ def validated(target: _T) -> _T:
     if isinstance(target, type):
         init = target.__init__  # type: ignore[misc]
         hints_of: Any = target if dataclasses.is_dataclass(target) else init
-        target.__init__ = _wrap(init, target.__name__, hints_of)  # type: ignore[misc]
+        target.__init__ = _wrap(init, f"{target.__name__}.__init__", hints_of)  # type: ignore[misc]
         return target
     function: Any = target
     return _wrap(function, function.__qualname__, function)  # type: ignore[return-value]
@@ -233,23 +233,24 @@ def validated(target: _T) -> _T:
 
 def _wrap(func: Callable[..., Any], label: str, hints_of: Any) -> Callable[..., Any]:
     signature = inspect.signature(func)
-    label = label.removesuffix(".__init__")
+    method = label.endswith(".__init__")
 
     @functools.wraps(func)
     def checked(*args: Any, **kwargs: Any) -> Any:
         hints = _hints(hints_of)
-        bound = _bind(signature, label, hints, args, kwargs)
-        for name, value in bound.arguments.items():
-            parameter = signature.parameters[name]
-            hint = hints.get(name)
+        name = type(args[0]).__name__ if method and args else label  # the class the user built
+        bound = _bind(signature, name, hints, args, kwargs)
+        for argument, value in bound.arguments.items():
+            parameter = signature.parameters[argument]
+            hint = hints.get(argument)
             if hint is None:
                 continue
             if parameter.kind is inspect.Parameter.VAR_KEYWORD and get_origin(hint) in _UNPACK:
                 keys = _hints(get_args(hint)[0])
                 for key, item in value.items():
-                    check_argument(key, keys[key], item, fix=f"Leave `{key}` out for {label}()'s default.")
+                    check_argument(key, keys[key], item, fix=f"Leave `{key}` out for {name}()'s default.")
             elif parameter.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
-                check_argument(name, hint, value, parameter.default)
+                check_argument(argument, hint, value, parameter.default)
         return func(*args, **kwargs)
 
     return checked

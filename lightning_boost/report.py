@@ -2,7 +2,7 @@
 
 Every boost part returns what it found as `Finding` objects; a `Report` collects them with the
 values the run was tuned to and renders them once: a console table, a JSON document with a stable
-schema (documented in the README), and Markdown. The `BoostReport` callback builds one at the end
+schema (documented in docs/report.md), and Markdown. The `BoostReport` callback builds one at the end
 of each fit. Nothing in the package prints on its own.
 """
 
@@ -155,7 +155,7 @@ class Report:
         return [(area, found) for area, found in groups if found]
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON document; the README's "Report files" section documents every key."""
+        """The JSON document; the "Report files" section of docs/report.md documents every key."""
         from lightning_boost import __version__
 
         return {

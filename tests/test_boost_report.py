@@ -64,7 +64,7 @@ def test_plain_trainer_gets_no_report(tmp_path: Path) -> None:
 
 
 def check_schema(document: dict[str, Any]) -> None:
-    """The README's "Report files" schema, key by key."""
+    """The "Report files" schema of docs/report.md, key by key."""
     assert list(document) == [
         "schema_version",
         "lightning_boost_version",

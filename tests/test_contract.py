@@ -14,10 +14,14 @@ from typing import Any
 
 import lightning as L
 import pytest
+import pytorch_lightning as pl
+import torch
 from lightning.pytorch.cli import LightningCLI
 
 import lightning_boost
-from lightning_boost.testing import BoringDataModule, BoringModel, cpu_only, tiny_trainer
+from lightning_boost import AutoBatchSize, WorkerTuning
+from lightning_boost import pytorch_lightning as pl_boost
+from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, cpu_only, tiny_trainer
 
 CALLBACKS: list[type[L.Callback]] = sorted(
     (
@@ -165,3 +169,73 @@ def test_the_callbacks_run_under_the_pytorch_lightning_namespace(tmp_path: Path)
     assert trainer.state.finished and model.batch_size == trainer.train_dataloader.batch_size
     (workers,) = [c for c in callbacks if isinstance(c, AutoNumWorkers)]
     assert workers.worker_tuner.choices  # the loader was measured and rebuilt
+
+
+class _PlModel(pl.LightningModule):
+    """A `pytorch_lightning` module: the Trainer, strategy and datamodule must all be of that namespace."""
+
+    def __init__(self, out: str = "") -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(32, 2)
+        self.batch_size = 8
+        self.out = out
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    def on_train_end(self) -> None:
+        if self.out:
+            record = {"strategy": type(self.trainer.strategy).__name__, "weight": self.layer.weight.tolist()}
+            Path(self.out, f"rank{self.global_rank}.json").write_text(json.dumps(record))
+
+
+class _PlData(pl_boost.BoostedDataModule):
+    def setup(self, stage: str) -> None:
+        self.train_dataset = RandomDataset(length=128)
+
+
+def test_the_preset_and_datamodule_run_under_the_pytorch_lightning_namespace(tmp_path: Path) -> None:
+    # `pl.Trainer` rejects `lightning.pytorch` strategies and datamodules: these are pl's classes
+    from lightning_boost.hardware import EXAMPLES
+
+    strategy = pl_boost.preset("auto", hardware=EXAMPLES["cpu"])
+    assert isinstance(strategy, pl.strategies.SingleDeviceStrategy)
+    assert isinstance(strategy.precision_plugin, pl.plugins.precision.Precision)
+    datamodule = _PlData(batch_size=8, worker_tuning=WorkerTuning(window_s=0.2, prefetch_factors=(2,)))
+    batch_size = AutoBatchSize(max_batch_size=32, steps=1)
+    trainer = tiny_trainer(
+        tmp_path,
+        trainer_class=pl.Trainer,
+        strategy=strategy,
+        callbacks=[batch_size],
+        enable_checkpointing=False,
+    )
+    trainer.fit(_PlModel(), datamodule=datamodule)
+    assert trainer.state.finished and trainer.strategy is strategy
+    assert datamodule.worker_tuner.choices  # the loaders were tuned
+    assert trainer.train_dataloader.batch_size == datamodule.batch_size == batch_size.result["batch_size"]
+    report = next(c for c in trainer.callbacks if isinstance(c, lightning_boost.BoostReport)).report
+    assert report is not None
+    areas = {finding.area for finding in report.findings}
+    assert {"precision and strategy", "data", "batch size"} <= areas
+    assert (Path(trainer.logger.log_dir) / "boost_report.json").exists()  # the logger's own directory
+
+
+@pytest.mark.ddp
+def test_fast_ddp_runs_two_processes_under_the_pytorch_lightning_namespace(tmp_path: Path) -> None:
+    strategy = pl_boost.preset("fast-ddp", start_method="spawn")
+    trainer = tiny_trainer(
+        tmp_path,
+        trainer_class=pl.Trainer,
+        devices=2,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(_PlModel(str(tmp_path)), datamodule=_PlData(batch_size=8, num_workers=0))
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["strategy"] for r in ranks] == ["PresetDDPStrategy"] * 2
+    assert ranks[0]["weight"] == ranks[1]["weight"]

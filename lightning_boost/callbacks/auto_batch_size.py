@@ -21,7 +21,7 @@ from lightning_boost._lightning import callbacks_of, datamodule_of, overrides, u
 from lightning_boost._validation import Fraction, Identifier, PositiveInt, Range, Seconds, validated
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.batch_probe import StepProbe, first_batch, is_oom
-from lightning_boost.data.datamodule import BoostedDataModule
+from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.data.loaders import describe_dataset, describe_model, hardware_parts, loader_batch_size
 from lightning_boost.data.tuner import hardware_for
 from lightning_boost.report import BoostWarning, Finding, Severity, plot_data
@@ -341,8 +341,8 @@ def _check_has_batch_size(pl_module: L.LightningModule, name: str) -> None:
 def _check_loader_reads(trainer: L.Trainer, pl_module: L.LightningModule, name: str, configured: int) -> None:
     """Raise before any measurement when the training loader does not take its batch size from `name`."""
     datamodule = datamodule_of(trainer)
-    if isinstance(datamodule, BoostedDataModule) and (
-        type(datamodule).train_dataloader is BoostedDataModule.train_dataloader
+    if isinstance(datamodule, BoostedDataMixin) and (
+        type(datamodule).train_dataloader is BoostedDataMixin.train_dataloader
     ):
         if name == "batch_size":
             return
@@ -372,7 +372,7 @@ def _split_data(trainer: L.Trainer, split: str) -> tuple[Any, Any] | None:
     """The dataset and collate function of the run's `split` loader (the first one if several)."""
     datamodule = datamodule_of(trainer)
     if isinstance(
-        datamodule, BoostedDataModule
+        datamodule, BoostedDataMixin
     ):  # its datasets are at hand; building a loader would tune workers
         dataset = getattr(datamodule, f"{split}_dataset")
         return None if dataset is None else (dataset, datamodule.collate_fn)

@@ -13,7 +13,7 @@ from typing_extensions import override
 from lightning_boost._lightning import datamodule_of, rebuild_dataloaders, reload_every_n_epochs
 from lightning_boost._validation import validated
 from lightning_boost.callbacks.base import BoostCallback
-from lightning_boost.data.datamodule import BoostedDataModule
+from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.data.loaders import (
     MEASURED_SETTINGS,
     cannot_rebuild,
@@ -70,7 +70,7 @@ class AutoNumWorkers(BoostCallback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)  # attaches the report
-        if isinstance(datamodule_of(trainer), BoostedDataModule):
+        if isinstance(datamodule_of(trainer), BoostedDataMixin):
             return  # it tunes its own loaders, or the user fixed `num_workers` on it
         self._undo = rebuild_dataloaders(
             trainer, stage, lambda split, loaders: self._rebuild(trainer, split, loaders)

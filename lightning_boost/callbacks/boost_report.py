@@ -7,14 +7,12 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.callbacks import RichProgressBar
-from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_warn
 from rich.console import Console
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_boost._lightning import callbacks_of, datamodule_of
+from lightning_boost._lightning import callbacks_of, datamodule_of, is_lightning
 from lightning_boost._validation import validated
 from lightning_boost.plots import matplotlib_missing, write_plots
 from lightning_boost.report import BoostWarning, Finding, Report
@@ -31,7 +29,7 @@ class BoostReport(L.Callback):
     - a console table grouped by area (environment, data, batch size, precision and strategy,
       syncs, retained graphs, step time), each row with what was found, its cost where measured
       and the fix;
-    - ``boost_report.json`` (schema in the README), ``boost_report.md`` and PNG plots
+    - ``boost_report.json`` (schema in docs/report.md), ``boost_report.md`` and PNG plots
       (``boost_<name>.png``, with matplotlib) in the run's log directory, when it has a logger
       (with ``logger=False`` nothing is written unless asked: `files` or `dirpath`);
     - when training starts, the values the run was tuned to (batch size, workers, precision,
@@ -180,7 +178,7 @@ def log_dir(trainer: L.Trainer) -> Path:
     """`Trainer.log_dir` without its broadcast, so rank zero alone can ask (even after a failure)."""
     if trainer.loggers:
         logger = trainer.loggers[0]
-        path = logger.log_dir if isinstance(logger, (TensorBoardLogger, CSVLogger)) else logger.save_dir
+        path = logger.log_dir if is_lightning(logger, "TensorBoardLogger", "CSVLogger") else logger.save_dir
         if path is not None:
             return Path(path)
     return Path(trainer.default_root_dir)
@@ -189,7 +187,7 @@ def log_dir(trainer: L.Trainer) -> Path:
 def _console(trainer: L.Trainer) -> Console:
     """The live rich progress bar's console when there is one (the table then prints above it)."""
     bar = trainer.progress_bar_callback
-    progress = getattr(bar, "progress", None) if isinstance(bar, RichProgressBar) else None
+    progress = getattr(bar, "progress", None) if is_lightning(bar, "RichProgressBar") else None
     return progress.console if progress is not None else Console()
 
 

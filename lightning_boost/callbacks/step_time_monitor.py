@@ -12,7 +12,7 @@ from lightning_boost._lightning import callbacks_of, datamodule_of, training_log
 from lightning_boost._validation import Count, Range, validated
 from lightning_boost.callbacks.auto_num_workers import AutoNumWorkers
 from lightning_boost.callbacks.base import BoostCallback
-from lightning_boost.data.datamodule import BoostedDataModule
+from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.data.tuner import hardware_for
 from lightning_boost.report import Finding, Severity, plot_data
 from lightning_boost.tuning.step_time import CudaClock, HostClock, StepTimes, input_bound_fixes
@@ -167,7 +167,7 @@ class StepTimeMonitor(BoostCallback):
     def _fixes(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
         loader = trainer.train_dataloader
         datamodule = datamodule_of(trainer)
-        tuned = isinstance(datamodule, BoostedDataModule) and datamodule.num_workers is None
+        tuned = isinstance(datamodule, BoostedDataMixin) and datamodule.num_workers is None
         tuned = tuned or any(isinstance(callback, AutoNumWorkers) for callback in callbacks_of(trainer))
         return input_bound_fixes(
             num_workers=loader.num_workers if isinstance(loader, DataLoader) else 0,

@@ -6,7 +6,7 @@ import functools
 import inspect
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning as L
 from lightning.fabric.utilities.seed import pl_worker_init_function
@@ -25,58 +25,18 @@ _MANAGED = {"dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "dro
             "num_workers", "prefetch_factor", "pin_memory", "persistent_workers"}  # fmt: skip
 _SPLITS = ("train", "val", "test", "predict")
 
+if TYPE_CHECKING:  # the mixin is typed as the datamodule it is mixed into
+    _DataModule = L.LightningDataModule
+else:
+    _DataModule = object
 
-class BoostedDataModule(L.LightningDataModule):
-    """Builds the train/val/test/predict DataLoaders from datasets a subclass assigns in ``setup()``.
 
-    Every setting left as ``None`` is chosen for you:
+class BoostedDataMixin(_DataModule):
+    """The loader logic of `BoostedDataModule`, for a LightningDataModule of either namespace.
 
-    - ``num_workers`` and ``prefetch_factor``: measured on the training dataset (see
-      `lightning_boost.tuning.workers`), once per machine, dataset and batch size, cached as JSON,
-      made on rank zero and broadcast so every rank uses the same value;
-    - ``pin_memory``: on when the trainer runs on CUDA;
-    - ``persistent_workers``: on when there are workers, except with pinned memory and
-      ``Trainer(reload_dataloaders_every_n_epochs>0)``, a combination Lightning warns against;
-    - workers seeded per worker and rank (Lightning's ``pl_worker_init_function``), so random
-      augmentation is reproducible under ``seed_everything``; the distributed sampler is Lightning's.
-
-    On a CPU run the model's torch threads are set to the CPUs the workers leave (restored at
-    teardown). Each decision, with its measurements, is a `Finding` in ``self.findings``.
-
-    Args:
-        batch_size: samples per batch; a plain attribute that batch-size tuning may change.
-        shuffle: shuffle the training set (evaluation sets are never shuffled).
-        drop_last: drop the last incomplete training batch.
-        collate_fn: merges samples into a batch (default: PyTorch's).
-        num_workers: fix the worker count by hand instead of measuring it.
-        prefetch_factor: fix the batches each worker loads ahead.
-        pin_memory: fix page-locked host memory on or off.
-        persistent_workers: fix whether workers outlive an epoch.
-        device_transforms: applied to each training batch once it is on the device
-            (``on_after_batch_transfer``), e.g. a ``torchvision.transforms.v2`` pipeline: heavy
-            augmentation batched on the GPU instead of per sample on the CPU. Note that a v2
-            transform called on a batch draws one set of random parameters for the whole batch.
-        eval_device_transforms: the same for validation, test and predict batches.
-        worker_tuning: how workers are measured (`WorkerTuning`).
-        retune: measure again even when the cache has this setting.
-        cache_dir: where measurements are cached (default ``$LIGHTNING_BOOST_CACHE_DIR`` or
-            ``~/.cache/lightning_boost``).
-        loader_kwargs: any other ``DataLoader`` argument, fixed by hand (``timeout``,
-            ``multiprocessing_context``, ``worker_init_fn``, ...).
-
-    Raises:
-        TypeError, ValueError: for an argument that does not fit its type (a batch size below 1,
-            a negative worker count, ``shuffle="no"``, ...), or a `loader_kwargs` key that is not
-            a DataLoader argument or that has its own parameter here.
-
-    Example::
-
-        class CIFAR(BoostedDataModule):
-            def setup(self, stage: str) -> None:
-                self.train_dataset = torchvision.datasets.CIFAR10("data", transform=...)
-                self.val_dataset = torchvision.datasets.CIFAR10("data", train=False, transform=...)
-
-        trainer.fit(model, datamodule=CIFAR(batch_size=128))
+    ``class MyData(BoostedDataMixin, pytorch_lightning.LightningDataModule)`` is what
+    `lightning_boost.pytorch_lightning.BoostedDataModule` is; `BoostedDataModule` is the same on
+    ``lightning.LightningDataModule``. Everything is documented on `BoostedDataModule`.
     """
 
     train_dataset: Dataset[Any] | None = None
@@ -257,3 +217,57 @@ def _checked_loader_kwargs(loader_kwargs: Mapping[str, Any]) -> dict[str, Any]:
         if key not in allowed:
             raise unknown_choice_error("loader_kwargs", key, allowed)
     return dict(loader_kwargs)
+
+
+class BoostedDataModule(BoostedDataMixin, L.LightningDataModule):
+    """Builds the train/val/test/predict DataLoaders from datasets a subclass assigns in ``setup()``.
+
+    Every setting left as ``None`` is chosen for you:
+
+    - ``num_workers`` and ``prefetch_factor``: measured on the training dataset (see
+      `lightning_boost.tuning.workers`), once per machine, dataset and batch size, cached as JSON,
+      made on rank zero and broadcast so every rank uses the same value;
+    - ``pin_memory``: on when the trainer runs on CUDA;
+    - ``persistent_workers``: on when there are workers, except with pinned memory and
+      ``Trainer(reload_dataloaders_every_n_epochs>0)``, a combination Lightning warns against;
+    - workers seeded per worker and rank (Lightning's ``pl_worker_init_function``), so random
+      augmentation is reproducible under ``seed_everything``; the distributed sampler is Lightning's.
+
+    On a CPU run the model's torch threads are set to the CPUs the workers leave (restored at
+    teardown). Each decision, with its measurements, is a `Finding` in ``self.findings``.
+
+    Args:
+        batch_size: samples per batch; a plain attribute that batch-size tuning may change.
+        shuffle: shuffle the training set (evaluation sets are never shuffled).
+        drop_last: drop the last incomplete training batch.
+        collate_fn: merges samples into a batch (default: PyTorch's).
+        num_workers: fix the worker count by hand instead of measuring it.
+        prefetch_factor: fix the batches each worker loads ahead.
+        pin_memory: fix page-locked host memory on or off.
+        persistent_workers: fix whether workers outlive an epoch.
+        device_transforms: applied to each training batch once it is on the device
+            (``on_after_batch_transfer``), e.g. a ``torchvision.transforms.v2`` pipeline: heavy
+            augmentation batched on the GPU instead of per sample on the CPU. Note that a v2
+            transform called on a batch draws one set of random parameters for the whole batch.
+        eval_device_transforms: the same for validation, test and predict batches.
+        worker_tuning: how workers are measured (`WorkerTuning`).
+        retune: measure again even when the cache has this setting.
+        cache_dir: where measurements are cached (default ``$LIGHTNING_BOOST_CACHE_DIR`` or
+            ``~/.cache/lightning_boost``).
+        loader_kwargs: any other ``DataLoader`` argument, fixed by hand (``timeout``,
+            ``multiprocessing_context``, ``worker_init_fn``, ...).
+
+    Raises:
+        TypeError, ValueError: for an argument that does not fit its type (a batch size below 1,
+            a negative worker count, ``shuffle="no"``, ...), or a `loader_kwargs` key that is not
+            a DataLoader argument or that has its own parameter here.
+
+    Example::
+
+        class CIFAR(BoostedDataModule):
+            def setup(self, stage: str) -> None:
+                self.train_dataset = torchvision.datasets.CIFAR10("data", transform=...)
+                self.val_dataset = torchvision.datasets.CIFAR10("data", train=False, transform=...)
+
+        trainer.fit(model, datamodule=CIFAR(batch_size=128))
+    """

@@ -16,10 +16,10 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.accelerators import CUDAAccelerator, MPSAccelerator
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 
+from lightning_boost._lightning import is_lightning
 from lightning_boost.data.batch_probe import StepProbe
 from lightning_boost.data.loaders import (
     cannot_measure,
@@ -281,9 +281,9 @@ def hardware_for(trainer: L.Trainer | None) -> HardwareInfo:
     if trainer is None:
         return hardware
     accelerator = "cpu"
-    if isinstance(trainer.accelerator, CUDAAccelerator):
+    if is_lightning(trainer.accelerator, "CUDAAccelerator"):
         accelerator = "cuda"
-    elif isinstance(trainer.accelerator, MPSAccelerator):
+    elif is_lightning(trainer.accelerator, "MPSAccelerator"):
         accelerator = "mps"
     return hardware.replace(accelerator=accelerator, local_world_size=max(trainer.num_devices, 1))
 

@@ -1,13 +1,18 @@
-"""Lightning Strategy subclasses that carry a `PresetPlan`: its precision, speed flags and findings."""
+"""Lightning Strategy subclasses that carry a `PresetPlan`: its precision, speed flags and findings.
+
+The preset logic is in mixins (`PresetStrategy` and one per kind) so that the same classes exist
+on either namespace's strategies: here on ``lightning.pytorch``'s, and in
+`lightning_boost.pytorch_lightning` on ``pytorch_lightning``'s (each Trainer accepts only its own).
+"""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
-from typing import Any
+import importlib
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.pytorch.plugins.precision import FSDPPrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
 from typing_extensions import override
 
@@ -51,13 +56,21 @@ def restore_speed_flags(saved: dict[str, Any]) -> None:
     torch.backends.cudnn.benchmark = saved["benchmark"]
 
 
-class PresetStrategy(Strategy):
+if TYPE_CHECKING:  # the mixins are typed as the strategy they are mixed into
+    _Strategy = Strategy
+else:
+    _Strategy = object
+
+
+class PresetStrategy(_Strategy):
     """Base of every preset's strategy: ``.plan`` and ``.findings`` say what it chose and why.
 
     It checks the Trainer's precision against the preset's when the run starts, and holds the
     speed flags (TF32, cudnn.benchmark) from setup to teardown.
     """
 
+    #: Where the precision plugins come from: the namespace of the strategy class mixed in.
+    namespace = "lightning.pytorch"
     plan: PresetPlan
     findings: list[Finding]
     _saved_flags: dict[str, Any] | None = None
@@ -91,61 +104,81 @@ class PresetStrategy(Strategy):
             self._saved_flags = None
 
 
-class PresetDDPStrategy(PresetStrategy, DDPStrategy):
-    """`DDPStrategy` built by `preset("fast-ddp")`; ``.plan`` and ``.findings`` say what it chose."""
+class PresetDDP(PresetStrategy):
+    """A `DDPStrategy` built by `preset("fast-ddp")`; ``.plan`` and ``.findings`` say what it chose."""
 
     def __init__(self, plan: PresetPlan) -> None:
         options = dict(plan.options)
         hook = _comm_hook(options.pop("comm_hook"))
-        super().__init__(
-            precision_plugin=_precision_plugin(plan),
+        super().__init__(  # type: ignore[call-arg]
+            precision_plugin=precision_plugin(plan, self.namespace),
             ddp_comm_hook=hook,
             **options,
         )
         self.plan, self.findings = plan, list(plan.findings)
 
 
-class PresetFSDPStrategy(PresetStrategy, FSDPStrategy):
-    """`FSDPStrategy` built by `preset("fsdp")`: sharding, size-based wrapping, mixed precision."""
+class PresetFSDP(PresetStrategy):
+    """An `FSDPStrategy` built by `preset("fsdp")`: sharding, size-based wrapping, mixed precision."""
 
     def __init__(self, plan: PresetPlan) -> None:
         from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
 
         options = dict(plan.options)
         min_params = options.pop("min_num_params")
-        super().__init__(
-            precision_plugin=FSDPPrecision(plan.precision),  # type: ignore[arg-type]
+        plugins = importlib.import_module(f"{self.namespace}.plugins.precision")
+        super().__init__(  # type: ignore[call-arg]
+            precision_plugin=plugins.FSDPPrecision(plan.precision),
             auto_wrap_policy=functools.partial(size_based_auto_wrap_policy, min_num_params=min_params),
             **options,
         )
         self.plan, self.findings = plan, list(plan.findings)
 
 
-class PresetSingleDeviceStrategy(PresetStrategy, SingleDeviceStrategy):
-    """`SingleDeviceStrategy` built by `preset("auto")` on one device, with its precision."""
+class PresetSingleDevice(PresetStrategy):
+    """A `SingleDeviceStrategy` built by `preset("auto")` on one device, with its precision."""
 
     def __init__(self, plan: PresetPlan) -> None:
         device = plan.options["device"]
-        super().__init__(device=device, precision_plugin=_precision_plugin(plan))
+        super().__init__(device=device, precision_plugin=precision_plugin(plan, self.namespace))  # type: ignore[call-arg]
         self.plan, self.findings = plan, list(plan.findings)
 
 
-def build(plan: PresetPlan) -> PresetStrategy:
-    """The Strategy instance for `plan`."""
-    kinds: dict[str, Callable[[PresetPlan], PresetStrategy]] = {
-        "single": PresetSingleDeviceStrategy,
-        "ddp": PresetDDPStrategy,
-        "fsdp": PresetFSDPStrategy,
-    }
+class PresetDDPStrategy(PresetDDP, DDPStrategy):
+    """`DDPStrategy` built by `preset("fast-ddp")`; ``.plan`` and ``.findings`` say what it chose."""
+
+
+class PresetFSDPStrategy(PresetFSDP, FSDPStrategy):
+    """`FSDPStrategy` built by `preset("fsdp")`: sharding, size-based wrapping, mixed precision."""
+
+
+class PresetSingleDeviceStrategy(PresetSingleDevice, SingleDeviceStrategy):
+    """`SingleDeviceStrategy` built by `preset("auto")` on one device, with its precision."""
+
+
+#: Plan kind -> the strategy class that carries it, on ``lightning.pytorch``.
+KINDS: Mapping[str, Callable[[PresetPlan], PresetStrategy]] = {
+    "single": PresetSingleDeviceStrategy,
+    "ddp": PresetDDPStrategy,
+    "fsdp": PresetFSDPStrategy,
+}
+
+
+def build(
+    plan: PresetPlan, kinds: Mapping[str, Callable[[PresetPlan], PresetStrategy]] = KINDS
+) -> PresetStrategy:
+    """The Strategy instance for `plan` (`kinds` picks the namespace's classes)."""
     return kinds[plan.kind](plan)
 
 
-def _precision_plugin(plan: PresetPlan) -> Precision:
+def precision_plugin(plan: PresetPlan, namespace: str = "lightning.pytorch") -> Any:
+    """The precision plugin `plan` carries, from `namespace`'s plugins."""
+    plugins = importlib.import_module(f"{namespace}.plugins.precision")
     if plan.precision.endswith("-mixed"):
-        return MixedPrecision(plan.precision, plan.accelerator)  # type: ignore[arg-type]
+        return plugins.MixedPrecision(plan.precision, plan.accelerator)
     if plan.precision in ("bf16-true", "16-true"):
-        return HalfPrecision(plan.precision)  # type: ignore[arg-type]
-    return Precision()
+        return plugins.HalfPrecision(plan.precision)
+    return plugins.Precision()
 
 
 def _comm_hook(name: str | None) -> Any:
