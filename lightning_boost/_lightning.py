@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning as L
+import torch
+from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from typing_extensions import override
@@ -65,6 +68,34 @@ def is_lightning(instance: object, *names: str) -> bool:
         base.__name__ in names and base.__module__.split(".")[0] in ("lightning", "pytorch_lightning")
         for base in type(instance).__mro__
     )
+
+
+def user_hyperparameters(trainer: L.Trainer) -> dict[str, Any]:
+    """What Lightning logs as hyperparameters when fit starts: the model's and the datamodule's
+    ``hparams_initial`` (each unless saved with ``logger=False``; none with autolog turned off)."""
+    if not getattr(trainer, "enable_autolog_hparams", True):
+        return {}
+    params: dict[str, Any] = {}
+    for holder in (trainer.lightning_module, datamodule_of(trainer)):
+        if holder is not None and getattr(holder, "_log_hyperparams", False):
+            params.update(holder.hparams_initial)
+    params.pop("_class_path", None)  # LightningCLI's, which Lightning does not log either
+    return params
+
+
+def hold_hyperparameters(trainer: L.Trainer) -> Callable[[], None]:
+    """Keep Lightning from logging the hyperparameters at fit start (they go out later, once, with
+    the tuned values: a second call is a second, competing TensorBoard session); returns the undo."""
+    holders = [h for h in (trainer.lightning_module, datamodule_of(trainer)) if h is not None]
+    saved = [(holder, getattr(holder, "_log_hyperparams", False)) for holder in holders]
+    for holder in holders:
+        holder._log_hyperparams = False
+
+    def undo() -> None:
+        for holder, value in saved:
+            holder._log_hyperparams = value
+
+    return undo
 
 
 def reload_every_n_epochs(trainer: L.Trainer) -> int:
@@ -169,3 +200,21 @@ def user_dataloaders(trainer: L.Trainer, split: str) -> Any:
     if isinstance(source, _RebuildingSource):
         source = source.original
     return source.dataloader() if source.is_defined() else None
+
+
+@contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Lightning's ``isolate_rng`` (Python's, NumPy's, torch's and CUDA's states), with two changes
+    a measurement needs: the states come back when the block raises too (a failed trial must not
+    shift the run's data order), and CUDA's are kept only when CUDA is already initialized
+    (reading them would initialize it in the main process, before the DataLoader workers fork).
+
+    Example:
+        >>> with preserved_rng():
+        ...     _ = torch.rand(3)
+    """
+    states = _collect_rng_states(include_cuda=torch.cuda.is_initialized())
+    try:
+        yield
+    finally:
+        _set_rng_states(states)

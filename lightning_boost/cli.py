@@ -39,7 +39,7 @@ def _print_report(report: Report, title: str) -> None:
     from lightning_boost.report import Severity
 
     console = Console()
-    console.print(report.table(title=title))
+    report.print_to(console, title)
     counts = {s: sum(f.severity is s for f in report.findings) for s in Severity}
     console.print(", ".join(f"{n} {s.label}" for s, n in counts.items()))
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
@@ -215,6 +216,43 @@ class Report:
                 cells = [area if index == 0 else "", label, what, *texts]
                 table.add_row(*cells)
         return table
+
+    def to_text(self, width: int = 80, title: str = "lightning-boost report") -> str:
+        """The compact form, for narrow consoles and CI logs: a line per finding, wrapped to
+        `width`; a WARN or FAIL adds its detail, location and fix (the files have everything).
+
+        Example:
+            >>> report = Report([Finding("doctor", "data", "warn", "slow loader", fix="pip x[plots]")])
+            >>> print(report.to_text())
+            lightning-boost report: 1 WARN
+            data
+              WARN slow loader
+                   fix: pip x[plots]
+        """
+        counts = [(s, sum(f.severity is s for f in self.findings)) for s in reversed(Severity)]
+        lines = [f"{title}: " + ", ".join(f"{n} {s.label}" for s, n in counts if n)]
+        indent = " " * 7
+        for area, found in self.by_area():
+            lines.append(area)
+            for f in found:
+                head = f"{f.severity.label:<4} {f.title}" + (f" ({f.cost})" if f.cost else "")
+                lines += textwrap.wrap(head, width, initial_indent="  ", subsequent_indent=indent)
+                if f.severity is Severity.INFO:
+                    continue
+                for extra in (
+                    f.detail,
+                    f"at {f.location}" if f.location else "",
+                    f"fix: {f.fix}" if f.fix else "",
+                ):
+                    lines += textwrap.wrap(extra, width, initial_indent=indent, subsequent_indent=indent)
+        return "\n".join(lines)
+
+    def print_to(self, console: Any, title: str = "lightning-boost report") -> None:
+        """Print on a rich `console`: the table on a terminal 100 columns wide or more, else `to_text`."""
+        if console.is_terminal and console.width >= 100:
+            console.print(self.table(title=title))
+        else:
+            console.print(self.to_text(console.width, title), markup=False, highlight=False, soft_wrap=True)
 
     def write(self, directory: str | Path) -> tuple[Path, Path]:
         """Write ``boost_report.json`` and ``boost_report.md`` atomically into `directory`."""

@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_boost import (
+    AutoBatchSize,
     AutoNumWorkers,
     BoostedDataModule,
     BoostReport,
@@ -249,3 +250,40 @@ def test_report_collects_strategy_datamodule_and_callbacks_once(tmp_path: Path) 
 def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
     with pytest.raises(error, match=match):
         BoostReport(**kwargs)
+
+
+def _hparams_sessions(log_dir: Path) -> list[dict[str, Any]]:
+    """The hyperparameter sessions TensorBoard's HPARAMS tab reads from the event files."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    sessions = []
+    for path in sorted(log_dir.glob("events.out.tfevents.*")):
+        for event in EventFileLoader(str(path)).Load():
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name != "hparams":
+                    continue
+                data = plugin_data_pb2.HParamsPluginData.FromString(value.metadata.plugin_data.content)
+                if data.HasField("session_start_info"):
+                    hparams = data.session_start_info.hparams
+                    sessions.append(
+                        {key: getattr(hparams[key], hparams[key].WhichOneof("kind")) for key in hparams}
+                    )
+    return sessions
+
+
+def test_tensorboard_gets_one_hyperparameter_session_with_the_tuned_values(tmp_path: Path) -> None:
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    logger = TensorBoardLogger(tmp_path, name="tb")
+    callbacks = [AutoBatchSize(max_batch_size=16, steps=1), BoostReport(console=False)]
+    trainer = tiny_trainer(tmp_path, logger=logger, callbacks=callbacks)
+    trainer.fit(BoringModel(), datamodule=Data(batch_size=8, num_workers=0))
+    tuned = trainer.train_dataloader.batch_size
+    assert tuned != 8  # the run trained at the tuned size, not the configured one
+    (session,) = _hparams_sessions(Path(logger.log_dir))  # one session: the model's and the tuned values
+    assert session["lr"] == 0.05 and session["boost/batch_size"] == tuned
+    assert session["boost/precision"] == "32-true"
+    hparams = yaml.safe_load((Path(logger.log_dir) / "hparams.yaml").read_text())
+    assert hparams["lr"] == 0.05 and hparams["boost/batch_size"] == tuned
+    assert trainer.lightning_module._log_hyperparams  # Lightning's own switch is put back

@@ -1,3 +1,4 @@
+import io
 import json
 from pathlib import Path
 
@@ -121,3 +122,33 @@ def test_write_is_atomic_and_leaves_no_temp_files(tmp_path: Path) -> None:
     assert md_path.read_text().startswith("# lightning-boost report")
     sample().write(target)  # overwrite in place
     assert sorted(p.name for p in target.iterdir()) == ["boost_report.json", "boost_report.md"]
+
+
+def test_the_compact_form_fits_80_columns_and_keeps_every_fix() -> None:
+    long = "a detail long enough to wrap " * 6
+    report = Report(
+        [
+            Finding("doctor", "environment", "info", "CPU only", detail="not shown in the compact form"),
+            Finding("SyncGuard", "syncs", "warn", "loss.item() syncs every step " * 3, long,
+                    "log the tensor: self.log('loss', loss)", location="model.py:57", cost="41% of step"),
+            Finding("BoostReport", "data", "error", "no plots", fix="pip install 'lightning-boost[plots]'"),
+        ]
+    )  # fmt: skip
+    text = report.to_text(width=80)
+    lines = text.splitlines()
+    assert lines[0] == "lightning-boost report: 1 FAIL, 1 WARN, 1 OK"
+    assert max(len(line) for line in lines) <= 80
+    assert "not shown" not in text  # an OK's detail stays in the files
+    assert "fix: pip install 'lightning-boost[plots]'" in text  # brackets are not markup here
+    assert "at model.py:57" in text and "(41% of step)" in text
+    assert [line for line in lines if not line.startswith(" ")] == [lines[0], "environment", "data", "syncs"]
+
+
+def test_a_narrow_or_piped_console_gets_the_compact_form() -> None:
+    report = Report([Finding("doctor", "data", "warn", "slow loader", fix="pip install 'x[plots]'")])
+    piped = Console(file=io.StringIO(), width=80)  # not a terminal: a CI log
+    report.print_to(piped)
+    assert "WARN slow loader" in piped.file.getvalue() and "[plots]" in piped.file.getvalue()
+    wide = Console(file=io.StringIO(), width=140, force_terminal=True)
+    report.print_to(wide)
+    assert "┃" in wide.file.getvalue()  # the table

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_boost._lightning import preserved_rng
 from lightning_boost.hardware import EXAMPLES, GIB, MIB, HardwareInfo
 from lightning_boost.tuning import cache
-from lightning_boost.tuning.rng import preserved_rng
 from lightning_boost.tuning.workers import (
     WorkerChoice,
     WorkerTrial,
@@ -346,6 +346,11 @@ def test_preserved_rng_restores_every_generator() -> None:
     seed()
     with preserved_rng():
         draw(), draw()
+    assert draw() == expected
+    seed()
+    with pytest.raises(RuntimeError), preserved_rng():  # Lightning's isolate_rng would not restore here
+        draw()
+        raise RuntimeError("a failed trial")
     assert draw() == expected
 
 

@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_boost._lightning import callbacks_of, datamodule_of, overrides, user_dataloaders
+from lightning_boost._lightning import callbacks_of, datamodule_of, overrides, preserved_rng, user_dataloaders
 from lightning_boost._validation import Fraction, Identifier, PositiveInt, Range, Seconds, validated
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.batch_probe import StepProbe, first_batch, is_oom
@@ -35,7 +35,6 @@ from lightning_boost.tuning.batch_size import (
     merge,
     next_size,
 )
-from lightning_boost.tuning.rng import preserved_rng
 
 #: Keys of an optimizer's param group that hold learning rates (schedulers such as OneCycleLR add some).
 LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")

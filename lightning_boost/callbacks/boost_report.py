@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.utilities import rank_zero_warn
 from rich.console import Console
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_boost._lightning import callbacks_of, datamodule_of, is_lightning
+from lightning_boost._lightning import (
+    callbacks_of,
+    datamodule_of,
+    hold_hyperparameters,
+    is_lightning,
+    user_hyperparameters,
+)
 from lightning_boost._validation import validated
 from lightning_boost.plots import matplotlib_missing, write_plots
 from lightning_boost.report import BoostWarning, Finding, Report
@@ -72,13 +79,29 @@ class BoostReport(L.Callback):
         self.dirpath = dirpath
         self.report: Report | None = None
         self.paths: list[Path] = []
+        self._user_hparams: dict[str, Any] = {}
+        self._undo_hold: Callable[[], None] | None = None
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.log_hyperparams and trainer.loggers:
+            self._user_hparams = user_hyperparameters(trainer)
+            self._undo_hold = hold_hyperparameters(trainer)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.log_hyperparams and trainer.is_global_zero:
-            params = {HPARAM_PREFIX + key: value for key, value in tuned_values(trainer).items()}
+            tuned = {HPARAM_PREFIX + key: value for key, value in tuned_values(trainer).items()}
             for logger in trainer.loggers:
-                logger.log_hyperparams(params)
+                logger.log_hyperparams({**self._user_hparams, **tuned})
+                if is_lightning(logger, "TensorBoardLogger"):  # its hparams.yaml was written at fit start
+                    save_hparams_to_yaml(Path(str(logger.log_dir), "hparams.yaml"), logger.hparams)  # type: ignore[attr-defined]
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self._undo_hold is not None:
+            self._undo_hold()
+            self._undo_hold = None
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -192,6 +215,6 @@ def _console(trainer: L.Trainer) -> Console:
 
 
 def _print(report: Report, path: Path | None, console: Console) -> None:
-    console.print(report.table(title="lightning-boost report"))
+    report.print_to(console)
     if path is not None:
         console.print(f"Report files: {path.parent}/boost_report.{{json,md}}", soft_wrap=True)

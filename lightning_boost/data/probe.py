@@ -17,8 +17,7 @@ import torch
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor
 
-from lightning_boost._lightning import call_step, detached_copy
-from lightning_boost.tuning.rng import preserved_rng
+from lightning_boost._lightning import call_step, detached_copy, preserved_rng
 
 
 def model_step_rates(

@@ -19,7 +19,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 
-from lightning_boost._lightning import is_lightning
+from lightning_boost._lightning import is_lightning, preserved_rng
 from lightning_boost.data.batch_probe import StepProbe
 from lightning_boost.data.loaders import (
     cannot_measure,
@@ -31,7 +31,6 @@ from lightning_boost.data.probe import model_step_rates
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.report import BoostWarning, Finding, Severity, plot_data
 from lightning_boost.tuning import cache
-from lightning_boost.tuning.rng import preserved_rng
 from lightning_boost.tuning.workers import (
     WorkerChoice,
     WorkerTrial,
