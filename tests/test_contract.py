@@ -17,6 +17,7 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from lightning.pytorch.cli import LightningCLI
+from packaging.version import Version
 
 import lightning_boost
 from lightning_boost import AutoBatchSize, WorkerTuning
@@ -129,6 +130,13 @@ def test_configurable_from_lightning_cli_yaml(
     assert cli.trainer.state.finished
 
 
+#: pytorch_lightning's Trainer takes callbacks of the `lightning` namespace from 2.6.0 on (before,
+#: its check of stateful callbacks raised "Expected a parent" for them).
+PL_TAKES_LIGHTNING_CALLBACKS = Version(pl.__version__) >= Version("2.6.0")
+needs_pl_2_6 = pytest.mark.skipif(not PL_TAKES_LIGHTNING_CALLBACKS, reason="pytorch-lightning < 2.6.0")
+
+
+@needs_pl_2_6
 def test_the_callbacks_run_under_the_pytorch_lightning_namespace(tmp_path: Path) -> None:
     # `import pytorch_lightning as pl` (3 of 5 real modules tried): AutoBatchSize crashed in
     # Lightning's is_overridden and AutoNumWorkers handed the model itself over as the loader.
@@ -206,16 +214,13 @@ def test_the_preset_and_datamodule_run_under_the_pytorch_lightning_namespace(tmp
     assert isinstance(strategy.precision_plugin, pl.plugins.precision.Precision)
     datamodule = _PlData(batch_size=8, worker_tuning=WorkerTuning(window_s=0.2, prefetch_factors=(2,)))
     batch_size = AutoBatchSize(max_batch_size=32, steps=1)
-    trainer = tiny_trainer(
-        tmp_path,
-        trainer_class=pl.Trainer,
-        strategy=strategy,
-        callbacks=[batch_size],
-        enable_checkpointing=False,
-    )
+    callbacks = [batch_size] if PL_TAKES_LIGHTNING_CALLBACKS else []
+    trainer = tiny_trainer(tmp_path, trainer_class=pl.Trainer, strategy=strategy, callbacks=callbacks)
     trainer.fit(_PlModel(), datamodule=datamodule)
     assert trainer.state.finished and trainer.strategy is strategy
     assert datamodule.worker_tuner.choices  # the loaders were tuned
+    if not PL_TAKES_LIGHTNING_CALLBACKS:
+        return
     assert trainer.train_dataloader.batch_size == datamodule.batch_size == batch_size.result["batch_size"]
     report = next(c for c in trainer.callbacks if isinstance(c, lightning_boost.BoostReport)).report
     assert report is not None

@@ -12,6 +12,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import yaml
 from lightning.pytorch.cli import LightningCLI
 from torch import Tensor
 from torch.utils.data import Dataset
@@ -427,3 +428,39 @@ def test_a_subclass_is_configurable_from_lightning_cli(
     assert (datamodule.length, datamodule.batch_size, datamodule.num_workers) == (48, 12, 0)
     assert datamodule.worker_tuner.tuning.window_s == 0.5
     assert cli.trainer.state.finished
+
+
+def test_lightning_cli_saves_the_config_the_run_trained_with(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("sys.argv", ["train.py"])
+    monkeypatch.setenv("JSONARGPARSE_DEPRECATION_WARNINGS", "off")  # as above
+    run = tmp_path / "run"
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        f"seed_everything: 0\ntrainer:\n  max_epochs: 1\n  accelerator: cpu\n  logger: false\n"
+        f"  enable_checkpointing: false\n  default_root_dir: {run}\n  enable_progress_bar: false\n"
+        "  callbacks:\n  - class_path: lightning_boost.AutoBatchSize\n    init_args:\n"
+        "      max_batch_size: 32\n      steps: 1\n      lr_scaling: linear\n"
+        "model:\n  lr: 0.05\n"
+        "data:\n  length: 64\n  batch_size: 8\n"
+        "  worker_tuning:\n    window_s: 0.2\n    prefetch_factors: [2]\n"
+    )
+    with cpu_only():
+        cli = LightningCLI(BoringModel, FakeImages, args=["fit", "--config", str(config)])
+    loader = cli.trainer.train_dataloader
+    factor = next(c for c in cli.trainer.callbacks if type(c).__name__ == "AutoBatchSize").result["lr_factor"]
+    assert loader.batch_size > 8 and factor == loader.batch_size / 8  # tuned, and the rate scaled with it
+    saved = yaml.safe_load((run / "config.tuned.yaml").read_text())
+    assert saved["data"]["batch_size"] == loader.batch_size
+    assert saved["data"]["num_workers"] == loader.num_workers
+    assert saved["model"]["lr"] == pytest.approx(0.05 * factor)
+    assert not saved["trainer"]["callbacks"]  # AutoBatchSize's work is in the values now
+    assert yaml.safe_load((run / "config.yaml").read_text())["data"]["batch_size"] == 8  # as given
+
+    with cpu_only():  # the run repeated from the tuned config trains the same way, without tuning
+        args = ["fit", "--config", str(run / "config.tuned.yaml")]
+        again = LightningCLI(BoringModel, FakeImages, args=args, save_config_kwargs={"overwrite": True})
+    assert again.trainer.train_dataloader.batch_size == loader.batch_size
+    assert again.trainer.train_dataloader.num_workers == loader.num_workers
+    assert again.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * factor)

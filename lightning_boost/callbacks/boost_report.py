@@ -79,6 +79,7 @@ class BoostReport(L.Callback):
         self.dirpath = dirpath
         self.report: Report | None = None
         self.paths: list[Path] = []
+        self.tuned_config: Path | None = None
         self._user_hparams: dict[str, Any] = {}
         self._undo_hold: Callable[[], None] | None = None
 
@@ -90,6 +91,10 @@ class BoostReport(L.Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.is_global_zero and self.files is not False:
+            from lightning_boost.callbacks.tuned_config import write_tuned_config
+
+            self.tuned_config = write_tuned_config(trainer, tuned_values(trainer))
         if self.log_hyperparams and trainer.is_global_zero:
             tuned = {HPARAM_PREFIX + key: value for key, value in tuned_values(trainer).items()}
             for logger in trainer.loggers:
@@ -107,7 +112,7 @@ class BoostReport(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._build(trainer)
         if self.console and trainer.is_global_zero and self.report is not None:
-            _print(self.report, self.paths[0] if self.paths else None, _console(trainer))
+            _print(self.report, self.paths[0] if self.paths else None, _console(trainer), self.tuned_config)
 
     @override
     def on_exception(
@@ -214,7 +219,9 @@ def _console(trainer: L.Trainer) -> Console:
     return progress.console if progress is not None else Console()
 
 
-def _print(report: Report, path: Path | None, console: Console) -> None:
+def _print(report: Report, path: Path | None, console: Console, tuned_config: Path | None) -> None:
     report.print_to(console)
     if path is not None:
         console.print(f"Report files: {path.parent}/boost_report.{{json,md}}", soft_wrap=True)
+    if tuned_config is not None:
+        console.print(f"Repeat this run as it trained: fit --config {tuned_config}", soft_wrap=True)

@@ -1,0 +1,100 @@
+"""With LightningCLI, the run's config as it trained: ``config.tuned.yaml`` beside ``config.yaml``.
+
+LightningCLI saves the config it was given before anything is tuned, so a run tuned to batch 256
+and a learning rate x8 leaves a config that says 32 and 0.1. `tuned_changes` works out, as plain
+data, which config entries the run changed; `write_tuned_config` writes the whole config with
+them, and without the tuning callbacks, so ``fit --config config.tuned.yaml`` repeats the run
+exactly instead of tuning again.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from lightning_boost._lightning import callbacks_of, is_lightning
+
+TUNED_CONFIG = "config.tuned.yaml"
+#: Callbacks whose work the tuned config already holds.
+TUNERS = ("AutoBatchSize", "AutoNumWorkers")
+_LR_KEYS = ("optimizer.init_args.lr", "optimizer.lr", "model.init_args.lr", "model.lr",
+            "model.init_args.learning_rate", "model.learning_rate")  # fmt: skip
+
+
+def tuned_changes(
+    flat: Mapping[str, Any],
+    *,
+    batch_size: int | None = None,
+    attr_name: str = "batch_size",
+    accumulate_grad_batches: int | None = None,
+    lr_factor: float = 1.0,
+    loader: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Dotted config key -> the value the run trained with, for the keys `flat` (the config as
+    dotted keys) has; tuning callbacks are dropped from ``trainer.callbacks``.
+
+    Example:
+        >>> tuned_changes({"data.batch_size": 32, "model.lr": 0.1}, batch_size=256, lr_factor=8.0)
+        {'data.batch_size': 256, 'model.lr': 0.8}
+    """
+    changes: dict[str, Any] = {}
+
+    def first(*keys: str) -> str | None:
+        return next((key for key in keys if key in flat), None)
+
+    if batch_size is not None:
+        key = first(f"data.init_args.{attr_name}", f"data.{attr_name}", f"model.init_args.{attr_name}",
+                    f"model.{attr_name}")  # fmt: skip
+        if key is not None:
+            changes[key] = batch_size
+    if accumulate_grad_batches is not None and flat.get("trainer.accumulate_grad_batches", 1) != (
+        accumulate_grad_batches
+    ):
+        changes["trainer.accumulate_grad_batches"] = accumulate_grad_batches
+    lr_key = first(*_LR_KEYS)
+    if lr_factor != 1.0 and lr_key is not None and isinstance(flat[lr_key], (int, float)):
+        changes[lr_key] = flat[lr_key] * lr_factor
+    for name, value in (loader or {}).items():
+        key = first(f"data.init_args.{name}", f"data.{name}")
+        if key is not None:
+            changes[key] = value
+    callbacks = flat.get("trainer.callbacks")
+    if isinstance(callbacks, list):
+        kept = [c for c in callbacks if str(getattr(c, "class_path", "")).rpartition(".")[2] not in TUNERS]
+        if len(kept) != len(callbacks):
+            changes["trainer.callbacks"] = kept
+    return changes
+
+
+def write_tuned_config(trainer: L.Trainer, tuned: Mapping[str, Any]) -> Path | None:
+    """Write ``config.tuned.yaml`` beside the config LightningCLI saved; ``None`` without one."""
+    saver: Any = next((c for c in callbacks_of(trainer) if is_lightning(c, "SaveConfigCallback")), None)
+    if saver is None or not getattr(saver, "save_to_log_dir", True) or trainer.log_dir is None:
+        return None
+    config = copy.deepcopy(saver.config)
+    tuner = next((c for c in callbacks_of(trainer) if type(c).__name__ == "AutoBatchSize"), None)
+    loader = {key: tuned[key] for key in ("num_workers", "prefetch_factor") if key in tuned}
+    changes = tuned_changes(
+        dict(vars(config.as_flat())),
+        batch_size=tuned.get("batch_size") if tuner is not None else None,
+        attr_name=getattr(tuner, "attr_name", "batch_size"),
+        accumulate_grad_batches=tuned.get("accumulate_grad_batches"),
+        lr_factor=float(tuned.get("lr_factor", 1.0)),
+        loader=loader if is_boosted(trainer) else None,
+    )
+    for key, value in changes.items():
+        config[key] = value
+    path = Path(trainer.log_dir, TUNED_CONFIG)
+    saver.parser.save(config, path, skip_none=False, skip_check=True, overwrite=True)
+    return path
+
+
+def is_boosted(trainer: L.Trainer) -> bool:
+    """Whether the run's loaders come from a `BoostedDataModule` (its worker settings are arguments)."""
+    from lightning_boost.data.datamodule import BoostedDataMixin
+
+    return isinstance(getattr(trainer, "datamodule", None), BoostedDataMixin)
