@@ -7,6 +7,7 @@ from typing import Any
 import lightning as L
 import pytest
 import yaml
+from lightning.pytorch.loggers import Logger
 from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -287,3 +288,41 @@ def test_tensorboard_gets_one_hyperparameter_session_with_the_tuned_values(tmp_p
     hparams = yaml.safe_load((Path(logger.log_dir) / "hparams.yaml").read_text())
     assert hparams["lr"] == 0.05 and hparams["boost/batch_size"] == tuned
     assert trainer.lightning_module._log_hyperparams  # Lightning's own switch is put back
+
+
+class _RunLogger(Logger):
+    """A logger that keeps every run under one `save_dir`, as MLflow's ``mlruns`` and W&B do."""
+
+    def __init__(self, save_dir: Path, run: str) -> None:
+        super().__init__()
+        self._save_dir, self._run = str(save_dir), run
+
+    @property
+    def name(self) -> str:
+        return "experiment"
+
+    @property
+    def version(self) -> str:
+        return self._run
+
+    @property
+    def save_dir(self) -> str:
+        return self._save_dir
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        pass
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+def test_a_logger_shared_between_runs_gets_one_folder_per_run(tmp_path: Path) -> None:
+    shared = tmp_path / "mlruns"
+    for run in ("run-a", "run-b"):
+        trainer = tiny_trainer(
+            tmp_path, logger=_RunLogger(shared, run), callbacks=[BoostReport(console=False)]
+        )
+        trainer.fit(BoringModel(), datamodule=BoringDataModule())
+    assert not (shared / "boost_report.json").exists()  # the shared folder is no run's own
+    assert (shared / "experiment" / "run-a" / "boost_report.json").exists()
+    assert (shared / "experiment" / "run-b" / "boost_report.json").exists()

@@ -203,10 +203,18 @@ def tuned_values(trainer: L.Trainer) -> dict[str, Any]:
 
 
 def log_dir(trainer: L.Trainer) -> Path:
-    """`Trainer.log_dir` without its broadcast, so rank zero alone can ask (even after a failure)."""
+    """This run's own directory under its first logger: `Trainer.log_dir` (without its broadcast,
+    so rank zero alone can ask, even after a failure), except that a logger whose `save_dir` is
+    shared between runs (MLflow's ``mlruns``, W&B's) gets Lightning's layout,
+    ``save_dir/name/version``, so one run's files never overwrite another's."""
     if trainer.loggers:
         logger = trainer.loggers[0]
-        path = logger.log_dir if is_lightning(logger, "TensorBoardLogger", "CSVLogger") else logger.save_dir
+        if is_lightning(logger, "TensorBoardLogger", "CSVLogger"):
+            path = logger.log_dir
+        elif logger.save_dir is not None and logger.name and logger.version is not None:
+            path = str(Path(logger.save_dir, str(logger.name), str(logger.version)))
+        else:
+            path = logger.save_dir
         if path is not None:
             return Path(path)
     return Path(trainer.default_root_dir)
