@@ -70,6 +70,16 @@ def is_lightning(instance: object, *names: str) -> bool:
     )
 
 
+def pytorch_lightning_takes_our_callbacks() -> bool:
+    """Whether ``pytorch_lightning.Trainer`` takes callbacks of the ``lightning`` namespace: from
+    pytorch-lightning 2.6.0 on (before, its check of stateful callbacks raised "Expected a parent")."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return Version(version("pytorch-lightning")) >= Version("2.6.0")
+
+
 def user_hyperparameters(trainer: L.Trainer) -> dict[str, Any]:
     """What Lightning logs as hyperparameters when fit starts: the model's and the datamodule's
     ``hparams_initial`` (each unless saved with ``logger=False``; none with autolog turned off)."""

@@ -17,11 +17,11 @@ import pytest
 import pytorch_lightning as pl
 import torch
 from lightning.pytorch.cli import LightningCLI
-from packaging.version import Version
 
 import lightning_boost
 from lightning_boost import AutoBatchSize, WorkerTuning
 from lightning_boost import pytorch_lightning as pl_boost
+from lightning_boost._lightning import pytorch_lightning_takes_our_callbacks
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, cpu_only, tiny_trainer
 
 CALLBACKS: list[type[L.Callback]] = sorted(
@@ -130,9 +130,7 @@ def test_configurable_from_lightning_cli_yaml(
     assert cli.trainer.state.finished
 
 
-#: pytorch_lightning's Trainer takes callbacks of the `lightning` namespace from 2.6.0 on (before,
-#: its check of stateful callbacks raised "Expected a parent" for them).
-PL_TAKES_LIGHTNING_CALLBACKS = Version(pl.__version__) >= Version("2.6.0")
+PL_TAKES_LIGHTNING_CALLBACKS = pytorch_lightning_takes_our_callbacks()
 needs_pl_2_6 = pytest.mark.skipif(not PL_TAKES_LIGHTNING_CALLBACKS, reason="pytorch-lightning < 2.6.0")
 
 

@@ -22,6 +22,7 @@ from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAccuracy
 
 from lightning_boost import BoostReport, BoostWarning, Finding, Severity, SyncError, SyncGuard, testing
+from lightning_boost._lightning import pytorch_lightning_takes_our_callbacks
 from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
 
 THIS_FILE = str(Path(__file__).resolve())
@@ -620,6 +621,7 @@ class PLProgBar(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.05)
 
 
+@pytest.mark.skipif(not pytorch_lightning_takes_our_callbacks(), reason="pytorch-lightning < 2.6.0")
 def test_pytorch_lightning_namespace_is_told_apart_from_the_users_code(tmp_path: Path) -> None:
     guard = SyncGuard(mode="report", every_n_steps=1)
     trainer = tiny_trainer(tmp_path, trainer_class=pl.Trainer, logger=False, callbacks=[guard])
