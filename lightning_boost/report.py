@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Protocol, get_args, runtime_checkable
 
 from lightning_boost._files import atomic_write_text
 from lightning_boost._validation import validated
@@ -34,6 +34,23 @@ Area = Literal[
     "step time",
 ]
 AREAS: tuple[str, ...] = get_args(Area)
+
+
+@runtime_checkable
+class ReportsFindings(Protocol):
+    """A part of a run the report reads findings from: every boost callback, a `BoostedDataModule`,
+    a preset's strategy."""
+
+    @property
+    def findings(self) -> Sequence[Finding]: ...
+
+
+@runtime_checkable
+class ReportsTuned(Protocol):
+    """A part of a run that set values the run trains with (``batch_size``, a preset's flags, ...)."""
+
+    @property
+    def tuned(self) -> Mapping[str, Any]: ...
 
 
 class BoostWarning(UserWarning):

@@ -24,7 +24,7 @@ from lightning_boost.data.batch_probe import StepProbe, first_batch, is_oom
 from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.data.loaders import describe_dataset, describe_model, hardware_parts, loader_batch_size
 from lightning_boost.data.tuner import hardware_for
-from lightning_boost.report import BoostWarning, Finding, Severity, plot_data
+from lightning_boost.report import BoostWarning, Finding
 from lightning_boost.tuning import cache
 from lightning_boost.tuning.batch_size import (
     Limits,
@@ -35,6 +35,7 @@ from lightning_boost.tuning.batch_size import (
     merge,
     next_size,
 )
+from lightning_boost.tuning.batch_size_decision import BatchSizeDecision, findings, restored_finding
 
 #: Keys of an optimizer's param group that hold learning rates (schedulers such as OneCycleLR add some).
 LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
@@ -145,16 +146,20 @@ class AutoBatchSize(BoostCallback):
         self.attr_name = attr_name
         self.retune = retune
         self.cache_dir = cache_dir
-        self.result: dict[str, Any] = {}
+        self.decision: BatchSizeDecision | None = None
         self.findings: list[Finding] = []
         self._restored = False
         self._set_state_key(attr_name=attr_name)
 
     @property
+    def result(self) -> dict[str, Any]:
+        """`decision` as a plain dict (empty before the first fit); what ``state_dict`` holds."""
+        return self.decision.to_dict() if self.decision is not None else {}
+
+    @property
     def tuned(self) -> dict[str, Any]:
         """The values this run was given, for the report."""
-        keys = ("batch_size", "accumulate_grad_batches", "effective_batch_size", "lr_factor")
-        return {key: self.result[key] for key in keys if key in self.result}
+        return self.decision.tuned if self.decision is not None else {}
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -173,22 +178,23 @@ class AutoBatchSize(BoostCallback):
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         configured = int(lightning_getattr(pl_module, self.attr_name))  # type: ignore[arg-type]
-        if self._restored and self.result:
-            self.findings.append(_restored_finding(self.result))
-        else:
+        if not (self._restored and self.decision is not None):
             _check_loader_reads(trainer, pl_module, self.attr_name, configured)
-            self.result = self._tune(trainer, pl_module, configured)
-            self.findings.append(_finding(self.result, self.tolerance))
-        lightning_setattr(pl_module, self.attr_name, self.result["batch_size"])
-        trainer.accumulate_grad_batches = self.result["accumulate_grad_batches"]
+            self.decision = self._tune(trainer, pl_module, configured)
+        decision = self.decision
+        self.findings += (
+            [restored_finding(decision)] if self._restored else findings(decision, self.tolerance)
+        )
+        lightning_setattr(pl_module, self.attr_name, decision.batch_size)
+        trainer.accumulate_grad_batches = decision.accumulate_grad_batches
         if not self._restored:  # a checkpoint's optimizer state already holds the scaled rates
-            _scale_learning_rates(trainer, self.result["lr_factor"])
+            _scale_learning_rates(trainer, decision.lr_factor)
         self._restored = False
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         loader = trainer.train_dataloader
-        chosen = self.result.get("batch_size")
+        chosen = self.decision.batch_size if self.decision is not None else None
         if isinstance(loader, DataLoader) and chosen is not None and loader_batch_size(loader) != chosen:
             raise RuntimeError(
                 f"AutoBatchSize set `{self.attr_name}` to {chosen}, but the training DataLoader was built"
@@ -196,7 +202,7 @@ class AutoBatchSize(BoostCallback):
                 f" `batch_size=self.{self.attr_name}` in `train_dataloader()`."
             )
 
-    def _tune(self, trainer: L.Trainer, pl_module: L.LightningModule, configured: int) -> dict[str, Any]:
+    def _tune(self, trainer: L.Trainer, pl_module: L.LightningModule, configured: int) -> BatchSizeDecision:
         started = time.perf_counter()
         world = trainer.world_size
         train_data = _split_data(trainer, "train")
@@ -231,27 +237,26 @@ class AutoBatchSize(BoostCallback):
             accumulate = accumulation(self.target_global_batch_size, choice.size, world)
         reference = self.reference_batch_size or configured * trainer.accumulate_grad_batches * world
         effective = choice.size * accumulate * world
-        result = {
-            "batch_size": choice.size,
-            "accumulate_grad_batches": accumulate,
-            "effective_batch_size": effective,
-            "target_global_batch_size": self.target_global_batch_size,
-            "configured_batch_size": configured,
-            "reference_batch_size": reference,
-            "lr_scaling": self.lr_scaling,
-            "lr_factor": lr_factor(self.lr_scaling, effective, reference),
-            "world_size": world,
-            "budget_bytes": limits.budget_bytes,
-            "budget": _budget_text(pl_module, self),
-            "stopped": reason,
-            "trials": [t.to_dict() for t in trials],
-            "validation": [t.to_dict() for t in checks],
-            "seconds": time.perf_counter() - started,
-            "source": "measured",
-        }
+        decision = BatchSizeDecision(
+            batch_size=choice.size,
+            accumulate_grad_batches=accumulate,
+            effective_batch_size=effective,
+            configured_batch_size=configured,
+            reference_batch_size=reference,
+            lr_factor=lr_factor(self.lr_scaling, effective, reference),
+            lr_scaling=self.lr_scaling,
+            target_global_batch_size=self.target_global_batch_size,
+            world_size=world,
+            budget_bytes=limits.budget_bytes,
+            budget=_budget_text(pl_module, self),
+            stopped=reason,
+            trials=tuple(trials),
+            validation=tuple(checks),
+            seconds=time.perf_counter() - started,
+        )
         if trainer.is_global_zero:
-            cache.store_entry(path, key, {"result": result})
-        return result
+            cache.store_entry(path, key, {"result": decision.to_dict()})
+        return decision
 
     def _cache_parts(
         self, trainer: L.Trainer, pl_module: L.LightningModule, dataset: Any, configured: int
@@ -269,7 +274,7 @@ class AutoBatchSize(BoostCallback):
             "arguments": {name: getattr(self, name) for name in _KEYED},
         }
 
-    def _cached(self, trainer: L.Trainer, path: Path, key: str) -> dict[str, Any] | None:
+    def _cached(self, trainer: L.Trainer, path: Path, key: str) -> BatchSizeDecision | None:
         """Rank zero's cached result, broadcast (every rank uses the same); ``None`` to measure."""
         entry: dict[str, Any] | None = None
         if trainer.is_global_zero and not self.retune:
@@ -287,7 +292,7 @@ class AutoBatchSize(BoostCallback):
                 )
                 entry = None
         entry = trainer.strategy.broadcast(entry, src=0)
-        return None if entry is None else {**entry["result"], "source": "cache"}
+        return None if entry is None else BatchSizeDecision.from_dict({**entry["result"], "source": "cache"})
 
     def _limits(self, trainer: L.Trainer, pl_module: L.LightningModule, dataset: Any, world: int) -> Limits:
         bounds = [self.max_batch_size or math.inf]
@@ -318,12 +323,12 @@ class AutoBatchSize(BoostCallback):
 
     @override
     def state_dict(self) -> dict[str, Any]:
-        return dict(self.result)
+        return self.result
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.result = dict(state_dict)
-        self._restored = bool(self.result)
+        self.decision = BatchSizeDecision.from_dict(state_dict) if state_dict else None
+        self._restored = self.decision is not None
 
 
 def _check_has_batch_size(pl_module: L.LightningModule, name: str) -> None:
@@ -499,83 +504,3 @@ def _nothing_fits(trials: list[Trial], limits: Limits, reason: str) -> str:
         " (`Trainer(precision='bf16-mixed')`, or `preset('auto')`), shard the model with `preset('fsdp')`,"
         " or use a smaller model."
     )
-
-
-def _finding(result: dict[str, Any], tolerance: float) -> Finding:
-    trials = sorted((Trial.from_dict(t) for t in result["trials"]), key=lambda t: t.size)
-    budget = result["budget_bytes"]
-    chosen = next(t for t in trials if t.size == result["batch_size"])
-    best = max((t for t in trials if t.fits(budget)), key=lambda t: t.samples_per_s)
-    rows = [_row(t, budget) for t in trials]
-    cached = result.get("source") == "cache"
-    how = (
-        f"Reused the cached measurement of {len(trials)} sizes (`retune=True` measures again)"
-        if cached
-        else f"Measured {len(trials)} sizes in {result['seconds']:.1f} s"
-    )
-    detail = (
-        f"{how}; stopped at {result['stopped']}."
-        f" Memory budget: {budget / _GIB:.2f} GiB, {result['budget']}. The smallest size within"
-        f" {tolerance:.0%} of the best throughput ({best.size}: {best.samples_per_s:,.0f} samples/s) is kept."
-        f" Effective batch: {result['batch_size']} x {result['accumulate_grad_batches']} accumulated x"
-        f" {result['world_size']} processes = {result['effective_batch_size']}"
-        + (f" (target {result['target_global_batch_size']})" if result["target_global_batch_size"] else "")
-        + (
-            f"; learning rates x{result['lr_factor']:.3g} ({result['lr_scaling']},"
-            f" from {result['reference_batch_size']})."
-            if result["lr_scaling"]
-            else "."
-        )
-        + "\n"
-        + "\n".join(rows)
-    )
-    plot = plot_data(
-        "batch_size",
-        "Batch size: training throughput and peak memory",
-        "batch size",
-        [t.size for t in trials],
-        {"samples/s": [t.samples_per_s for t in trials]},
-        {"peak GiB": [(t.peak_bytes or 0) / _GIB for t in trials]},
-        chosen=chosen.size,
-    )
-    return Finding(
-        "AutoBatchSize",
-        "batch size",
-        Severity.INFO,
-        f"Batch size {chosen.size} (was {result['configured_batch_size']}):"
-        f" {chosen.samples_per_s:,.0f} samples/s, peak {_size(chosen.peak_bytes)}",
-        detail=detail,
-        data={**{k: v for k, v in result.items() if k != "budget"}, "plot": plot},
-        cost="" if cached else f"{result['seconds']:.1f} s tuning",
-    )
-
-
-def _restored_finding(result: dict[str, Any]) -> Finding:
-    return Finding(
-        "AutoBatchSize",
-        "batch size",
-        Severity.INFO,
-        f"Batch size {result['batch_size']} from the checkpoint, not tuned again",
-        detail=(
-            f"Accumulation {result['accumulate_grad_batches']},"
-            f" effective batch {result['effective_batch_size']}."
-        ),
-        data={k: v for k, v in result.items() if k != "budget"},
-    )
-
-
-def _row(trial: Trial, budget: int) -> str:
-    status = "out of memory" if trial.oom else "ok" if trial.fits(budget) else "over budget"
-    return (
-        f"  {trial.size:>6}  {trial.samples_per_s:>10,.0f} samples/s  {_size(trial.peak_bytes):>10}  {status}"
-    )
-
-
-def _size(nbytes: int | None) -> str:
-    """Bytes in the largest unit that keeps a number >= 1 (``-`` when unknown)."""
-    if nbytes is None:
-        return "-"
-    for unit, scale in (("GiB", _GIB), ("MiB", 2**20), ("KiB", 2**10)):
-        if nbytes >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes} B"

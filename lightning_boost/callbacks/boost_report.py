@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from lightning_boost._lightning import (
 )
 from lightning_boost._validation import validated
 from lightning_boost.plots import matplotlib_missing, write_plots
-from lightning_boost.report import BoostWarning, Finding, Report
+from lightning_boost.report import BoostWarning, Finding, Report, ReportsFindings, ReportsTuned
 
 #: Prefix of the hyperparameters the report logs.
 HPARAM_PREFIX = "boost/"
@@ -170,9 +170,8 @@ def collect_report(trainer: L.Trainer) -> Report:
 
     report = run_checks(hardware_for(trainer))
     for part in [trainer.strategy, datamodule_of(trainer), *callbacks_of(trainer)]:
-        findings = getattr(part, "findings", None)
-        if isinstance(findings, (list, tuple)):
-            report.add(f for f in findings if isinstance(f, Finding))
+        if isinstance(part, ReportsFindings):
+            report.add(f for f in part.findings if isinstance(f, Finding))
     report.tuned = tuned_values(trainer)
     return report
 
@@ -196,9 +195,8 @@ def tuned_values(trainer: L.Trainer) -> dict[str, Any]:
         world_size=trainer.world_size,
     )
     for part in [trainer.strategy, datamodule_of(trainer), *callbacks_of(trainer)]:
-        tuned = getattr(part, "tuned", None)
-        if isinstance(tuned, Mapping):
-            values.update(tuned)
+        if isinstance(part, ReportsTuned):
+            values.update(part.tuned)
     return values
 
 
