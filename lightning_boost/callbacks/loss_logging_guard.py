@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Annotated, Any, get_args
+from typing import Annotated, Any, ClassVar, get_args
 
 import lightning as L
 import torch
@@ -14,7 +14,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_boost._validation import Matches, validated
-from lightning_boost.callbacks.base import BoostCallback, EveryNSteps, GuardMode, Overhead
+from lightning_boost.callbacks.base import EveryNSteps, Guard, GuardMode, Overhead, no_op
 from lightning_boost.report import Finding, Severity, plot_data
 from lightning_boost.tuning.graphs import census, footprint, graph_tensors, growth, holds_graph, thin
 from lightning_boost.tuning.retained import Holder, format_bytes, unnamed_growth_fix
@@ -36,7 +36,7 @@ def _module_internals() -> frozenset[str]:
     return frozenset(vars(L.LightningModule()))
 
 
-class LossLoggingGuard(BoostCallback):
+class LossLoggingGuard(Guard):
     """Finds values kept between training steps that still hold an autograd graph.
 
     ``self.losses.append(loss)``, ``self.total += loss``, extra tensors returned from
@@ -83,6 +83,8 @@ class LossLoggingGuard(BoostCallback):
         trainer = L.Trainer(callbacks=[LossLoggingGuard(mode="error")])  # in CI
     """
 
+    _transient: ClassVar[dict[str, Any]] = {"_undo_spies": no_op}  # a closure over the loggers
+
     @validated
     def __init__(
         self,
@@ -91,11 +93,9 @@ class LossLoggingGuard(BoostCallback):
         every_n_steps: EveryNSteps = None,
         max_overhead: Overhead = 0.005,
     ) -> None:
-        self.mode = mode
-        self.allow = tuple(name.removeprefix("self.") for name in allow)
-        self.every_n_steps = every_n_steps
-        self.max_overhead = float(max_overhead)
-        self.findings: list[Finding] = []
+        super().__init__(
+            mode, tuple(name.removeprefix("self.") for name in allow), every_n_steps, max_overhead
+        )
         self._set_state_key(mode=mode, allow=self.allow)
         self._reset()
 
@@ -107,18 +107,9 @@ class LossLoggingGuard(BoostCallback):
         self._steps = 0
         self._checked = 0
         self._one_off_s = 0.0
-        self._undo_spies: Callable[[], None] = lambda: None
+        self._undo_spies: Callable[[], None] = no_op
         self._sampler = Sampler(first=3, every_n_steps=self.every_n_steps, budget=self.max_overhead / 2)
         self._census = TimeBudget(self.max_overhead / 2, initial_cost_s=0.1)
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_undo_spies"] = None  # a closure over the loggers: rebuilt at the next fit
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
-        self._undo_spies = lambda: None
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -159,14 +150,9 @@ class LossLoggingGuard(BoostCallback):
         self._finish(pl_module)
 
     @override
-    def on_exception(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
-    ) -> None:
-        self._finish(pl_module)
-
     def _finish(self, pl_module: L.LightningModule) -> None:
         self._undo_spies()
-        self._undo_spies = lambda: None
+        self._undo_spies = no_op
         self._logged.clear()
         self._weights = []
         self.findings = self._make_findings(pl_module) if self._steps else []  # no step, nothing to say
@@ -243,11 +229,7 @@ class LossLoggingGuard(BoostCallback):
         self._series = thin([*self._series, (self._steps, value)])
 
     def _raise_if_found(self, trainer: L.Trainer, pl_module: L.LightningModule, new: list[Holder]) -> None:
-        found = bool(new)
-        if trainer.world_size > 1:  # every rank checks the same steps: agree, then all raise together
-            found = trainer.strategy.reduce_boolean_decision(found, all=False)
-            self._sampler.next_step = trainer.strategy.broadcast(self._sampler.next_step)
-        if not found:
+        if not self._agree(trainer, bool(new), self._sampler):
             return
         if not new:
             raise RetainedGraphError(

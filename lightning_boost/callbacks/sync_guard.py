@@ -8,14 +8,14 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
 import lightning as L
 import torch
 from typing_extensions import override
 
 from lightning_boost._validation import Matches, validated
-from lightning_boost.callbacks.base import BoostCallback, EveryNSteps, GuardMode, Overhead
+from lightning_boost.callbacks.base import EveryNSteps, Guard, GuardMode, Overhead
 from lightning_boost.report import Finding, Severity
 from lightning_boost.tuning.sampling import Sampler
 from lightning_boost.tuning.sources import Site
@@ -73,7 +73,7 @@ class _Phase:
             self.sampler.next_step = max(self.sampler.next_step, self.steps + 2)
 
 
-class SyncGuard(BoostCallback):
+class SyncGuard(Guard):
     """Finds every host-device sync in the training and validation steps and names the line.
 
     ``.item()``, ``float(loss)``, ``print(loss)``, ``if loss > x:``, ``.cpu()``/``.tolist()``,
@@ -126,6 +126,8 @@ class SyncGuard(BoostCallback):
         trainer = L.Trainer(callbacks=[SyncGuard(mode="error")])  # in CI
     """
 
+    _transient: ClassVar[dict[str, Any]] = {"_watch": None, "_packages": None}  # rebuilt at the next fit
+
     @validated
     def __init__(
         self,
@@ -135,12 +137,8 @@ class SyncGuard(BoostCallback):
         max_overhead: Overhead = 0.005,
         scope: Scope = "steps",
     ) -> None:
-        self.mode = mode
-        self.allow = tuple(allow)
-        self.every_n_steps = every_n_steps
-        self.max_overhead = float(max_overhead)
+        super().__init__(mode, tuple(allow), every_n_steps, max_overhead)
         self.scope = scope
-        self.findings: list[Finding] = []
         self._set_state_key(mode=mode, scope=scope)
         self._reset(cuda=False, world_size=1)
 
@@ -160,11 +158,6 @@ class SyncGuard(BoostCallback):
         self._world_size = world_size
         self._packages: Packages | None = None
         self._watch: SyncWatch | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        state = self.__dict__.copy()
-        state["_watch"] = state["_packages"] = None  # rebuilt at the next fit
-        return state
 
     @property
     def checked_steps(self) -> dict[str, int]:
@@ -223,13 +216,7 @@ class SyncGuard(BoostCallback):
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._close(trainer, interrupted=True)
-        self._finish()
-
-    @override
-    def on_exception(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
-    ) -> None:
-        self._finish()
+        self._finish(pl_module)
 
     # -- windows -------------------------------------------------------------------------------
 
@@ -295,12 +282,8 @@ class SyncGuard(BoostCallback):
         return bool(self.allow) and site is not None and site.location.endswith(self.allow)
 
     def _raise_if_found(self, trainer: L.Trainer, phase: _Phase) -> None:
-        found = self._error is not None
-        if trainer.world_size > 1:  # every rank checks the same steps: agree, then all raise together
-            found = trainer.strategy.reduce_boolean_decision(found, all=False)
-            phase.sampler.next_step = trainer.strategy.broadcast(phase.sampler.next_step)
-        if found:
-            self._finish()
+        if self._agree(trainer, self._error is not None, phase.sampler):
+            self._finish(trainer.lightning_module)
             raise SyncError(self._error or "SyncGuard: another rank found a host-device sync in its step.")
 
     def _stop_watch(self) -> None:
@@ -308,7 +291,8 @@ class SyncGuard(BoostCallback):
             for pattern, count in self._watch.stop().items():  # the allocator's syncs (CUDA)
                 self._allocator[pattern] = self._allocator.get(pattern, 0) + count
 
-    def _finish(self) -> None:
+    @override
+    def _finish(self, pl_module: L.LightningModule | None) -> None:
         self._stop_watch()
         self._watch = None  # a later `trainer.validate` is not checked: the guard watches fits
         self._window = None
