@@ -28,7 +28,7 @@ from typing_extensions import override
 
 from benchmarks.common import Row
 from lightning_boost import AutoBatchSize
-from lightning_boost.data.batch_probe import StepProbe
+from lightning_boost.batch_size.probe import StepProbe
 from lightning_boost.demo import ResNet18Classifier
 
 COMMAND = "python -m benchmarks batch_size"

@@ -24,7 +24,7 @@ import lightning as L
 from benchmarks.common import Row
 from benchmarks.monitor_overhead import fit_per_step
 from lightning_boost import BoostReport, LossLoggingGuard, SyncGuard
-from lightning_boost.tuning.graphs import census
+from lightning_boost.guards.graphs import census
 
 COMMAND = "python -m benchmarks guard_overhead"
 

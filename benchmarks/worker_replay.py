@@ -24,7 +24,7 @@ from pathlib import Path
 
 from benchmarks.common import Row
 from lightning_boost.hardware import EXAMPLES, MIB, HardwareInfo
-from lightning_boost.tuning.workers import WorkerChoice, WorkerTrial, WorkerTuning, search_workers
+from lightning_boost.workers.search import WorkerChoice, WorkerTrial, WorkerTuning, search_workers
 
 COMMAND = "python -m benchmarks worker_replay"
 MEASUREMENTS = Path(__file__).with_name("data") / "h100-16cpu.json"

@@ -33,7 +33,7 @@ _EXPORTS = {
     "Finding": "lightning_boost.report",
     "Report": "lightning_boost.report",
     "Severity": "lightning_boost.report",
-    "WorkerTuning": "lightning_boost.tuning.workers",
+    "WorkerTuning": "lightning_boost.workers.search",
 }
 
 __all__ = [
@@ -77,12 +77,14 @@ class _Package(types.ModuleType):
     """The package module: `presets` is both a subpackage and the function it exports.
 
     Importing ``lightning_boost.presets`` binds the subpackage to this attribute; the function of
-    that name is what ``from lightning_boost import presets`` has always given, so it stays.
+    that name is what ``from lightning_boost import presets`` has always given, so the binding is
+    skipped (the function then loads on first use, and importing the pure ``presets.plans``
+    imports no Lightning).
     """
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "presets" and isinstance(value, types.ModuleType):
-            value = value.presets
+            return
         super().__setattr__(name, value)
 
 
@@ -106,4 +108,4 @@ if TYPE_CHECKING:  # the names as type checkers and IDEs see them
     from lightning_boost.precision import auto_precision
     from lightning_boost.presets import preset, presets
     from lightning_boost.report import BoostWarning, Finding, Report, Severity
-    from lightning_boost.tuning.workers import WorkerTuning
+    from lightning_boost.workers.search import WorkerTuning

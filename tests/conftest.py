@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_boost.tuning.cache import CACHE_DIR_ENV
+from lightning_boost.cache import CACHE_DIR_ENV
 
 pytest_plugins = ["lightning_boost.testing.pytest_plugin"]
 

@@ -25,7 +25,7 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lightning_boost import AutoBatchSize, BoostedDataModule, BoostWarning
-from lightning_boost.data.batch_probe import StepProbe, is_oom
+from lightning_boost.batch_size.probe import StepProbe, is_oom
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
 
 FAST = {"steps": 1, "tolerance": 0.0}
@@ -168,7 +168,7 @@ def test_cpu_peak_estimate_counts_every_live_tensor_of_the_step() -> None:
 
 def test_cpu_memory_budget_bounds_the_search(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # Simulated: a machine with 256 KiB of available RAM, so the 50 % budget is 128 KiB.
-    from lightning_boost.callbacks import auto_batch_size
+    from lightning_boost.batch_size import callback as auto_batch_size
     from lightning_boost.hardware import HardwareInfo
 
     small = HardwareInfo.detect().replace(ram_available_bytes=2**18, local_world_size=1)
@@ -511,7 +511,7 @@ def test_target_conflicts_with_an_accumulation_scheduler(tmp_path: Path) -> None
 
 @pytest.mark.gpu
 def test_cuda_steps_are_timed_with_events() -> None:
-    from lightning_boost.data.batch_probe import fastest_step
+    from lightning_boost.batch_size.probe import fastest_step
 
     device = torch.device("cuda")
     x = torch.randn(4096, 4096, device=device)

@@ -168,7 +168,7 @@ def test_loaders_too_small_to_pay_back_measuring_load_in_the_main_process(tmp_pa
 
 
 def test_the_run_workload_comes_from_the_trainer(tmp_path: Path) -> None:
-    from lightning_boost.data.tuner import workload
+    from lightning_boost.workers.tuner import workload
 
     trainer = tiny_trainer(tmp_path, max_epochs=3, limit_train_batches=5, limit_val_batches=1.0)
     assert workload(trainer, "train", IndexDataset(64), 8) == 3 * 5 * 8

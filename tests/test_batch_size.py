@@ -1,10 +1,10 @@
-"""The pure batch-size decisions (`lightning_boost.tuning.batch_size`) on scripted tables."""
+"""The pure batch-size decisions (`lightning_boost.batch_size.search`) on scripted tables."""
 
 from collections.abc import Callable
 
 import pytest
 
-from lightning_boost.tuning.batch_size import Limits, Trial, accumulation, choose, lr_factor, merge, next_size
+from lightning_boost.batch_size.search import Limits, Trial, accumulation, choose, lr_factor, merge, next_size
 
 GIB = 1024**3
 

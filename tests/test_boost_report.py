@@ -23,10 +23,10 @@ from lightning_boost import (
     boost_callbacks,
     preset,
 )
-from lightning_boost.callbacks.boost_report import attach_report
 from lightning_boost.hardware import EXAMPLES
-from lightning_boost.plots import INSTALL_HINT, write_plots
 from lightning_boost.report import AREAS, SCHEMA_VERSION, Finding, Severity, plot_data
+from lightning_boost.report.callback import attach_report
+from lightning_boost.report.plots import INSTALL_HINT, write_plots
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
 
 FAST = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,), skip_short_runs=False)

@@ -8,6 +8,8 @@ configured from a LightningCLI YAML file.
 import copy
 import json
 import pickle
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -242,3 +244,23 @@ def test_fast_ddp_runs_two_processes_under_the_pytorch_lightning_namespace(tmp_p
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [r["strategy"] for r in ranks] == ["PresetDDPStrategy"] * 2
     assert ranks[0]["weight"] == ranks[1]["weight"]
+
+
+def test_the_pure_cores_import_no_lightning_at_run_time() -> None:
+    # `lint-imports` checks the imports as written; this checks what importing each one loads,
+    # parent packages included (a package `__init__` that imports Lightning would defeat it).
+    pyproject = (Path(__file__).parents[1] / "pyproject.toml").read_text()
+    block = pyproject.split("source_modules = [", 1)[1].split("]", 1)[0]
+    modules = [line.strip().strip('",') for line in block.splitlines() if line.strip().startswith('"')]
+    assert "lightning_boost.workers.search" in modules and len(modules) > 10
+    code = (
+        "import importlib, sys\n"
+        f"for name in {modules!r}:\n"
+        "    importlib.import_module(name)\n"
+        "loaded = sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'pytorch_lightning'))\n"
+        "assert not loaded, loaded[:5]\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]

@@ -156,8 +156,8 @@ def test_a_gpu_run_holds_the_loader_to_the_steps_own_rate(
 ) -> None:
     # Simulated: the tuner is told it runs on a 16-CPU CUDA machine (this one has no GPU); the
     # loaders, the transfer and the training steps on a copy of the model are real, on the CPU.
-    from lightning_boost.data import tuner
     from lightning_boost.hardware import EXAMPLES
+    from lightning_boost.workers import tuner
 
     monkeypatch.setattr(tuner, "hardware_for", lambda trainer: EXAMPLES["h100"])
     tuning = WorkerTuning(

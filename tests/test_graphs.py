@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_boost.tuning.graphs import census, footprint, graph_tensors, growth, thin
-from lightning_boost.tuning.retained import Holder, holder_fix
-from lightning_boost.tuning.sampling import Sampler, TimeBudget
-from lightning_boost.tuning.sources import return_sites, store_sites, user_frame
+from lightning_boost.guards.graphs import census, footprint, graph_tensors, growth, thin
+from lightning_boost.guards.retained import Holder, holder_fix
+from lightning_boost.guards.sampling import Sampler, TimeBudget
+from lightning_boost.guards.sources import return_sites, store_sites, user_frame
 
 W = torch.ones(4, requires_grad=True)
 Pair = namedtuple("Pair", ["first", "second"])

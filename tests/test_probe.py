@@ -13,9 +13,9 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from lightning_boost import BoostedDataModule, WorkerTuning
-from lightning_boost.data import probe, tuner
 from lightning_boost.testing import BoringModel, tiny_trainer
-from lightning_boost.tuning.workers import WorkerTrial, split_cpus
+from lightning_boost.workers import model_rates, tuner
+from lightning_boost.workers.search import WorkerTrial, split_cpus
 
 
 class WithBatchNorm(BoringModel):
@@ -32,7 +32,7 @@ def test_step_rates_are_measured_on_a_copy_and_leave_no_trace() -> None:
     batch = (torch.randn(8, 32), torch.randn(8, 2))
     before = {name: value.clone() for name, value in model.state_dict().items()}
     rng, threads = torch.get_rng_state(), torch.get_num_threads()
-    rates = probe.model_step_rates(model, batch, [threads, 1])
+    rates = model_rates.model_step_rates(model, batch, [threads, 1])
     assert set(rates) == {threads, 1} and all(rate > 0 for rate in rates.values())
     after = model.state_dict()
     assert all(torch.equal(before[name], after[name]) for name in before)  # BatchNorm statistics too
@@ -51,7 +51,7 @@ class BatchOnly(BoringModel):
 
 
 def test_a_step_without_batch_idx_is_called_as_lightning_calls_it() -> None:
-    rates = probe.model_step_rates(BatchOnly(), (torch.randn(8, 32), torch.randn(8, 2)), [1])
+    rates = model_rates.model_step_rates(BatchOnly(), (torch.randn(8, 32), torch.randn(8, 2)), [1])
     assert set(rates) == {1} and rates[1] > 0
 
 
@@ -68,7 +68,7 @@ class ReadsTheTrainer(BoringModel):
 
 @pytest.mark.parametrize("model", [ManualOptimization(), ReadsTheTrainer()], ids=["manual", "trainer"])
 def test_a_step_that_needs_the_fit_gives_no_rates(model: BoringModel) -> None:
-    assert probe.model_step_rates(model, (torch.randn(8, 32), torch.randn(8, 2)), [1]) == {}
+    assert model_rates.model_step_rates(model, (torch.randn(8, 32), torch.randn(8, 2)), [1]) == {}
 
 
 def test_split_prefers_fewer_workers_within_tolerance_and_skips_what_it_cannot_predict() -> None:

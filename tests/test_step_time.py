@@ -11,9 +11,9 @@ from typing_extensions import override
 
 from lightning_boost import StepTimeMonitor
 from lightning_boost.report import Severity
+from lightning_boost.step_time import timing as step_time
+from lightning_boost.step_time.timing import CudaClock, HostClock, StepTimes, input_bound_fixes, wait_fraction
 from lightning_boost.testing import BoringModel, RandomDataset, tiny_trainer
-from lightning_boost.tuning import step_time
-from lightning_boost.tuning.step_time import CudaClock, HostClock, StepTimes, input_bound_fixes, wait_fraction
 
 #: With ``limit_val_batches=0``: the model has a validation_step, this run skips it.
 NO_VAL = DataLoader(RandomDataset(length=8), batch_size=8)

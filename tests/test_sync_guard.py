@@ -738,7 +738,7 @@ def test_allocator_counters_count_only_while_the_watch_runs(monkeypatch: pytest.
     # work outside any step (e.g. AutoBatchSize's `empty_cache` between trials): the H100's false
     # WARN "The caching allocator synchronized every stream" on a clean bf16 ResNet-18 came from
     # reading them at the end of fit with no watch running, i.e. since the process started.
-    from lightning_boost.tuning import sync_watch
+    from lightning_boost.guards import sync_watch
 
     counters = {"num_alloc_retries": 0, "num_sync_all_streams": 7}
     monkeypatch.setattr(sync_watch, "_allocator_counters", lambda: dict(counters))
@@ -754,7 +754,7 @@ def test_allocator_counters_count_only_while_the_watch_runs(monkeypatch: pytest.
 def test_a_reported_call_is_not_counted_again_as_the_allocators(monkeypatch: pytest.MonkeyPatch) -> None:
     # Simulated counters, as above: `empty_cache` syncs every stream (the counter moves), and the
     # watch has already reported the call at the user's line; only the retry outside it counts.
-    from lightning_boost.tuning import sync_watch
+    from lightning_boost.guards import sync_watch
 
     counters = {"num_alloc_retries": 0, "num_sync_all_streams": 0}
     monkeypatch.setattr(sync_watch, "_allocator_counters", lambda: dict(counters))

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_boost.tuning.sync_watch import SyncWatch
-from lightning_boost.tuning.syncs import CAUSES, Frame, Packages, SyncGroup, attribute, classify, code_at
+from lightning_boost.guards.sync_watch import SyncWatch
+from lightning_boost.guards.syncs import CAUSES, Frame, Packages, SyncGroup, attribute, classify, code_at
 
 T = torch.Tensor
 x = torch.arange(6.0)

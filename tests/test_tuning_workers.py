@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
+from lightning_boost import cache
 from lightning_boost._lightning import preserved_rng
 from lightning_boost.hardware import EXAMPLES, GIB, MIB, HardwareInfo
-from lightning_boost.tuning import cache
-from lightning_boost.tuning.workers import (
+from lightning_boost.workers.search import (
     WorkerChoice,
     WorkerTrial,
     WorkerTuning,

@@ -1,13 +1,27 @@
-"""Lightning callbacks: thin hooks that gather data, call a decision from `tuning/`, apply it."""
+"""The boost callbacks, gathered: each lives in its feature folder (`workers/`, `batch_size/`,
+`guards/`, `step_time/`, `report/`); `base` holds `BoostCallback`, `recommended` holds
+`boost_callbacks()`.
 
-from lightning_boost.callbacks.auto_batch_size import AutoBatchSize
-from lightning_boost.callbacks.auto_num_workers import AutoNumWorkers
-from lightning_boost.callbacks.boost_report import BoostReport
-from lightning_boost.callbacks.loss_logging_guard import LossLoggingGuard, RetainedGraphError
-from lightning_boost.callbacks.recommended import boost_callbacks
-from lightning_boost.callbacks.step_time_monitor import StepTimeMonitor
-from lightning_boost.callbacks.sync_guard import SyncError, SyncGuard
+The names load on first use (PEP 562): importing `lightning_boost.callbacks.base` from a feature
+folder does not import every callback (which would import that folder back).
+"""
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+_EXPORTS = {
+    "AutoBatchSize": "lightning_boost.batch_size.callback",
+    "AutoNumWorkers": "lightning_boost.workers.callback",
+    "BoostReport": "lightning_boost.report.callback",
+    "LossLoggingGuard": "lightning_boost.guards.loss_logging_guard",
+    "RetainedGraphError": "lightning_boost.guards.loss_logging_guard",
+    "StepTimeMonitor": "lightning_boost.step_time.callback",
+    "SyncError": "lightning_boost.guards.sync_guard",
+    "SyncGuard": "lightning_boost.guards.sync_guard",
+    "boost_callbacks": "lightning_boost.callbacks.recommended",
+}
 __all__ = [
     "AutoBatchSize",
     "AutoNumWorkers",
@@ -19,3 +33,26 @@ __all__ = [
     "SyncGuard",
     "boost_callbacks",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'lightning_boost.callbacks' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from lightning_boost.batch_size.callback import AutoBatchSize
+    from lightning_boost.callbacks.recommended import boost_callbacks
+    from lightning_boost.guards.loss_logging_guard import LossLoggingGuard, RetainedGraphError
+    from lightning_boost.guards.sync_guard import SyncError, SyncGuard
+    from lightning_boost.report.callback import BoostReport
+    from lightning_boost.step_time.callback import StepTimeMonitor
+    from lightning_boost.workers.callback import AutoNumWorkers

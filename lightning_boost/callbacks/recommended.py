@@ -9,11 +9,11 @@ import lightning as L
 from typing_extensions import TypedDict, Unpack
 
 from lightning_boost._validation import validated
-from lightning_boost.callbacks.auto_num_workers import AutoNumWorkers
-from lightning_boost.callbacks.boost_report import BoostReport
-from lightning_boost.callbacks.loss_logging_guard import LossLoggingGuard
-from lightning_boost.callbacks.step_time_monitor import StepTimeMonitor
-from lightning_boost.callbacks.sync_guard import SyncGuard
+from lightning_boost.guards.loss_logging_guard import LossLoggingGuard
+from lightning_boost.guards.sync_guard import SyncGuard
+from lightning_boost.report.callback import BoostReport
+from lightning_boost.step_time.callback import StepTimeMonitor
+from lightning_boost.workers.callback import AutoNumWorkers
 
 #: Option name -> the callback it turns on, in the order they are returned.
 RECOMMENDED: dict[str, Callable[..., L.Callback]] = {

@@ -15,10 +15,10 @@ from typing_extensions import override
 
 from lightning_boost._lightning import overrides, reload_every_n_epochs
 from lightning_boost._validation import Count, PositiveInt, unknown_choice_error, validated
-from lightning_boost.data.loaders import keep_workers_alive
-from lightning_boost.data.tuner import WorkerTuner, hardware_for, workload
 from lightning_boost.report import Finding, Severity
-from lightning_boost.tuning.workers import WorkerTuning
+from lightning_boost.workers.loaders import keep_workers_alive
+from lightning_boost.workers.search import WorkerTuning
+from lightning_boost.workers.tuner import WorkerTuner, hardware_for, workload
 
 #: Loader arguments the mixin manages itself; the rest of DataLoader's may go in `loader_kwargs`.
 _MANAGED = {"dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn",
@@ -225,7 +225,7 @@ class BoostedDataModule(BoostedDataMixin, L.LightningDataModule):
     Every setting left as ``None`` is chosen for you:
 
     - ``num_workers`` and ``prefetch_factor``: measured on the training dataset (see
-      `lightning_boost.tuning.workers`), once per machine, dataset and batch size, cached as JSON,
+      `lightning_boost.workers.search`), once per machine, dataset and batch size, cached as JSON,
       made on rank zero and broadcast so every rank uses the same value;
     - ``pin_memory``: on when the trainer runs on CUDA;
     - ``persistent_workers``: on when there are workers, except with pinned memory and

@@ -14,16 +14,16 @@ from lightning_boost._lightning import datamodule_of, rebuild_dataloaders, reloa
 from lightning_boost._validation import validated
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
-from lightning_boost.data.loaders import (
+from lightning_boost.report import Finding, Severity
+from lightning_boost.workers.loaders import (
     MEASURED_SETTINGS,
     cannot_rebuild,
     keep_workers_alive,
     loader_batch_size,
     rebuild_loader,
 )
-from lightning_boost.data.tuner import WorkerTuner, workload
-from lightning_boost.report import Finding, Severity
-from lightning_boost.tuning.workers import WorkerTuning
+from lightning_boost.workers.search import WorkerTuning
+from lightning_boost.workers.tuner import WorkerTuner, workload
 
 
 class AutoNumWorkers(BoostCallback):

@@ -2,7 +2,7 @@
 
 On a CPU run the DataLoader's workers and the model share the CPUs, so how many workers pay
 depends on the model's step as much as on the loader: `model_step_rates` gives the first half
-of that, `lightning_boost.tuning.workers.split_cpus` makes the decision.
+of that, `lightning_boost.workers.search.split_cpus` makes the decision.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_boost.tuning.graphs import Footprint, Growth, growth, thin
-from lightning_boost.tuning.sources import Site
+from lightning_boost.guards.graphs import Footprint, Growth, growth, thin
+from lightning_boost.guards.sources import Site
 
 #: Where a holder keeps its graphs.
 KINDS = ("attribute", "output", "logger")

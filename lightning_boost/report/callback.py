@@ -21,8 +21,8 @@ from lightning_boost._lightning import (
     user_hyperparameters,
 )
 from lightning_boost._validation import validated
-from lightning_boost.plots import matplotlib_missing, write_plots
 from lightning_boost.report import BoostWarning, Finding, Report, ReportsFindings, ReportsTuned
+from lightning_boost.report.plots import matplotlib_missing, write_plots
 
 #: Prefix of the hyperparameters the report logs.
 HPARAM_PREFIX = "boost/"
@@ -92,7 +92,7 @@ class BoostReport(L.Callback):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.is_global_zero and self.files is not False:
-            from lightning_boost.callbacks.tuned_config import write_tuned_config
+            from lightning_boost.report.tuned_config import write_tuned_config
 
             self.tuned_config = write_tuned_config(trainer, tuned_values(trainer))
         if self.log_hyperparams and trainer.is_global_zero:
@@ -165,8 +165,8 @@ def attach_report(trainer: L.Trainer) -> None:
 
 def collect_report(trainer: L.Trainer) -> Report:
     """Every finding in `trainer`'s run (machine, strategy, datamodule, callbacks) and its tuned values."""
-    from lightning_boost.data.tuner import hardware_for
     from lightning_boost.doctor import run_checks
+    from lightning_boost.workers.tuner import hardware_for
 
     report = run_checks(hardware_for(trainer))
     for part in [trainer.strategy, datamodule_of(trainer), *callbacks_of(trainer)]:

@@ -14,7 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
 from lightning_boost.hardware import HardwareInfo
-from lightning_boost.tuning.workers import WorkerTuning
+from lightning_boost.workers.search import WorkerTuning
 
 #: DataLoader arguments a measurement loader copies from the real one.
 MEASURED_SETTINGS = (

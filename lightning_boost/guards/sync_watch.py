@@ -29,7 +29,7 @@ import torch
 from torch.optim import Optimizer
 from torch.overrides import TorchFunctionMode
 
-from lightning_boost.tuning.syncs import classify, host_copy, made_on_host
+from lightning_boost.guards.syncs import classify, host_copy, made_on_host
 
 #: ``(pattern, frame of the call)``; may raise to stop at the sync (error mode).
 OnSync = Callable[[str, FrameType | None], None]

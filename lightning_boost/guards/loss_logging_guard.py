@@ -14,12 +14,12 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_boost._validation import Matches, validated
-from lightning_boost.callbacks.base import EveryNSteps, Guard, GuardMode, Overhead, no_op
+from lightning_boost.guards.base import EveryNSteps, Guard, GuardMode, Overhead, no_op
+from lightning_boost.guards.graphs import census, footprint, graph_tensors, growth, holds_graph, thin
+from lightning_boost.guards.retained import Holder, format_bytes, unnamed_growth_fix
+from lightning_boost.guards.sampling import Sampler, TimeBudget
+from lightning_boost.guards.sources import Site, return_sites, store_sites, user_frame
 from lightning_boost.report import Finding, Severity, plot_data
-from lightning_boost.tuning.graphs import census, footprint, graph_tensors, growth, holds_graph, thin
-from lightning_boost.tuning.retained import Holder, format_bytes, unnamed_growth_fix
-from lightning_boost.tuning.sampling import Sampler, TimeBudget
-from lightning_boost.tuning.sources import Site, return_sites, store_sites, user_frame
 
 MODES = get_args(GuardMode)
 #: An attribute of the module, or a dotted path into one.

@@ -10,12 +10,12 @@ from typing_extensions import override
 
 from lightning_boost._lightning import callbacks_of, datamodule_of, training_log_step
 from lightning_boost._validation import Count, Range, validated
-from lightning_boost.callbacks.auto_num_workers import AutoNumWorkers
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
-from lightning_boost.data.tuner import hardware_for
 from lightning_boost.report import Finding, Severity, plot_data
-from lightning_boost.tuning.step_time import CudaClock, HostClock, StepTimes, input_bound_fixes
+from lightning_boost.step_time.timing import CudaClock, HostClock, StepTimes, input_bound_fixes
+from lightning_boost.workers.callback import AutoNumWorkers
+from lightning_boost.workers.tuner import hardware_for
 
 
 class StepTimeMonitor(BoostCallback):

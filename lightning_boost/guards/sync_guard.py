@@ -15,12 +15,11 @@ import torch
 from typing_extensions import override
 
 from lightning_boost._validation import Matches, validated
-from lightning_boost.callbacks.base import EveryNSteps, Guard, GuardMode, Overhead
-from lightning_boost.report import Finding, Severity
-from lightning_boost.tuning.sampling import Sampler
-from lightning_boost.tuning.sources import Site
-from lightning_boost.tuning.sync_watch import SyncWatch, host_side
-from lightning_boost.tuning.syncs import (
+from lightning_boost.guards.base import EveryNSteps, Guard, GuardMode, Overhead
+from lightning_boost.guards.sampling import Sampler
+from lightning_boost.guards.sources import Site
+from lightning_boost.guards.sync_watch import SyncWatch, host_side
+from lightning_boost.guards.syncs import (
     PATTERNS,
     Attribution,
     Packages,
@@ -29,6 +28,7 @@ from lightning_boost.tuning.syncs import (
     code_at,
     frames_from,
 )
+from lightning_boost.report import Finding, Severity
 
 MODES = get_args(GuardMode)
 Scope = Literal["steps", "fit"]

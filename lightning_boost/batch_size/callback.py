@@ -17,16 +17,12 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
+from lightning_boost import cache
 from lightning_boost._lightning import callbacks_of, datamodule_of, overrides, preserved_rng, user_dataloaders
 from lightning_boost._validation import Fraction, Identifier, PositiveInt, Range, Seconds, validated
-from lightning_boost.callbacks.base import BoostCallback
-from lightning_boost.data.batch_probe import StepProbe, first_batch, is_oom
-from lightning_boost.data.datamodule import BoostedDataMixin
-from lightning_boost.data.loaders import describe_dataset, describe_model, hardware_parts, loader_batch_size
-from lightning_boost.data.tuner import hardware_for
-from lightning_boost.report import BoostWarning, Finding
-from lightning_boost.tuning import cache
-from lightning_boost.tuning.batch_size import (
+from lightning_boost.batch_size.decision import BatchSizeDecision, findings, restored_finding
+from lightning_boost.batch_size.probe import StepProbe, first_batch, is_oom
+from lightning_boost.batch_size.search import (
     Limits,
     Trial,
     accumulation,
@@ -35,13 +31,22 @@ from lightning_boost.tuning.batch_size import (
     merge,
     next_size,
 )
-from lightning_boost.tuning.batch_size_decision import BatchSizeDecision, findings, restored_finding
+from lightning_boost.callbacks.base import BoostCallback
+from lightning_boost.data.datamodule import BoostedDataMixin
+from lightning_boost.report import BoostWarning, Finding
+from lightning_boost.workers.loaders import (
+    describe_dataset,
+    describe_model,
+    hardware_parts,
+    loader_batch_size,
+)
+from lightning_boost.workers.tuner import hardware_for
 
 #: Keys of an optimizer's param group that hold learning rates (schedulers such as OneCycleLR add some).
 LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
 
 _GIB = 1024**3
-#: How learning rates follow the effective batch size (`lightning_boost.tuning.batch_size.LR_RULES`).
+#: How learning rates follow the effective batch size (`lightning_boost.batch_size.search.LR_RULES`).
 LRScaling = Literal["linear", "sqrt"]
 #: Timed steps per size: past 100 a trial only repeats itself.
 MAX_STEPS = 100

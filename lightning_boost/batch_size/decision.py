@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from lightning_boost.batch_size.search import Trial
 from lightning_boost.report import Finding, Severity, plot_data
-from lightning_boost.tuning.batch_size import Trial
 
 _GIB = 1024**3
 

@@ -19,19 +19,19 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 
+from lightning_boost import cache
 from lightning_boost._lightning import is_lightning, preserved_rng
-from lightning_boost.data.batch_probe import StepProbe
-from lightning_boost.data.loaders import (
+from lightning_boost.batch_size.probe import StepProbe
+from lightning_boost.hardware import HardwareInfo
+from lightning_boost.report import BoostWarning, Finding, Severity, plot_data
+from lightning_boost.workers.loaders import (
     cannot_measure,
     describe_model,
     fingerprint_parts,
     measurement_loaders,
 )
-from lightning_boost.data.probe import model_step_rates
-from lightning_boost.hardware import HardwareInfo
-from lightning_boost.report import BoostWarning, Finding, Severity, plot_data
-from lightning_boost.tuning import cache
-from lightning_boost.tuning.workers import (
+from lightning_boost.workers.model_rates import model_step_rates
+from lightning_boost.workers.search import (
     WorkerChoice,
     WorkerTrial,
     WorkerTuning,
@@ -65,7 +65,7 @@ class WorkerTuner:
     Args:
         source: the name findings carry (the class that owns this tuner).
         tuning: how to measure (`WorkerTuning`).
-        cache_dir: where measurements are cached (default `lightning_boost.tuning.cache.default_cache_dir`).
+        cache_dir: where measurements are cached (default `lightning_boost.cache.default_cache_dir`).
         retune: measure even when the cache has an entry.
     """
 

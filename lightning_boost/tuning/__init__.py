@@ -1,1 +1,0 @@
-"""Measurement and search, with no Lightning imports: worker tuning, RNG preservation, the JSON cache."""
