@@ -23,7 +23,8 @@ from lightning_boost import cache
 from lightning_boost._lightning import is_lightning, preserved_rng
 from lightning_boost.batch_size.probe import StepProbe
 from lightning_boost.hardware import HardwareInfo
-from lightning_boost.report import BoostWarning, Finding, Severity, plot_data
+from lightning_boost.report import BoostWarning, Finding
+from lightning_boost.workers.decision import choice_findings, open_files_finding, threads_finding
 from lightning_boost.workers.loaders import (
     cannot_measure,
     describe_model,
@@ -48,15 +49,6 @@ from lightning_boost.workers.search import (
 )
 
 CACHE_FILE = "workers.json"
-
-_FIXES = {
-    "hung": "A worker waited longer than `timeout_s` for one sample batch: look for locks, network calls "
-    "or per-worker initialisation in `__getitem__`, or raise `WorkerTuning(timeout_s=...)`.",
-    "crashed": "A worker process died: run once with `num_workers=0` to see the dataset's own error, "
-    "and check the kernel log (`dmesg`) for the out-of-memory killer.",
-    "shared memory exhausted": "Workers hand batches over through /dev/shm: give the container more "
-    "(`docker run --shm-size=8g` or `--ipc=host`) or lower the batch size or `prefetch_factor`.",
-}
 
 
 class WorkerTuner:
@@ -365,108 +357,4 @@ def workload(trainer: L.Trainer | None, split: str, dataset: Dataset[Any], batch
         trainer.max_steps,
         trainer.accumulate_grad_batches,
         trainer.check_val_every_n_epoch,
-    )
-
-
-def choice_findings(source: str, choice: WorkerChoice) -> list[Finding]:
-    """The choice with its evidence, and one finding per candidate that failed."""
-    label = f"num_workers={choice.num_workers}"
-    if choice.num_workers:
-        label += f", prefetch_factor={choice.prefetch_factor}"
-    measured = "; ".join(
-        f"{trial.label}: {trial.samples_per_s:.0f} samples/s" if trial.ok else f"{trial.label}: failed"
-        for trial in choice.trials
-    )
-    detail = {
-        "measured": f"Measured {measured}. Tuning took {choice.seconds:.1f} s.",
-        "cache": "Reused the cached measurement (`retune=True` measures again).",
-        "checkpoint": "Restored from the checkpoint; not measured again.",
-        "short run": f"Measured {measured}. Tuning took {choice.seconds:.1f} s; a longer run measures"
-        " worker counts.",
-    }.get(choice.source, "")
-    startups = [trial.startup_s for trial in choice.trials if trial.ok and trial.num_workers]
-    if startups and choice.source == "measured":
-        detail += (
-            f" Worker start-up (until one batch per worker arrived): {max(startups):.2f} s at most,"
-            f" {sum(startups):.1f} s of the tuning in all."
-        )
-    if choice.consumer_samples_per_s and choice.source == "measured":
-        detail += f" The training step alone: {choice.consumer_samples_per_s:.0f} samples/s."
-    if choice.skipped and choice.source == "measured":
-        detail += " Not tried: " + "; ".join(choice.skipped) + "."
-    if choice.source == "unmeasurable":
-        why = choice.reason.removeprefix("not measured: ")
-        return [
-            Finding(
-                source, "data", Severity.INFO, f"{label}: not measured", why, "Set `num_workers` by hand."
-            )
-        ]
-    fell_back = choice.reason.startswith("fell back") or choice.source == "error"
-    data = {**choice.to_dict(), "cost_s": round(choice.seconds, 3)}
-    plot = worker_plot(choice) if choice.source == "measured" else None
-    if plot is not None:
-        data["plot"] = plot
-    findings = [
-        Finding(
-            source,
-            "data",
-            Severity.WARN if fell_back else Severity.INFO,
-            f"{label}: {choice.reason}",
-            detail,
-            "Fix the failures below, or set `num_workers` by hand." if fell_back else "",
-            data=data,
-            cost=f"{choice.seconds:.1f} s tuning" if choice.source == "measured" else "",
-        )
-    ]
-    for trial in choice.failures:
-        kind = trial.error.split(":")[0]
-        fix = _FIXES.get(kind, "Run with `num_workers=0` to see the dataset's error.")
-        findings.append(
-            Finding(source, "data", Severity.WARN, f"{trial.label} dropped: {trial.error}", fix=fix)
-        )
-    return findings
-
-
-def worker_plot(choice: WorkerChoice) -> dict[str, Any] | None:
-    """Throughput vs ``num_workers`` at the first prefetch factor tried (``None`` under two points)."""
-    with_workers = [trial for trial in choice.trials if trial.num_workers]
-    base = with_workers[0].prefetch_factor if with_workers else None
-    curve: dict[int, float] = {}
-    for trial in choice.trials:
-        if trial.ok and trial.prefetch_factor in (None, base):
-            curve.setdefault(trial.num_workers, round(trial.samples_per_s, 1))
-    if len(curve) < 2:
-        return None
-    return plot_data(
-        "workers",
-        "DataLoader throughput vs num_workers" + (f" (prefetch_factor={base})" if base else ""),
-        "num_workers",
-        list(curve),
-        {"samples/s": list(curve.values())},
-        chosen=choice.num_workers,
-    )
-
-
-def threads_finding(source: str, threads: int, num_workers: int, hardware: HardwareInfo) -> Finding:
-    return Finding(
-        source,
-        "data",
-        Severity.INFO,
-        f"torch.set_num_threads({threads}) beside {num_workers} DataLoader workers",
-        f"A CPU run has {hardware.cpus_per_process} CPUs per process; model threads spinning on the "
-        "workers' CPUs slow both down, so the model gets the CPUs the workers leave. Restored at teardown.",
-        data={"threads": threads, "num_workers": num_workers},
-    )
-
-
-def open_files_finding(source: str, done: str, hardware: HardwareInfo) -> Finding:
-    return Finding(
-        source,
-        "environment",
-        Severity.WARN,
-        f"Open-file limit {hardware.open_files_limit} is low for DataLoader workers: {done}",
-        "Workers pass each tensor to the main process as a file descriptor; a low limit ends in "
-        "'Too many open files'.",
-        "Raise it where the job starts: `ulimit -n 65536` (or LimitNOFILE in systemd, --ulimit in docker).",
-        data={"open_files_limit": hardware.open_files_limit, "action": done},
     )
