@@ -257,7 +257,7 @@ class LossLoggingGuard(Guard):
                 holder.fix(),
                 holder.sites[0].location if holder.sites else None,
                 data=holder.to_data(),
-                cost=f"{format_bytes(holder.last[3] + holder.last[4])} kept alive",
+                cost=f"{format_bytes(holder.last.saved_bytes + holder.last.held_bytes)} kept alive",
             )
             for holder in self._holders.values()
         ]
@@ -280,8 +280,8 @@ class LossLoggingGuard(Guard):
 
     def _growth_finding(self, on_cuda: bool) -> Finding | None:
         trend = growth(self._series)
-        columns = (3, 4) if on_cuda else (2,)  # bytes on CUDA, autograd nodes on CPU
-        named = sum(holder.growth(c).per_step for holder in self._holders.values() for c in columns)
+        measures = ("saved_bytes", "held_bytes") if on_cuda else ("nodes",)  # bytes on CUDA, nodes on CPU
+        named = sum(holder.growth(m).per_step for holder in self._holders.values() for m in measures)
         if not trend.steady or named >= 0.5 * trend.per_step:  # none, or explained by named holders
             return None
         if on_cuda:

@@ -9,7 +9,7 @@ preferring the ways that keep a number without waiting for the GPU. No Lightning
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from lightning_boost.guards.graphs import Footprint, Growth, growth, thin
 from lightning_boost.guards.sources import Site
@@ -85,6 +85,16 @@ def unnamed_growth_fix() -> str:
     )
 
 
+class HolderSample(NamedTuple):
+    """What one check found in a holder."""
+
+    step: int
+    graphs: int
+    nodes: int
+    saved_bytes: int
+    held_bytes: int
+
+
 @dataclass
 class Holder:
     """One place that keeps autograd graphs between steps, and what was seen there.
@@ -96,7 +106,7 @@ class Holder:
         scalar: whether the values held have one element (losses, metrics).
         sites: the user's lines that store into it.
         paths: up to three example paths to graph-holding tensors, from the last check.
-        samples: ``(step, graphs, nodes, saved bytes, held bytes)`` at each check that found it.
+        samples: a `HolderSample` at each check that found it (thinned to a bounded count).
     """
 
     name: str
@@ -104,30 +114,30 @@ class Holder:
     scalar: bool = True
     sites: list[Site] = field(default_factory=list)
     paths: list[str] = field(default_factory=list)
-    samples: list[tuple[int, int, int, int, int]] = field(default_factory=list)
+    samples: list[HolderSample] = field(default_factory=list)
 
     def add(self, step: int, paths: list[str], found: Footprint) -> None:
         self.paths = paths[:2] + paths[-1:] if len(paths) > 3 else paths
-        sample = (step, found.graphs, found.nodes, found.saved_bytes, found.held_bytes)
+        sample = HolderSample(step, found.graphs, found.nodes, found.saved_bytes, found.held_bytes)
         self.samples = thin([*self.samples, sample])
 
-    def growth(self, column: int) -> Growth:
-        """Growth of one sample column (1 graphs, 2 nodes, 3 saved bytes) over the checked steps."""
-        return growth([(s[0], float(s[column])) for s in self.samples])
+    def growth(self, measure: str) -> Growth:
+        """Growth of one measure (``"graphs"``, ``"nodes"``, ``"saved_bytes"``) over the checked steps."""
+        return growth([(s.step, float(getattr(s, measure))) for s in self.samples])
 
     @property
-    def last(self) -> tuple[int, int, int, int, int]:
+    def last(self) -> HolderSample:
         return self.samples[-1]
 
     def title(self) -> str:
-        graphs = self.last[1]
+        graphs = self.last.graphs
         if self.kind == "output":
             key = self.name.removeprefix("training_step()")
             return f"`training_step` returns `{key}` with its autograd graph"
         if self.kind == "logger":
             return f"A tensor with an autograd graph was passed to `{self.name}`"
         title = f"`{self.name}` keeps {graphs} autograd graph{'s' if graphs != 1 else ''} alive"
-        graphs_growth, nodes_growth = self.growth(1), self.growth(2)
+        graphs_growth, nodes_growth = self.growth("graphs"), self.growth("nodes")
         if graphs_growth.per_step > 0 and graphs_growth.last > graphs_growth.first:
             return f"{title}, +{graphs_growth.per_step:.3g} per step"
         if nodes_growth.per_step > 0 and nodes_growth.last > nodes_growth.first:
@@ -136,14 +146,14 @@ class Holder:
 
     def detail(self) -> str:
         step, _, nodes, saved, held = self.last
-        first = self.samples[0][0]
+        first = self.samples[0].step
         seen = f"at step {first}" if first == step else f"from step {first} to step {step}"
         kept = f"{nodes} autograd nodes and {format_bytes(saved)} of saved tensors (activations)"
         text = f"Found {seen} (checked steps), e.g. {', '.join(self.paths)}."
         return f"{text} Together they keep {kept} alive, plus {format_bytes(held)} in the tensors themselves."
 
     def fix(self) -> str:
-        return holder_fix(self.kind, self.name, self.scalar, keeps_activations=self.last[3] > 0)
+        return holder_fix(self.kind, self.name, self.scalar, keeps_activations=self.last.saved_bytes > 0)
 
     def to_data(self) -> dict[str, Any]:
         step, graphs, nodes, saved, held = self.last
@@ -152,12 +162,12 @@ class Holder:
             "kind": self.kind,
             "paths": self.paths,
             "graphs": graphs,
-            "graphs_per_step": round(self.growth(1).per_step, 4),
+            "graphs_per_step": round(self.growth("graphs").per_step, 4),
             "nodes": nodes,
-            "nodes_per_step": round(self.growth(2).per_step, 4),
+            "nodes_per_step": round(self.growth("nodes").per_step, 4),
             "saved_bytes": saved,
             "held_bytes": held,
-            "first_step": self.samples[0][0],
+            "first_step": self.samples[0].step,
             "last_step": step,
             "sites": [site.to_dict() for site in self.sites],
         }
