@@ -10,8 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from lightning_boost.guards.sources import Site
 from lightning_boost.guards.sync_watch import SyncWatch
-from lightning_boost.guards.syncs import CAUSES, Frame, Packages, SyncGroup, attribute, classify, code_at
+from lightning_boost.guards.syncs import CAUSES, Packages, SyncGroup, attribute, classify, code_at
 
 T = torch.Tensor
 x = torch.arange(6.0)
@@ -95,8 +96,8 @@ PACKAGES = {
 }.get
 
 
-def frame(path: str, line: int = 1, function: str = "f") -> Frame:
-    return Frame(path.replace("/", os.sep) if path.startswith("/") else f"{VENV}/{path}", line, function)
+def frame(path: str, line: int = 1, function: str = "f") -> Site:
+    return Site(path.replace("/", os.sep) if path.startswith("/") else f"{VENV}/{path}", line, function)
 
 
 LOOP = frame("lightning/pytorch/loops/fit_loop.py", 300, "run")
@@ -206,8 +207,8 @@ def test_a_group_counts_per_checked_step_and_gives_the_fix() -> None:
 def test_code_at_drops_the_comment_but_keeps_a_hash_in_a_string(tmp_path: Any) -> None:
     source = tmp_path / "m.py"
     source.write_text('x = f"#{loss}"  # a comment\ncall(a,\n')
-    assert code_at(Frame(str(source), 1, "m")) == 'x = f"#{loss}"'
-    assert code_at(Frame(str(source), 2, "m")) == "call(a,"  # unfinished: kept whole
+    assert code_at(Site(str(source), 1, "m")) == 'x = f"#{loss}"'
+    assert code_at(Site(str(source), 2, "m")) == "call(a,"  # unfinished: kept whole
 
 
 # -- SyncWatch ---------------------------------------------------------------------------------

@@ -26,19 +26,20 @@ MUTATORS = frozenset(
 
 @dataclass(frozen=True)
 class Site:
-    """One line of user code.
+    """One line of code: the one location model of the guards (a stack frame, the user's line).
 
     Args:
         file: the source file's path.
         line: the line number, from 1.
         function: the function it is in.
-        code: the line's text, stripped.
+        code: the line's text, stripped; empty until it is read (a stack frame's is read only
+            where it is shown).
     """
 
     file: str
     line: int
     function: str
-    code: str
+    code: str = ""
 
     @property
     def location(self) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections import deque
@@ -17,7 +18,6 @@ from typing_extensions import override
 from lightning_boost._validation import Matches, validated
 from lightning_boost.guards.base import EveryNSteps, Guard, GuardMode, Overhead
 from lightning_boost.guards.sampling import Sampler
-from lightning_boost.guards.sources import Site
 from lightning_boost.guards.sync_watch import SyncWatch, host_side
 from lightning_boost.guards.syncs import (
     PATTERNS,
@@ -255,7 +255,7 @@ class SyncGuard(Guard):
         elif self.mode == "warn":
             for group in self._new:
                 site = group.attribution.site
-                where = Site(site.file, site.line, site.function, group.code) if site else None
+                where = dataclasses.replace(site, code=group.code) if site else None
                 self._warn(trainer, f"SyncGuard: {group.title(1)}. {group.fix()}", where)
         self._new = []
 

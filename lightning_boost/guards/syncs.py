@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from lightning_boost.guards.sources import Site
+
 
 @dataclass(frozen=True)
 class Pattern:
@@ -405,24 +407,11 @@ def classify(
 # -- attribute: whose code made it -------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Frame:
-    """One stack frame as plain data: ``file``, ``line``, ``function``."""
-
-    file: str
-    line: int
-    function: str
-
-    @property
-    def location(self) -> str:
-        return f"{self.file}:{self.line}"
-
-
-def frames_from(frame: Any) -> list[Frame]:
-    """The stack from `frame` (a Python frame object) outwards, as `Frame`s."""
+def frames_from(frame: Any) -> list[Site]:
+    """The stack from `frame` (a Python frame object) outwards, as `Site`s (code not read yet)."""
     frames = []
     while frame is not None:
-        frames.append(Frame(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
+        frames.append(Site(frame.f_code.co_filename, frame.f_lineno, frame.f_code.co_name))
         frame = frame.f_back
     return frames
 
@@ -459,7 +448,7 @@ class Cause:
             return self.in_validation
         return self.title, self.fix
 
-    def matches(self, frame: Frame, package: str | None) -> bool:
+    def matches(self, frame: Site, package: str | None) -> bool:
         return (
             package == self.package
             and self.file in frame.file.replace(os.sep, "/")
@@ -645,9 +634,9 @@ class Attribution:
         framework: whether the framework made it (no user line, or Lightning in between).
     """
 
-    site: Frame | None
+    site: Site | None
     hook: str | None
-    library: Frame | None
+    library: Site | None
     package: str | None
     cause: Cause | None
     framework: bool
@@ -702,16 +691,16 @@ class Packages:
         return None
 
 
-def _is_loop(frame: Frame, package: str | None) -> bool:
+def _is_loop(frame: Site, package: str | None) -> bool:
     """Lightning's loops: the edge of the step (``trainer.fit`` and the user's script lie beyond)."""
     return package == "lightning" and "/loops/" in frame.file.replace(os.sep, "/")
 
 
-def _is_data_loading(frame: Frame, package: str | None) -> bool:
+def _is_data_loading(frame: Site, package: str | None) -> bool:
     return package == "torch" and "/utils/data/" in frame.file.replace(os.sep, "/")
 
 
-def attribute(frames: Sequence[Frame], packages: Callable[[str], str | None]) -> Attribution | None:
+def attribute(frames: Sequence[Site], packages: Callable[[str], str | None]) -> Attribution | None:
     """Read a sync's stack, innermost frame first; ``None`` when it belongs to data loading or
     to a cause not worth reporting (a one-time setup cost).
 
@@ -721,10 +710,10 @@ def attribute(frames: Sequence[Frame], packages: Callable[[str], str | None]) ->
     Example:
         >>> pkgs = {"/venv/torchmetrics/aggregation.py": "torchmetrics",
         ...         "/venv/lightning/pytorch/loops/fit_loop.py": "lightning"}.get
-        >>> a = attribute([Frame("/venv/torchmetrics/aggregation.py", 93, "_cast_and_nan_check_input"),
-        ...                Frame("/home/me/model.py", 41, "training_step"),
-        ...                Frame("/venv/lightning/pytorch/loops/fit_loop.py", 200, "run"),
-        ...                Frame("/home/me/train.py", 9, "<module>")], pkgs)
+        >>> a = attribute([Site("/venv/torchmetrics/aggregation.py", 93, "_cast_and_nan_check_input"),
+        ...                Site("/home/me/model.py", 41, "training_step"),
+        ...                Site("/venv/lightning/pytorch/loops/fit_loop.py", 200, "run"),
+        ...                Site("/home/me/train.py", 9, "<module>")], pkgs)
         >>> a.site.location, a.hook, a.package, a.cause.key, a.framework
         ('/home/me/model.py:41', 'training_step', 'torchmetrics', 'metric_nan_check', False)
     """
@@ -749,18 +738,18 @@ def attribute(frames: Sequence[Frame], packages: Callable[[str], str | None]) ->
     return Attribution(site, hook, library, package, cause, framework)
 
 
-def _torch_api(frame: Frame, package: str | None) -> bool:
+def _torch_api(frame: Site, package: str | None) -> bool:
     return package == "torch" and frame.file.replace(os.sep, "/").endswith(_TORCH_API)
 
 
-def code_at(frame: Frame) -> str:
+def code_at(frame: Site) -> str:
     """The text of `frame`'s line without its comment (``""`` when the source cannot be read).
 
     Example:
         >>> import inspect
-        >>> here = Frame(__file__, inspect.getsourcelines(code_at)[1], "code_at")
+        >>> here = Site(__file__, inspect.getsourcelines(code_at)[1], "code_at")
         >>> code_at(here)
-        'def code_at(frame: Frame) -> str:'
+        'def code_at(frame: Site) -> str:'
     """
     text = linecache.getline(frame.file, frame.line).strip()
     try:
