@@ -144,7 +144,7 @@ def test_process_settings_changed_by_tuning_are_put_back_at_teardown(hard: int) 
 
     before = _process_settings()
     box = EXAMPLES["cpu"].replace(open_files_limit=1024, open_files_hard_limit=min(hard, before[0][1]))
-    worker_tuner = tuner.WorkerTuner("test", WorkerTuning(), None, retune=False)
+    worker_tuner = tuner.LoaderTuner("test", WorkerTuning(), None, retune=False)
     worker_tuner.apply_process_settings(box, num_workers=4)
     assert _process_settings() != before and worker_tuner.findings
     worker_tuner.restore()

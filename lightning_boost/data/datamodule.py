@@ -18,7 +18,7 @@ from lightning_boost._validation import Count, PositiveInt, unknown_choice_error
 from lightning_boost.report import Finding, Severity
 from lightning_boost.workers.loaders import keep_workers_alive
 from lightning_boost.workers.search import WorkerTuning
-from lightning_boost.workers.tuner import WorkerTuner, hardware_for, workload
+from lightning_boost.workers.tuner import LoaderTuner, hardware_for, workload
 
 #: Loader arguments the mixin manages itself; the rest of DataLoader's may go in `loader_kwargs`.
 _MANAGED = {"dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn",
@@ -78,7 +78,7 @@ class BoostedDataMixin(_DataModule):
         self.eval_device_transforms = eval_device_transforms
         self.loader_kwargs = _checked_loader_kwargs(loader_kwargs or {})
         tuning = worker_tuning or WorkerTuning()
-        self.worker_tuner = WorkerTuner(type(self).__name__, tuning, cache_dir, retune)
+        self.worker_tuner = LoaderTuner(type(self).__name__, tuning, cache_dir, retune)
 
     @property
     def findings(self) -> list[Finding]:

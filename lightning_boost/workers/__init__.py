@@ -4,7 +4,7 @@
 - `decision` (pure): the findings that explain a `WorkerChoice`;
 - `loaders` (pure): the timed trials of a loader setting, and which loaders can be rebuilt;
 - `model_rates`: the model's step timed per thread count, for a CPU run's split;
-- `tuner` (Lightning): `WorkerTuner`, which runs the search for a Trainer and explains the choice;
+- `tuner` (Lightning): `LoaderTuner`, which runs the search for a Trainer and explains the choice;
 - `callback` (Lightning): `AutoNumWorkers`.
 
 Nothing is imported here, so importing a pure module does not import Lightning.

@@ -23,7 +23,7 @@ from lightning_boost.workers.loaders import (
     rebuild_loader,
 )
 from lightning_boost.workers.search import WorkerTuning
-from lightning_boost.workers.tuner import WorkerTuner, workload
+from lightning_boost.workers.tuner import LoaderTuner, workload
 
 
 class AutoNumWorkers(BoostCallback):
@@ -59,7 +59,7 @@ class AutoNumWorkers(BoostCallback):
         self.tuning = tuning or WorkerTuning()
         self.retune = retune
         self.cache_dir = cache_dir
-        self.worker_tuner = WorkerTuner(type(self).__name__, self.tuning, cache_dir, retune)
+        self.worker_tuner = LoaderTuner(type(self).__name__, self.tuning, cache_dir, retune)
         self._set_state_key(tuning=self.tuning)
         self._undo: Any = None
 

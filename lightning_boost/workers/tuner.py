@@ -1,4 +1,4 @@
-"""`WorkerTuner`: the Lightning side of worker tuning, shared by `BoostedDataModule` and `AutoNumWorkers`.
+"""`LoaderTuner`: the Lightning side of worker tuning, shared by `BoostedDataModule` and `AutoNumWorkers`.
 
 It gathers what the decision needs (hardware as the trainer runs it, the dataset, the real
 loader's settings), measures on rank zero or reads the cache, broadcasts the choice so every rank
@@ -51,7 +51,7 @@ from lightning_boost.workers.search import (
 CACHE_FILE = "workers.json"
 
 
-class WorkerTuner:
+class LoaderTuner:
     """Chooses `num_workers`/`prefetch_factor` per dataset and batch size, once per fingerprint.
 
     Args:
