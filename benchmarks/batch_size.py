@@ -28,8 +28,8 @@ from typing_extensions import override
 
 from benchmarks.common import Row
 from lightning_boost import AutoBatchSize
-from lightning_boost.batch_size.probe import StepProbe
 from lightning_boost.demo import ResNet18Classifier
+from lightning_boost.step_probe import StepProbe
 
 COMMAND = "python -m benchmarks batch_size"
 GIB = 1024**3

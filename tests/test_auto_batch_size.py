@@ -25,7 +25,7 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lightning_boost import AutoBatchSize, BoostedDataModule, BoostWarning
-from lightning_boost.batch_size.probe import StepProbe, is_oom
+from lightning_boost.step_probe import StepProbe, is_oom
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
 
 FAST = {"steps": 1, "tolerance": 0.0}
@@ -511,7 +511,7 @@ def test_target_conflicts_with_an_accumulation_scheduler(tmp_path: Path) -> None
 
 @pytest.mark.gpu
 def test_cuda_steps_are_timed_with_events() -> None:
-    from lightning_boost.batch_size.probe import fastest_step
+    from lightning_boost.step_probe import fastest_step
 
     device = torch.device("cuda")
     x = torch.randn(4096, 4096, device=device)

@@ -2,7 +2,6 @@
 
 - `search` (pure): the next size to measure, the choice, accumulation and learning-rate factors;
 - `decision` (pure): `BatchSizeDecision`, what was decided, and the findings that explain it;
-- `probe`: training steps on a copy of the model (throughput, peak memory);
 - `callback` (Lightning): `AutoBatchSize`.
 
 Nothing is imported here, so importing a pure module does not import Lightning.

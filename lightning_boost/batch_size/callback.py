@@ -21,7 +21,6 @@ from lightning_boost import cache
 from lightning_boost._lightning import callbacks_of, datamodule_of, overrides, preserved_rng, user_dataloaders
 from lightning_boost._validation import Fraction, Identifier, PositiveInt, Range, Seconds, validated
 from lightning_boost.batch_size.decision import BatchSizeDecision, findings, restored_finding
-from lightning_boost.batch_size.probe import StepProbe, first_batch, is_oom
 from lightning_boost.batch_size.search import (
     Limits,
     Trial,
@@ -34,6 +33,7 @@ from lightning_boost.batch_size.search import (
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.report import BoostWarning, Finding
+from lightning_boost.step_probe import StepProbe, first_batch, is_oom
 from lightning_boost.workers.loaders import (
     describe_dataset,
     describe_model,

@@ -21,9 +21,9 @@ from torch.utils.data import Dataset
 
 from lightning_boost import cache
 from lightning_boost._lightning import is_lightning, preserved_rng
-from lightning_boost.batch_size.probe import StepProbe
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.report import BoostWarning, Finding
+from lightning_boost.step_probe import StepProbe
 from lightning_boost.workers.decision import choice_findings, open_files_finding, threads_finding
 from lightning_boost.workers.loaders import (
     cannot_measure,

@@ -87,6 +87,38 @@ class StepProbe:
             size, lambda clone, optimizers, peak: self._train_steps(clone, optimizers, batch, peak)
         )
 
+    def rates(
+        self, batch: Any, size: int, threads: Sequence[int], rounds: int = 2, budget_s: float = 5.0
+    ) -> dict[int, float]:
+        """Samples/s of the training step at `batch` per intra-op thread count (a CPU run's split
+        between the model and the DataLoader workers): on one copy, `rounds` rounds over the counts
+        of `steps` timed steps each (after one warm-up step per count), the fastest kept, so a busy
+        moment does not hit one count alone. Once `budget_s` is spent, counts already measured are
+        not measured again. Torch's thread count is put back.
+        """
+        before = torch.get_num_threads()
+        clone, optimizers = self._copies()
+        clone.train()
+        rates: dict[int, float] = {}
+
+        def step() -> None:
+            self._train_step(clone, optimizers, batch, None)
+
+        start = time.perf_counter()
+        try:
+            for _ in range(rounds):
+                for count in threads:
+                    if count in rates and time.perf_counter() - start > budget_s:
+                        continue
+                    torch.set_num_threads(count)
+                    if count not in rates:
+                        step()  # warm-up, once a count: first-call allocations, kernel choices
+                    fastest = fastest_step(step, self.steps, self.device)
+                    rates[count] = max(rates.get(count, 0.0), size / fastest)  # the least disturbed
+        finally:
+            torch.set_num_threads(before)
+        return rates
+
     def validate(self, batch: Any, size: int) -> Trial:
         """One ``validation_step`` without gradients at `batch`: does it fit."""
         return self._trial(size, lambda clone, optimizers, peak: self._validation_step(clone, batch, peak))
@@ -143,6 +175,8 @@ class StepProbe:
             for optimizer in optimizers:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+            if not optimizers:  # timed without them: the gradients must not pile up between steps
+                clone.zero_grad(set_to_none=True)
 
     def _validation_step(self, clone: L.LightningModule, batch: Any, peak: _Peak) -> float:
         clone.eval()
