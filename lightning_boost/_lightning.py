@@ -15,6 +15,8 @@ from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSourc
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 from typing_extensions import override
 
+from lightning_boost.hardware import HardwareInfo
+
 
 def trainer_precision_flag(trainer: L.Trainer) -> str:
     """The precision the user passed to `Trainer` ("32-true" when none was passed).
@@ -228,3 +230,16 @@ def preserved_rng() -> Iterator[None]:
         yield
     finally:
         _set_rng_states(states)
+
+
+def hardware_for(trainer: L.Trainer | None) -> HardwareInfo:
+    """This machine as `trainer` uses it: its accelerator and its processes per node."""
+    hardware = HardwareInfo.detect()
+    if trainer is None:
+        return hardware
+    accelerator = "cpu"
+    if is_lightning(trainer.accelerator, "CUDAAccelerator"):
+        accelerator = "cuda"
+    elif is_lightning(trainer.accelerator, "MPSAccelerator"):
+        accelerator = "mps"
+    return hardware.replace(accelerator=accelerator, local_world_size=max(trainer.num_devices, 1))

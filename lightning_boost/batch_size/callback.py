@@ -18,7 +18,14 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_boost import cache
-from lightning_boost._lightning import callbacks_of, datamodule_of, overrides, preserved_rng, user_dataloaders
+from lightning_boost._lightning import (
+    callbacks_of,
+    datamodule_of,
+    hardware_for,
+    overrides,
+    preserved_rng,
+    user_dataloaders,
+)
 from lightning_boost._validation import Fraction, Identifier, PositiveInt, Range, Seconds, validated
 from lightning_boost.batch_size.decision import BatchSizeDecision, findings, restored_finding
 from lightning_boost.batch_size.search import (
@@ -40,7 +47,6 @@ from lightning_boost.workers.loaders import (
     hardware_parts,
     loader_batch_size,
 )
-from lightning_boost.workers.tuner import hardware_for
 
 #: Keys of an optimizer's param group that hold learning rates (schedulers such as OneCycleLR add some).
 LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")

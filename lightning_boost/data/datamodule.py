@@ -13,12 +13,12 @@ from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from typing_extensions import override
 
-from lightning_boost._lightning import overrides, reload_every_n_epochs
+from lightning_boost._lightning import hardware_for, overrides, reload_every_n_epochs
 from lightning_boost._validation import Count, PositiveInt, unknown_choice_error, validated
 from lightning_boost.report import Finding, Severity
 from lightning_boost.workers.loaders import keep_workers_alive
 from lightning_boost.workers.search import WorkerTuning
-from lightning_boost.workers.tuner import LoaderTuner, hardware_for, workload
+from lightning_boost.workers.tuner import LoaderTuner, workload
 
 #: Loader arguments the mixin manages itself; the rest of DataLoader's may go in `loader_kwargs`.
 _MANAGED = {"dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn",

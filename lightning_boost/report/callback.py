@@ -165,8 +165,8 @@ def attach_report(trainer: L.Trainer) -> None:
 
 def collect_report(trainer: L.Trainer) -> Report:
     """Every finding in `trainer`'s run (machine, strategy, datamodule, callbacks) and its tuned values."""
+    from lightning_boost._lightning import hardware_for
     from lightning_boost.doctor import run_checks
-    from lightning_boost.workers.tuner import hardware_for
 
     report = run_checks(hardware_for(trainer))
     for part in [trainer.strategy, datamodule_of(trainer), *callbacks_of(trainer)]:

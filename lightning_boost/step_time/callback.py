@@ -8,14 +8,13 @@ import lightning as L
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_boost._lightning import callbacks_of, datamodule_of, training_log_step
+from lightning_boost._lightning import callbacks_of, datamodule_of, hardware_for, training_log_step
 from lightning_boost._validation import Count, Range, validated
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.report import Finding, Severity, plot_data
 from lightning_boost.step_time.timing import CudaClock, HostClock, StepTimes, input_bound_fixes
 from lightning_boost.workers.callback import AutoNumWorkers
-from lightning_boost.workers.tuner import hardware_for
 
 
 class StepTimeMonitor(BoostCallback):

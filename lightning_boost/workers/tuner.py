@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 
 from lightning_boost import cache
-from lightning_boost._lightning import is_lightning, preserved_rng
+from lightning_boost._lightning import hardware_for, preserved_rng
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.report import BoostWarning, Finding
 from lightning_boost.step_probe import StepProbe
@@ -264,19 +264,6 @@ class LoaderTuner:
         for key, data in state.get("choices", {}).items():
             self.choices[key] = WorkerChoice.from_dict(data)
             self.restored.add(key)
-
-
-def hardware_for(trainer: L.Trainer | None) -> HardwareInfo:
-    """This machine as `trainer` uses it: its accelerator and its processes per node."""
-    hardware = HardwareInfo.detect()
-    if trainer is None:
-        return hardware
-    accelerator = "cpu"
-    if is_lightning(trainer.accelerator, "CUDAAccelerator"):
-        accelerator = "cuda"
-    elif is_lightning(trainer.accelerator, "MPSAccelerator"):
-        accelerator = "mps"
-    return hardware.replace(accelerator=accelerator, local_world_size=max(trainer.num_devices, 1))
 
 
 def _beside_model(
