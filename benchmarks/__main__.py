@@ -16,6 +16,7 @@ from lightning_boost._validation import unknown_choice_error
 from lightning_boost.hardware import HardwareInfo
 
 BENCHMARKS = (
+    "time_to_quality",
     "demo_workload",
     "compute_bound",
     "data_bound",

@@ -243,3 +243,11 @@ def hardware_for(trainer: L.Trainer | None) -> HardwareInfo:
     elif is_lightning(trainer.accelerator, "MPSAccelerator"):
         accelerator = "mps"
     return hardware.replace(accelerator=accelerator, local_world_size=max(trainer.num_devices, 1))
+
+
+def debugging_mode(trainer: L.Trainer) -> str:
+    """``"fast_dev_run"`` or ``"overfit_batches"`` when Lightning runs the fit as a check (both are
+    set on the Trainer by its debugging-flags connector, not declared on the class), else ``""``."""
+    if getattr(trainer, "fast_dev_run", False):
+        return "fast_dev_run"
+    return "overfit_batches" if getattr(trainer, "overfit_batches", 0) else ""

@@ -28,7 +28,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--samples", type=int, default=8192, help="images per epoch (default 8192)")
     demo.add_argument("--epochs", type=int, default=2, help="epochs per fit (default 2)")
     demo.add_argument("--batch-size", type=int, default=64, help="the plain run's batch size (default 64)")
-    demo.add_argument("--data", default=None, help="a directory holding CIFAR-10 (default: FakeData)")
+    demo.add_argument(
+        "--data", default=None, help="a directory holding CIFAR-10 (default: learnable images made here)"
+    )
     demo.add_argument("--root", default="lightning_logs_demo", help="where logs and the report go")
     return parser
 

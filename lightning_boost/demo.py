@@ -1,10 +1,12 @@
 """`lightning-boost demo`: the same training job with plain Lightning and with lightning-boost, side by side.
 
-torchvision's ResNet-18 on a CIFAR-sized image task with the usual CPU augmentation pipeline
-(torchvision ``FakeData``, since nothing is downloaded; real CIFAR-10 from a directory that holds
-it), trained twice in one process on the same images: Lightning's and PyTorch's defaults, then
-`BoostedDataModule` + ``preset("auto")`` + `AutoBatchSize` + `boost_callbacks()`. The models and
-datasets here are also what the examples and benchmarks train.
+torchvision's ResNet-18 on a learnable CIFAR-sized image task with the usual CPU augmentation
+pipeline (`ClassImages`, made here since nothing is downloaded; real CIFAR-10 from a directory
+that holds it), trained twice in one process on the same images: Lightning's and PyTorch's
+defaults, then `BoostedDataModule` + ``preset("auto")`` + `AutoBatchSize` + `boost_callbacks()`.
+Both validate four times an epoch, so the table shows the model each reached and when: the final
+validation accuracy of both and the wall time each took to reach the plain fit's final accuracy.
+The models and datasets here are also what the examples and benchmarks train.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torchvision
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
+from PIL import Image
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Subset
 from torchvision import datasets, transforms
@@ -52,6 +55,7 @@ class SmallCNN(L.LightningModule):
             nn.Linear(128, num_classes),
         )
         self.train_acc = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
+        self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=num_classes)
 
     @override
     def forward(self, x: Tensor) -> Tensor:
@@ -72,8 +76,26 @@ class SmallCNN(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=0.9)
 
 
+class ValidatedCNN(SmallCNN):
+    """`SmallCNN` that also validates: accuracy logged as ``val_acc``."""
+
+    @override
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        images, labels = batch
+        self.val_acc(self(images), labels)
+        self.log("val_acc", self.val_acc, prog_bar=True)
+
+
 class ResNet18Classifier(SmallCNN):
     """`SmallCNN`'s training with torchvision's ResNet-18 as the network: a compute-bound model on CPU."""
+
+    def __init__(self, num_classes: int = 10, lr: float = 0.05) -> None:
+        super().__init__(num_classes, lr)
+        self.net = torchvision.models.resnet18(num_classes=num_classes)
+
+
+class ValidatedResNet18(ValidatedCNN):
+    """`ResNet18Classifier` that also validates (the demo's model)."""
 
     def __init__(self, num_classes: int = 10, lr: float = 0.05) -> None:
         super().__init__(num_classes, lr)
@@ -101,6 +123,42 @@ def train_transform() -> transforms.Compose:
     )
 
 
+class ClassImages(Dataset[tuple[Any, int]]):
+    """CIFAR-sized images a model can learn, made here (nothing is downloaded): each of the 10
+    classes is a smooth colour pattern (random 4x4 colours, upsampled to 32x32); an image is its
+    class's pattern blended at a random strength with another class's pattern and pixel noise, so
+    telling the classes apart takes a few epochs and the augmentation matters. The same `seed`
+    gives the same images; the patterns are shared by every seed, so a validation set of another
+    seed tests the same classes. Items are PIL images through `transform`, as CIFAR-10's are.
+    """
+
+    def __init__(
+        self, samples: int, seed: int = 0, transform: Callable[[Any], Any] | None = None, noise: float = 0.35
+    ) -> None:
+        patterns = torch.rand(10, 3, 4, 4, generator=torch.Generator().manual_seed(1234))
+        patterns = nn.functional.interpolate(patterns, size=32, mode="bicubic", align_corners=False)
+        generator = torch.Generator().manual_seed(seed)
+        self.labels = torch.randint(10, (samples,), generator=generator)
+        other = torch.randint(10, (samples,), generator=generator)
+        strength = 0.55 + 0.35 * torch.rand(samples, 1, 1, 1, generator=generator)
+        images = strength * patterns[self.labels] + (1 - strength) * patterns[other]
+        images = images + noise * torch.randn(images.shape, generator=generator)
+        self.images = (images.clamp(0, 1) * 255).to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int) -> tuple[Any, int]:
+        image = Image.fromarray(self.images[index])
+        return (self.transform(image) if self.transform else image), int(self.labels[index])
+
+
+def eval_transform() -> transforms.Compose:
+    """Validation images: tensor and normalize, no augmentation."""
+    return transforms.Compose([transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)])
+
+
 def fake_cifar(samples: int) -> datasets.FakeData:
     """`samples` CIFAR-sized FakeData images (3x32x32, 10 classes) through `train_transform`."""
     return datasets.FakeData(
@@ -108,50 +166,70 @@ def fake_cifar(samples: int) -> datasets.FakeData:
     )
 
 
-def demo_dataset(samples: int, data_dir: str | None = None) -> Dataset[Any]:
-    """The first `samples` images of CIFAR-10's training set under `data_dir` (as
-    ``torchvision.datasets.CIFAR10`` stores it), or `fake_cifar` when no directory is given.
+#: Validation images of the demo: CIFAR-10's test split is 10,000; the made-up set is this many.
+VAL_SAMPLES = 1024
+
+
+def demo_dataset(samples: int, data_dir: str | None = None, train: bool = True) -> Dataset[Any]:
+    """The first `samples` images of CIFAR-10's training (or test) set under `data_dir` (as
+    ``torchvision.datasets.CIFAR10`` stores it), or `ClassImages` when no directory is given;
+    training images augmented (`train_transform`), validation ones not (`eval_transform`).
 
     Raises:
         ValueError: when `data_dir` does not hold CIFAR-10.
     """
+    transform = train_transform() if train else eval_transform()
     if data_dir is None:
-        return fake_cifar(samples)
+        return ClassImages(samples, seed=0 if train else 1, transform=transform)
     try:
-        cifar = datasets.CIFAR10(data_dir, train=True, transform=train_transform())
+        cifar = datasets.CIFAR10(data_dir, train=train, transform=transform)
     except RuntimeError as error:  # torchvision: "Dataset not found or corrupted"
         raise ValueError(
             f"`data_dir` {data_dir!r} does not hold CIFAR-10 ({error}): fetch it once with"
-            f" `torchvision.datasets.CIFAR10({data_dir!r}, download=True)`, or leave it out to use FakeData."
+            f" `torchvision.datasets.CIFAR10({data_dir!r}, download=True)`, or leave it out to use"
+            " the demo's own images."
         ) from error
     return Subset(cifar, range(min(samples, len(cifar))))
 
 
 class FakeCIFAR(BoostedDataModule):
-    """The demo's data as a `BoostedDataModule`, whose loader settings are measured: `fake_cifar`,
-    or CIFAR-10 from `data_dir` (`demo_dataset`)."""
+    """The demo's data as a `BoostedDataModule`, whose loader settings are measured: `ClassImages`,
+    or CIFAR-10 from `data_dir` (`demo_dataset`); with `validate`, a validation set too."""
 
-    def __init__(self, samples: int = 2048, data_dir: str | None = None, **kwargs: Any) -> None:
+    def __init__(
+        self, samples: int = 2048, data_dir: str | None = None, validate: bool = False, **kwargs: Any
+    ) -> None:
         super().__init__(drop_last=True, **kwargs)
         if samples < self.batch_size:
             raise ValueError(f"`samples` expected at least batch_size={self.batch_size}, got {samples}.")
         self.samples = samples
         self.data_dir = data_dir
+        self.validate = validate
 
     @override
     def setup(self, stage: str) -> None:
         self.train_dataset = demo_dataset(self.samples, self.data_dir)
+        if self.validate:
+            self.val_dataset = demo_dataset(VAL_SAMPLES, self.data_dir, train=False)
 
 
 class Throughput(L.Callback):
-    """Training samples per second from the start of training (worker start-up included), and
-    the time from the start of the fit to the first step (tuning, for a boosted run)."""
+    """Training samples per second from the start of training (worker start-up included), the
+    time from the start of the fit to the first step (tuning, for a boosted run), and each
+    validation's accuracy with the seconds since the start of the fit (`curve`)."""
 
     def __init__(self) -> None:
         self.samples = 0
         self.fit_started = 0.0
         self.started = 0.0
         self.seconds = 0.0
+        self.curve: list[tuple[float, float]] = []
+
+    @override
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        accuracy = trainer.callback_metrics.get("val_acc")
+        if not trainer.sanity_checking and accuracy is not None:
+            self.curve.append((time.perf_counter() - self.fit_started, float(accuracy)))
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -165,7 +243,7 @@ class Throughput(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self.samples += len(batch[1])
+        self.samples += len(batch[0])
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -205,6 +283,7 @@ def _fit(
     name: str,
     callbacks: Sequence[L.Callback],
     model: Callable[[], L.LightningModule],
+    val_data: DataLoader[Any] | None = None,
     **trainer_kwargs: Any,
 ) -> tuple[L.Trainer, Throughput]:
     throughput = Throughput()
@@ -222,7 +301,7 @@ def _fit(
     if isinstance(data, L.LightningDataModule):
         trainer.fit(model(), datamodule=data)
     else:
-        trainer.fit(model(), train_dataloaders=data)
+        trainer.fit(model(), train_dataloaders=data, val_dataloaders=val_data)
     return trainer, throughput
 
 
@@ -239,6 +318,15 @@ class DemoRun:
     retained: list[Finding] = field(default_factory=list)
     checked: bool = False
     report: Path | None = None
+    curve: list[tuple[float, float]] = field(default_factory=list)
+
+    @property
+    def final_accuracy(self) -> float | None:
+        return self.curve[-1][1] if self.curve else None
+
+    def seconds_to(self, accuracy: float) -> float | None:
+        """Wall seconds from the start of the fit to the first validation at `accuracy` or above."""
+        return next((seconds for seconds, reached in self.curve if reached >= accuracy), None)
 
 
 def run_demo(
@@ -257,32 +345,40 @@ def run_demo(
     The plain fit is what a user writes first: a shuffled ``DataLoader`` with PyTorch's defaults
     and ``Trainer()`` with Lightning's. The boosted fit trains the same model on the same data
     through `FakeCIFAR` (a `BoostedDataModule`: measured workers, pinned memory on CUDA),
-    ``preset("auto")``, `AutoBatchSize` (up to `max_batch_size`, learning rate scaled linearly)
-    and `boost_callbacks()`. Both see ``samples x epochs`` images. `say` reports progress; `quiet`
+    ``preset("auto")``, `AutoBatchSize` (up to `max_batch_size`, learning rate by the optimizer's
+    rule) and `boost_callbacks()`. Both see ``samples x epochs`` images and validate on the same
+    images four times an epoch. `say` reports progress; `quiet`
     turns off the progress bars and the report's console table (the report files are written);
     `plain_first=False` trains the boosted fit first (benchmarks alternate the order).
 
     Raises:
         ValueError: when `samples` is smaller than one batch, or `data_dir` holds no CIFAR-10.
     """
-    boosted_data = FakeCIFAR(samples, data_dir, batch_size=batch_size)
+    boosted_data = FakeCIFAR(samples, data_dir, validate=True, batch_size=batch_size)
     largest = max(batch_size, max_batch_size)
-    options = {"enable_progress_bar": not quiet, "log_every_n_steps": max(1, min(10, samples // largest))}
+    options: dict[str, Any] = {
+        "enable_progress_bar": not quiet,
+        "log_every_n_steps": max(1, min(10, samples // largest)),
+        "val_check_interval": 0.25,
+    }
 
     def plain() -> DemoRun:
         say(f"[{step()}/2] plain Lightning: {samples} images x {epochs} epoch(s), batch {batch_size}")
         loader = DataLoader(demo_dataset(samples, data_dir), batch_size=batch_size, shuffle=True)
-        trainer, throughput = _fit(loader, "auto", epochs, root, "plain", (), ResNet18Classifier, **options)
+        val = DataLoader(demo_dataset(VAL_SAMPLES, data_dir, train=False), batch_size=batch_size)
+        trainer, throughput = _fit(
+            loader, "auto", epochs, root, "plain", (), ValidatedResNet18, val_data=val, **options
+        )
         return _run("plain Lightning", trainer, throughput)
 
     def boosted() -> DemoRun:
         say(f"[{step()}/2] lightning-boost: the same model and data, tuned first (workers, batch size)")
         boost = boost_callbacks(boost_report={"console": not quiet})
         (report,) = [c for c in boost if isinstance(c, BoostReport)]
-        callbacks = [AutoBatchSize(max_batch_size=max_batch_size, lr_scaling="linear"), *boost]
+        callbacks = [AutoBatchSize(max_batch_size=max_batch_size), *boost]
         strategy = preset("auto", hardware=HardwareInfo.detect())
         trainer, throughput = _fit(
-            boosted_data, strategy, epochs, root, "boosted", callbacks, ResNet18Classifier, **options
+            boosted_data, strategy, epochs, root, "boosted", callbacks, ValidatedResNet18, **options
         )
         run = _run("lightning-boost", trainer, throughput)
         assert report.report is not None  # written at the end of every fit
@@ -322,6 +418,7 @@ def _run(name: str, trainer: L.Trainer, throughput: Throughput) -> DemoRun:
         throughput.seconds + throughput.before_training_s,
         throughput.before_training_s,
         settings,
+        curve=throughput.curve,
     )
 
 
@@ -340,8 +437,26 @@ def side_by_side(plain: DemoRun, boosted: DemoRun) -> list[tuple[str, str, str]]
         ("speed-up (training)", "1.00x", f"{boosted.samples_per_s / plain.samples_per_s:.2f}x"),
         ("wall time (fit)", f"{plain.seconds:.1f} s", f"{boosted.seconds:.1f} s"),
         ("speed-up (wall time, tuning included)", "1.00x", f"{plain.seconds / boosted.seconds:.2f}x"),
+        ("final validation accuracy", _accuracy(plain.final_accuracy), _accuracy(boosted.final_accuracy)),
     ]
+    target = plain.final_accuracy
+    if target is not None:
+        rows.append(
+            (
+                f"time to plain's final accuracy ({target:.1%})",
+                _seconds(plain.seconds_to(target)),
+                _seconds(boosted.seconds_to(target)),
+            )
+        )
     return rows
+
+
+def _accuracy(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _seconds(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.1f} s"
 
 
 def _syncs(run: DemoRun) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -54,6 +55,33 @@ def first_batch(dataset: Dataset[Any], collate_fn: Callable[[list[Any]], Any] | 
     return next(iter(loader))
 
 
+def sample_batches(
+    dataset: Dataset[Any], collate_fn: Callable[[list[Any]], Any] | None, size: int, seed: int = 0
+) -> Iterator[Any]:
+    """Batches of `size` samples drawn at random without replacement (a fixed `seed`, not the
+    global generator: every size starts with the same samples, and the run's RNG is not touched),
+    endlessly; an iterable dataset's batches in its own order."""
+    try:
+        length = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        length = None
+    while True:
+        if length is None:
+            loader = DataLoader(dataset, batch_size=size, collate_fn=collate_fn, num_workers=0)
+        else:
+            generator = torch.Generator().manual_seed(seed)
+            sampler = torch.utils.data.RandomSampler(range(length), generator=generator)
+            loader = DataLoader(
+                dataset, batch_size=size, sampler=sampler, collate_fn=collate_fn, num_workers=0
+            )
+        empty = True
+        for batch in loader:
+            empty = False
+            yield batch
+        if empty:
+            return
+
+
 class StepProbe:
     """Times training (and validation) steps of copies of `module` at given batches.
 
@@ -81,11 +109,18 @@ class StepProbe:
         self.eval_context = eval_context
         self.device = module.device
 
-    def train(self, batch: Any, size: int) -> Trial:
-        """Warm-up, then `steps` timed steps (forward, backward, optimizer step) at `batch`."""
-        return self._trial(
-            size, lambda clone, optimizers, peak: self._train_steps(clone, optimizers, batch, peak)
-        )
+    def train(self, batch: Any, size: int, following: Iterator[Any] | None = None) -> Trial:
+        """Warm-up at `batch`, then `steps` timed steps (forward, backward, optimizer step), each at
+        the next batch of `following` (`batch` again without it). The trial's ``grad_sq`` is the
+        mean squared gradient norm over the steps, ``spread`` how far the median timed step lies
+        above the fastest."""
+        record: dict[str, Any] = {}
+
+        def run(clone: L.LightningModule, optimizers: list[Optimizer], peak: _Peak) -> float:
+            return self._train_steps(clone, optimizers, batch, following, peak, record)
+
+        trial = self._trial(size, run)
+        return dataclasses.replace(trial, **record) if not trial.oom else trial
 
     def rates(
         self, batch: Any, size: int, threads: Sequence[int], rounds: int = 2, budget_s: float = 5.0
@@ -146,20 +181,41 @@ class StepProbe:
         return clone, [copy.deepcopy(optimizer, memo) for optimizer in self.optimizers]
 
     def _train_steps(
-        self, clone: L.LightningModule, optimizers: list[Optimizer], batch: Any, peak: _Peak
+        self,
+        clone: L.LightningModule,
+        optimizers: list[Optimizer],
+        batch: Any,
+        following: Iterator[Any] | None,
+        peak: _Peak,
+        record: dict[str, Any],
     ) -> float:
         clone.train()
         peak.reset(batch)
+        grads: list[Tensor] = []
         warm_up = time.perf_counter()
         with peak.saved_tensors():
-            self._train_step(clone, optimizers, batch, peak)  # warm-up: allocations, kernel choices
+            self._train_step(clone, optimizers, batch, peak, grads)  # warm-up: allocations, kernels
         _synchronize(self.device)
         slow = time.perf_counter() - warm_up
         count = max(1, min(self.steps, int(TIMED_S / slow)))  # slow steps: fewer, not less precise
-        return fastest_step(lambda: self._train_step(clone, optimizers, batch, None), count, self.device)
+        batches = iter(following if following is not None else ())
+        times = step_times(
+            lambda: self._train_step(clone, optimizers, next(batches, batch), None, grads), count, self.device
+        )
+        squares = torch.stack([g.cpu() for g in grads])  # one read, after the timed steps
+        finite = squares[torch.isfinite(squares)]  # fp16 without its scaler can overflow a step's norm
+        if finite.numel():
+            record["grad_sq"] = float(finite.mean())
+        record["spread"] = statistics.median(times) / min(times) - 1.0
+        return min(times)
 
     def _train_step(
-        self, clone: L.LightningModule, optimizers: list[Optimizer], batch: Any, peak: _Peak | None
+        self,
+        clone: L.LightningModule,
+        optimizers: list[Optimizer],
+        batch: Any,
+        peak: _Peak | None,
+        grads: list[Tensor] | None = None,
     ) -> None:
         with torch.enable_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # `self.log` on a copy without a trainer warns and returns
@@ -172,6 +228,8 @@ class StepProbe:
             del output, loss
             if peak is not None:
                 peak.add_grads(clone)
+            if grads is not None:
+                grads.append(_grad_sq(clone))
             for optimizer in optimizers:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
@@ -252,16 +310,35 @@ def _tensors(value: Any) -> Iterator[Tensor]:
             yield from _tensors(item)
 
 
+def _grad_sq(module: torch.nn.Module) -> Tensor:
+    """The squared norm of `module`'s gradient, on its device (read by the caller once, at the end)."""
+    found = [p.grad for p in module.parameters() if p.grad is not None]
+    if not found:
+        return torch.zeros((), dtype=torch.float64)
+    norms = torch._foreach_norm(found)
+    return torch.stack([n.double() for n in norms]).pow(2).sum()
+
+
 def fastest_step(step: Callable[[], None], count: int, device: torch.device) -> float:
-    """Seconds of the fastest of `count` calls of `step` on `device`.
+    """Seconds of the fastest of `count` calls of `step` on `device` (`step_times`' minimum).
+
+    Example:
+        >>> fastest_step(lambda: None, 3, torch.device("cpu")) < 0.01
+        True
+    """
+    return min(step_times(step, count, device))
+
+
+def step_times(step: Callable[[], None], count: int, device: torch.device) -> list[float]:
+    """Seconds of each of `count` calls of `step` on `device`.
 
     On CUDA each call is bracketed by CUDA events and the host waits once, at the end: the steps
     queue back to back as in training, and no host clock or per-step sync pads the figure.
     Elsewhere each call is timed with the host clock.
 
     Example:
-        >>> fastest_step(lambda: None, 3, torch.device("cpu")) < 0.01
-        True
+        >>> len(step_times(lambda: None, 3, torch.device("cpu")))
+        3
     """
     if device.type != "cuda":
         times = []
@@ -269,7 +346,7 @@ def fastest_step(step: Callable[[], None], count: int, device: torch.device) -> 
             started = time.perf_counter()
             step()
             times.append(time.perf_counter() - started)
-        return min(times)
+        return times
     with torch.cuda.device(device):
         events = [
             (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(count)
@@ -279,7 +356,7 @@ def fastest_step(step: Callable[[], None], count: int, device: torch.device) -> 
             step()
             end.record()
         torch.cuda.synchronize(device)
-    return min(begin.elapsed_time(end) for begin, end in events) / 1000
+    return [begin.elapsed_time(end) / 1000 for begin, end in events]
 
 
 def _synchronize(device: torch.device) -> None:

@@ -14,3 +14,37 @@ def _private_tuning_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> It
     cache_dir = tmp_path / "lightning_boost_cache"
     monkeypatch.setenv(CACHE_DIR_ENV, str(cache_dir))
     yield cache_dir
+
+
+@pytest.fixture
+def long_planned_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`AutoBatchSize`'s search on a real fit as a long run would have it. The suite's fits train a
+    few batches (a run long enough to repay a search takes minutes on CPU), so the run-length
+    rules, tested on real fits of their own in `tests/test_goodput.py`, are lifted where a test
+    is about the search, the decision's use or its report, not about the run's length."""
+    from lightning_boost.batch_size.plan import RunPlan
+
+    monkeypatch.setattr(RunPlan, "keep_reason", lambda self, size, target: "")
+    monkeypatch.setattr(RunPlan, "samples_planned", lambda self, size: float("inf"))
+    monkeypatch.setattr(RunPlan, "largest_size", lambda self: None)
+
+
+@pytest.fixture
+def fixed_cost_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Trial steps timed as a fixed-cost step (10 ms a step plus 1 µs a sample: a small model on a
+    GPU, or a busy CPU), so which size the search reaches does not hang on this shared machine's
+    load. The gradients and memory each trial reads stay the real step's: only the clock is scripted.
+    """
+    import dataclasses
+
+    from lightning_boost.step_probe import StepProbe
+
+    real = StepProbe.train
+
+    def train(self: StepProbe, batch: object, size: int, following: object = None) -> object:
+        trial = real(self, batch, size, following)  # type: ignore[arg-type]
+        if trial.oom:
+            return trial
+        return dataclasses.replace(trial, samples_per_s=size / (0.01 + 1e-6 * size), spread=0.0)
+
+    monkeypatch.setattr(StepProbe, "train", train)

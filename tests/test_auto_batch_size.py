@@ -29,6 +29,7 @@ from lightning_boost.step_probe import StepProbe, is_oom
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
 
 FAST = {"steps": 1, "tolerance": 0.0}
+pytestmark = pytest.mark.usefixtures("long_planned_run")
 
 
 @pytest.fixture(autouse=True)
@@ -39,9 +40,11 @@ def scripted_throughput(monkeypatch: pytest.MonkeyPatch) -> None:
     spawned processes this patch does not reach: there a fixed step time does the same."""
     real = StepProbe.train
 
-    def train(self: StepProbe, batch: Any, size: int) -> Any:
-        trial = real(self, batch, size)
-        return trial if trial.oom else dataclasses.replace(trial, samples_per_s=1000.0 * size)
+    def train(self: StepProbe, batch: Any, size: int, following: Any = None) -> Any:
+        trial = real(self, batch, size, following)
+        if trial.oom:
+            return trial
+        return dataclasses.replace(trial, samples_per_s=1000.0 * size, grad_sq=None, spread=0.0)
 
     monkeypatch.setattr(StepProbe, "train", train)
 
@@ -94,12 +97,16 @@ def test_oom_above_a_size_is_caught_and_the_choice_fits(tmp_path: Path, cpu: boo
     assert {size for size, trial in tried.items() if trial["oom"]} == {s for s in tried if s > 100}
     assert 128 in tried and tried[128]["oom"]
     assert max(s for s, t in tried.items() if not t["oom"]) == 96  # refined between 64 and 128
-    assert datamodule.batch_size == callback.result["batch_size"] <= 100
-    assert not tried[datamodule.batch_size]["oom"]
+    assert trainer.train_dataloader.batch_size == callback.result["batch_size"] <= 100
+    assert datamodule.batch_size == 8  # the configured size, put back at the end of the fit
+    assert not tried[callback.result["batch_size"]]["oom"]
     assert trainer.state.finished
-    (finding,) = callback.findings
-    assert finding.area == "batch size"
-    assert "out of memory" in finding.detail and f"Batch size {datamodule.batch_size}" in finding.title
+    finding, lr_warning = callback.findings  # SGD's linear rule: x12 for 8 -> 96, past x4
+    assert finding.area == lr_warning.area == "batch size"
+    assert lr_warning.severity == "warn" and "max_batch_size=32" in lr_warning.fix
+    assert (
+        "out of memory" in finding.detail and f"Batch size {callback.result['batch_size']}" in finding.title
+    )
 
 
 class BatchOnly(BoringModel):
@@ -114,8 +121,8 @@ class BatchOnly(BoringModel):
 
 def test_steps_without_batch_idx_are_tuned(tmp_path: Path) -> None:
     callback = AutoBatchSize(max_batch_size=32, **FAST)
-    trainer, datamodule = fit(tmp_path, callback, BatchOnly())
-    assert datamodule.batch_size == callback.result["batch_size"] == 32
+    trainer, _ = fit(tmp_path, callback, BatchOnly())
+    assert trainer.train_dataloader.batch_size == callback.result["batch_size"] == 32
     assert trainer.state.finished
 
 
@@ -185,7 +192,7 @@ def test_cpu_memory_budget_bounds_the_search(tmp_path: Path, monkeypatch: pytest
     fitting = {s for s, t in tried.items() if t["peak_bytes"] <= budget}
     assert max(fitting) == 192  # the budget's edge, projected from the peaks at the smaller sizes
     assert set(tried) == fitting  # so no trial was spent over the budget (before: 256, 224, 208)
-    assert model.hparams["batch_size"] == callback.result["batch_size"] in fitting
+    assert trainer.train_dataloader.batch_size == callback.result["batch_size"] in fitting
 
 
 class Trained(L.LightningModule):
@@ -235,7 +242,7 @@ def _train(tmp_path: Path, batch_size: int, callbacks: list[L.Callback]) -> dict
 
 
 def test_tuning_leaves_no_trace(tmp_path: Path) -> None:
-    callback = AutoBatchSize(init_batch_size=2, max_batch_size=64, **FAST)
+    callback = AutoBatchSize(init_batch_size=2, max_batch_size=64, lr_scaling=None, **FAST)
     tuned = _train(tmp_path / "tuned", 4, [callback])
     chosen = callback.result["batch_size"]
     assert len(callback.result["trials"]) >= 5 and chosen != 4
@@ -248,10 +255,8 @@ def test_tuning_leaves_no_trace(tmp_path: Path) -> None:
 def test_target_global_batch_size_sets_accumulation_and_scales_learning_rates(tmp_path: Path) -> None:
     callback = AutoBatchSize(max_batch_size=16, target_global_batch_size=64, lr_scaling="linear", **FAST)
     model = Trained()
-    trainer, datamodule = fit(
-        tmp_path, callback, model, datamodule=BoringDataModule(length=256, batch_size=8)
-    )
-    chosen = datamodule.batch_size
+    trainer, _ = fit(tmp_path, callback, model, datamodule=BoringDataModule(length=256, batch_size=8))
+    chosen = trainer.train_dataloader.batch_size
     assert chosen <= 16
     assert trainer.accumulate_grad_batches == 64 // chosen
     assert callback.result["effective_batch_size"] == 64
@@ -265,9 +270,9 @@ def test_target_global_batch_size_sets_accumulation_and_scales_learning_rates(tm
 
 def test_sqrt_scaling_from_a_given_reference(tmp_path: Path) -> None:
     callback = AutoBatchSize(max_batch_size=64, lr_scaling="sqrt", reference_batch_size=16, **FAST)
-    trainer, datamodule = fit(tmp_path, callback, BoringModel(lr=0.1))
+    trainer, _ = fit(tmp_path, callback, BoringModel(lr=0.1))
     assert trainer.accumulate_grad_batches == 1
-    expected = 0.1 * (datamodule.batch_size / 16) ** 0.5
+    expected = 0.1 * (trainer.train_dataloader.batch_size / 16) ** 0.5
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(expected)
 
 
@@ -288,7 +293,7 @@ def test_resuming_reuses_the_tuned_values(tmp_path: Path, monkeypatch: pytest.Mo
     )
     datamodule = BoringDataModule(length=256)
     resumed.fit(BoringModel(), datamodule=datamodule, ckpt_path=checkpoint)
-    assert datamodule.batch_size == callback.result["batch_size"]
+    assert resumed.train_dataloader.batch_size == callback.result["batch_size"]
     assert resumed.accumulate_grad_batches == callback.result["accumulate_grad_batches"]
     assert resumed.optimizers[0].param_groups[0]["lr"] == pytest.approx(lr)  # scaled once, not twice
     assert resumed_callback.result == callback.result
@@ -309,15 +314,17 @@ def test_a_second_run_reuses_the_cached_result_and_retune_measures_again(
     real = StepProbe.train
     monkeypatch.setattr(StepProbe, "train", lambda *args: pytest.fail("measured despite the cache"))
     again = AutoBatchSize(max_batch_size=32, lr_scaling="linear", **FAST)
-    trainer, datamodule = fit(tmp_path / "again", again, BoringModel(lr=0.1))
-    assert datamodule.batch_size == first.result["batch_size"]
+    trainer, _ = fit(tmp_path / "again", again, BoringModel(lr=0.1))
+    assert trainer.train_dataloader.batch_size == first.result["batch_size"]
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.1 * first.result["lr_factor"])
     assert again.result["source"] == "cache" and again.findings[0].cost == ""
     assert "Reused the cached measurement" in again.findings[0].detail
 
     calls: list[int] = []
     monkeypatch.setattr(
-        StepProbe, "train", lambda self, batch, size: calls.append(size) or real(self, batch, size)
+        StepProbe,
+        "train",
+        lambda self, batch, size, more=None: calls.append(size) or real(self, batch, size, more),
     )
     fit(tmp_path / "retune", AutoBatchSize(max_batch_size=32, lr_scaling="linear", retune=True, **FAST))
     assert calls  # measured again
@@ -344,10 +351,10 @@ def test_a_corrupt_batch_size_cache_is_ignored_with_a_warning(
 
 def test_validation_that_does_not_fit_steps_the_size_down(tmp_path: Path) -> None:
     callback = AutoBatchSize(max_batch_size=64, **FAST)
-    _, datamodule = fit(tmp_path, callback, OOMModel(val_limit=20))
-    assert datamodule.batch_size <= 20
+    fit(tmp_path, callback, OOMModel(val_limit=20))
+    assert callback.result["batch_size"] <= 20
     checks = callback.result["validation"]
-    assert checks[0]["oom"] and not checks[-1]["oom"] and checks[-1]["size"] == datamodule.batch_size
+    assert checks[0]["oom"] and not checks[-1]["oom"] and checks[-1]["size"] == callback.result["batch_size"]
 
 
 class HparamsModel(BoringModel):
@@ -378,12 +385,13 @@ def test_finds_batch_size_on_the_model_hparams_and_a_boosted_datamodule(tmp_path
     callback = AutoBatchSize(max_batch_size=32, **FAST)
     trainer = tiny_trainer(tmp_path / "a", callbacks=[callback], logger=False, enable_checkpointing=False)
     trainer.fit(model)
-    assert model.hparams["batch_size"] == callback.result["batch_size"] == trainer.train_dataloader.batch_size
+    assert callback.result["batch_size"] == trainer.train_dataloader.batch_size
 
     boosted = Boosted(batch_size=4, num_workers=0)
     callback = AutoBatchSize(max_batch_size=32, **FAST)
-    fit(tmp_path / "b", callback, BoringModel(), datamodule=boosted)
-    assert boosted.batch_size == callback.result["batch_size"] != 4
+    trainer, _ = fit(tmp_path / "b", callback, BoringModel(), datamodule=boosted)
+    assert trainer.train_dataloader.batch_size == callback.result["batch_size"] != 4
+    assert boosted.batch_size == 4  # put back: a second fit scales from the size the user wrote
     assert callback.result["validation"]  # the boosted validation set was checked
 
 
@@ -455,10 +463,16 @@ class RankOOMModel(BoringModel):
 @pytest.mark.ddp
 def test_ddp_takes_the_smallest_fit_over_ranks_without_hanging(tmp_path: Path) -> None:
     callback = AutoBatchSize(**FAST)
-    trainer = tiny_trainer(
-        tmp_path, devices=2, strategy="ddp_spawn", callbacks=[callback], enable_checkpointing=False
+    trainer = tiny_trainer(  # spawned ranks miss `long_planned_run`: a run that repays a search
+        tmp_path,
+        devices=2,
+        strategy="ddp_spawn",
+        callbacks=[callback],
+        enable_checkpointing=False,
+        limit_train_batches=0.1,
+        max_epochs=8,
     )
-    trainer.fit(RankOOMModel(str(tmp_path)), datamodule=BoringDataModule(length=256))
+    trainer.fit(RankOOMModel(str(tmp_path)), datamodule=BoringDataModule(length=20480))
     chosen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert chosen[0] == chosen[1] <= 12
     (report,) = tmp_path.rglob("boost_report.json")
@@ -483,9 +497,15 @@ def test_ddp_takes_the_smallest_fit_over_ranks_without_hanging(tmp_path: Path) -
         ({"target_global_batch_size": 0}, "`target_global_batch_size` expected an int >= 1 or None, got 0"),
         (
             {"lr_scaling": "linaer"},
-            "`lr_scaling` expected one of 'linear', 'sqrt' or None, got 'linaer'. Did you mean 'linear'",
+            "`lr_scaling` expected one of 'auto', 'linear', 'sqrt' or None, got 'linaer'."
+            " Did you mean 'linear'",
         ),
-        ({"reference_batch_size": 64}, "`reference_batch_size` only applies with `lr_scaling`"),
+        (
+            {"reference_batch_size": 64, "lr_scaling": None},
+            "`reference_batch_size` only applies with `lr_scaling`",
+        ),
+        ({"min_efficiency": 0}, "`min_efficiency` expected a finite number > 0 and <= 1, got 0"),
+        ({"lr_warmup_steps": -1}, "`lr_warmup_steps` expected an int >= 0 or None, got -1"),
         ({"retune": "yes"}, "`retune` expected True or False, got 'yes'"),
         ({"cache_dir": 123}, "`cache_dir` expected a string or a path or None, got 123 (int)"),
         ({"attr_name": "batch size"}, "`attr_name` expected a string that is an attribute name, got 'batch"),
@@ -560,7 +580,7 @@ def test_cuda_out_of_memory_is_real_and_survived(tmp_path: Path) -> None:
     torch.cuda.set_per_process_memory_fraction(2**30 / torch.cuda.get_device_properties(device).total_memory)
     try:
         callback = AutoBatchSize(max_batch_size=256, steps=1, tolerance=0.0)
-        trainer, datamodule = fit(
+        trainer, _ = fit(
             tmp_path,
             callback,
             Hungry(mib_per_sample=32),
@@ -572,6 +592,6 @@ def test_cuda_out_of_memory_is_real_and_survived(tmp_path: Path) -> None:
         torch.cuda.empty_cache()
     tried = sizes(callback)
     assert any(trial["oom"] for trial in tried.values())  # torch.OutOfMemoryError, caught
-    chosen = datamodule.batch_size
+    chosen = trainer.train_dataloader.batch_size
     assert chosen == callback.result["batch_size"] < 32 and not tried[chosen]["oom"]
     assert trainer.state.finished

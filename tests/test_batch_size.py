@@ -1,5 +1,6 @@
 """The pure batch-size decisions (`lightning_boost.batch_size.search`) on scripted tables."""
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -37,7 +38,7 @@ def test_grows_to_the_knee_then_stops_on_the_plateau() -> None:
     trials, reason = drive(gpu_like(oom_above=100_000, knee=128), 2, limits)
     assert [t.size for t in trials] == [2, 4, 8, 16, 32, 64, 128, 256, 512]
     assert "plateau" in reason
-    assert choose(trials, limits.budget_bytes, limits.tolerance).size == 128  # the knee, not the largest
+    assert choose(trials, limits).size == 128  # the knee, not the largest
 
 
 def test_oom_stops_growth_and_refines_while_throughput_still_rises() -> None:
@@ -45,14 +46,14 @@ def test_oom_stops_growth_and_refines_while_throughput_still_rises() -> None:
     trials, reason = drive(gpu_like(oom_above=100, knee=10_000), 8, limits)
     assert [t.size for t in trials] == [8, 16, 32, 64, 128, 96, 112, 104]
     assert "out of memory at 104" in reason
-    assert choose(trials, limits.budget_bytes, limits.tolerance).size == 96
+    assert choose(trials, limits).size == 96
 
 
 def test_headroom_bounds_the_choice_before_oom() -> None:
     # 1 GiB + 10 MiB per sample: 512 needs 6.1 GiB, over a 5 GiB budget although it would not OOM.
     limits = Limits(max_size=4096, budget_bytes=5 * GIB, tolerance=0.0)
     trials, reason = drive(gpu_like(oom_above=100_000, knee=100_000), 64, limits)
-    chosen = choose(trials, limits.budget_bytes, limits.tolerance)
+    chosen = choose(trials, limits)
     assert chosen.peak_bytes <= limits.budget_bytes
     # 64-256 put the peak on a line: 512 would need 6.1 GiB, so 400 (4 GiB + 1 GiB) is measured
     # instead, and nothing over the budget is (before: 512, 448 and 416, then 384)
@@ -66,14 +67,14 @@ def test_start_that_does_not_fit_is_halved() -> None:
     limits = Limits(max_size=4096, budget_bytes=80 * GIB)
     trials, _ = drive(gpu_like(oom_above=20, knee=10_000), 256, limits)
     assert [t.size for t in trials][:5] == [256, 128, 64, 32, 16]
-    assert choose(trials, limits.budget_bytes, 0.0).size == 20  # refined between 16 and 32
+    assert choose(trials, dataclasses.replace(limits, tolerance=0.0)).size == 20  # refined between 16 and 32
 
 
 def test_nothing_fits_stops_at_one() -> None:
     trials, reason = drive(gpu_like(oom_above=0, knee=8), 4, Limits(max_size=64, budget_bytes=GIB))
     assert [t.size for t in trials] == [4, 2, 1]
     assert reason == "out of memory"
-    assert choose(trials, GIB, 0.05) is None
+    assert choose(trials, Limits(64, GIB)) is None
 
 
 def test_max_size_and_time_budget_bound_the_search() -> None:
@@ -98,7 +99,7 @@ def test_a_peak_that_grows_faster_than_projected_is_refined_as_before() -> None:
     trials, _ = drive(measure, 64, limits)
     assert [t.size for t in trials][:4] == [64, 128, 256, 400]
     assert not trials[3].fits(limits.budget_bytes)
-    assert choose(trials, limits.budget_bytes, 0.0).size == max(
+    assert choose(trials, dataclasses.replace(limits, tolerance=0.0)).size == max(
         t.size for t in trials if t.fits(limits.budget_bytes)
     )
 
@@ -107,16 +108,16 @@ def test_choice_is_always_a_measured_size() -> None:
     table = [Trial(16, 500.0, 1), Trial(32, 990.0, 2), Trial(64, 1000.0, 3), Trial(128, oom=True)]
     for tolerance in (0.0, 0.005, 0.02, 0.5, 0.9):
         for budget in (1, 2, 3, 4):
-            chosen = choose(table, budget, tolerance)
+            chosen = choose(table, Limits(4096, budget, tolerance))
             assert chosen in table
-    assert choose(table, 3, 0.02).size == 32  # within 2 % of 1000 at half the size
-    assert choose(table, 3, 0.005).size == 64
-    assert choose(table, 1, 0.0).size == 16  # the budget leaves only 16
+    assert choose(table, Limits(4096, 3, 0.02)).size == 32  # within 2 % of 1000 at half the size
+    assert choose(table, Limits(4096, 3, 0.005)).size == 64
+    assert choose(table, Limits(4096, 1, 0.0)).size == 16  # the budget leaves only 16
 
 
 def test_noisy_throughput_keeps_the_smallest_within_tolerance() -> None:
     table = [Trial(64, 1000.0, 1), Trial(128, 980.0, 1), Trial(256, 1020.0, 1)]
-    assert choose(table, 10, 0.05).size == 64
+    assert choose(table, Limits(4096, 10, 0.05)).size == 64
 
 
 def test_merge_takes_any_oom_the_largest_peak_and_the_slowest_rank() -> None:

@@ -29,6 +29,9 @@ from lightning_boost.report.callback import attach_report
 from lightning_boost.report.plots import INSTALL_HINT, write_plots
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
 
+#: AutoBatchSize runs here are a few batches long; its run-length rules are tested in test_goodput.
+pytestmark = pytest.mark.usefixtures("long_planned_run")
+
 FAST = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,), skip_short_runs=False)
 
 
@@ -273,11 +276,13 @@ def _hparams_sessions(log_dir: Path) -> list[dict[str, Any]]:
     return sessions
 
 
+@pytest.mark.usefixtures("fixed_cost_steps")
 def test_tensorboard_gets_one_hyperparameter_session_with_the_tuned_values(tmp_path: Path) -> None:
     from lightning.pytorch.loggers import TensorBoardLogger
 
     logger = TensorBoardLogger(tmp_path, name="tb")
-    callbacks = [AutoBatchSize(max_batch_size=16, steps=1), BoostReport(console=False)]
+    # 8 -> 16 keeps >= 0.5 efficiency and twice the samples a fixed-cost step: 16 wins, any noise
+    callbacks = [AutoBatchSize(max_batch_size=16, min_efficiency=0.5), BoostReport(console=False)]
     trainer = tiny_trainer(tmp_path, logger=logger, callbacks=callbacks)
     trainer.fit(BoringModel(), datamodule=Data(batch_size=8, num_workers=0))
     tuned = trainer.train_dataloader.batch_size

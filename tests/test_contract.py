@@ -26,6 +26,9 @@ from lightning_boost import pytorch_lightning as pl_boost
 from lightning_boost._lightning import pytorch_lightning_takes_our_callbacks
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, cpu_only, tiny_trainer
 
+#: AutoBatchSize runs here are a few batches long; its run-length rules are tested in test_goodput.
+pytestmark = pytest.mark.usefixtures("long_planned_run")
+
 CALLBACKS: list[type[L.Callback]] = sorted(
     (
         obj
@@ -174,7 +177,9 @@ def test_the_callbacks_run_under_the_pytorch_lightning_namespace(tmp_path: Path)
     )
     model = Model()
     trainer.fit(model)
-    assert trainer.state.finished and model.batch_size == trainer.train_dataloader.batch_size
+    (tuner,) = [c for c in callbacks if isinstance(c, AutoBatchSize)]
+    assert trainer.state.finished and tuner.result["batch_size"] == trainer.train_dataloader.batch_size
+    assert model.batch_size == 8  # the configured size, put back at the end of the fit
     (workers,) = [c for c in callbacks if isinstance(c, AutoNumWorkers)]
     assert workers.worker_tuner.choices  # the loader was measured and rebuilt
 

@@ -21,6 +21,9 @@ from typing_extensions import override
 from lightning_boost import BoostedDataModule, BoostWarning, WorkerTuning
 from lightning_boost.testing import BoringModel, RandomDataset, cpu_only, tiny_trainer
 
+#: AutoBatchSize runs here are a few batches long; its run-length rules are tested in test_goodput.
+pytestmark = pytest.mark.usefixtures("long_planned_run")
+
 FAST = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,), skip_short_runs=False)
 
 

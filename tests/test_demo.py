@@ -29,17 +29,25 @@ def test_demo_trains_plain_then_boosted_and_writes_the_report(tmp_path: Path) ->
     tuned = written["tuned"]
     assert boosted.settings["batch size"] == f"{tuned['batch_size']} x 1 accumulated"
     assert tuned["batch_size"] <= 32 and tuned["num_workers"] == boosted.settings["num_workers"]
-    assert float(boosted.settings["learning rate"]) == pytest.approx(0.05 * tuned["batch_size"] / 16)
+    assert float(boosted.settings["learning rate"]) == pytest.approx(0.05 * tuned["lr_factor"])
     assert {f["source"] for f in written["findings"]} >= {"AutoBatchSize", "FakeCIFAR", "SyncGuard"}
     assert Path(str(boosted.report)).is_relative_to(tmp_path / "boosted")
 
     rows = {what: (a, b) for what, a, b in side_by_side(plain, boosted)}
     assert rows["syncs found"][0] == "not checked"
-    assert rows["syncs found"][1] == "0 in your code, 1 in Lightning's"  # prog_bar values, with no bar
+    assert rows["syncs found"][1].startswith("0 in your code")  # prog_bar values are Lightning's
     assert rows["retained graphs found"] == ("not checked", "0")
     assert rows["speed-up (training)"][1].endswith("x")
     wall = float(rows["speed-up (wall time, tuning included)"][1].removesuffix("x"))
     assert wall == pytest.approx(plain.seconds / boosted.seconds, abs=0.006)
+    assert plain.final_accuracy is not None and boosted.final_accuracy is not None
+    assert rows["final validation accuracy"] == (
+        f"{plain.final_accuracy:.1%}",
+        f"{boosted.final_accuracy:.1%}",
+    )
+    (reach,) = [what for what in rows if what.startswith("time to plain's final accuracy")]
+    assert rows[reach][0].endswith(" s")  # the plain fit reaches its own final accuracy
+    assert len(plain.curve) == len(boosted.curve) == 4  # four validations an epoch
     assert set(rows) >= {
         "precision",
         "strategy",
@@ -55,7 +63,7 @@ def test_demo_rejects_fewer_samples_than_a_batch(tmp_path: Path) -> None:
 
 
 def test_demo_data_dir_without_cifar_says_how_to_get_it(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"does not hold CIFAR-10.*download=True.*FakeData"):
+    with pytest.raises(ValueError, match=r"does not hold CIFAR-10.*download=True.*the demo's own images"):
         demo_dataset(64, str(tmp_path))
 
 

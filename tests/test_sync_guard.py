@@ -25,6 +25,9 @@ from lightning_boost import BoostReport, BoostWarning, Finding, Severity, SyncEr
 from lightning_boost._lightning import pytorch_lightning_takes_our_callbacks
 from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
 
+#: AutoBatchSize runs here are a few batches long; its run-length rules are tested in test_goodput.
+pytestmark = pytest.mark.usefixtures("long_planned_run")
+
 THIS_FILE = str(Path(__file__).resolve())
 
 

@@ -1,11 +1,11 @@
-"""`AutoBatchSize`: the batch size with the best measured throughput that fits with headroom."""
+"""`AutoBatchSize`: the batch size that reaches the model soonest (best measured goodput) that fits."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
 import time
-from collections.abc import Sized
+from collections.abc import Callable, Sized
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -21,26 +21,22 @@ from lightning_boost import cache
 from lightning_boost._lightning import (
     callbacks_of,
     datamodule_of,
+    debugging_mode,
     hardware_for,
     overrides,
     preserved_rng,
     user_dataloaders,
 )
 from lightning_boost._validation import Fraction, Identifier, PositiveInt, Range, Seconds, validated
-from lightning_boost.batch_size.decision import BatchSizeDecision, findings, restored_finding
-from lightning_boost.batch_size.search import (
-    Limits,
-    Trial,
-    accumulation,
-    choose,
-    lr_factor,
-    merge,
-    next_size,
-)
+from lightning_boost.batch_size.decision import BatchSizeDecision, decide, findings, kept, restored_finding
+from lightning_boost.batch_size.goodput import lr_rule, warmup_factor
+from lightning_boost.batch_size.plan import RunPlan
+from lightning_boost.batch_size.search import Limits, Trial, merge
+from lightning_boost.batch_size.watch import LossWatch
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.report import BoostWarning, Finding
-from lightning_boost.step_probe import StepProbe, first_batch, is_oom
+from lightning_boost.step_probe import StepProbe, first_batch, is_oom, sample_batches
 from lightning_boost.workers.loaders import (
     describe_dataset,
     describe_model,
@@ -52,8 +48,9 @@ from lightning_boost.workers.loaders import (
 LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
 
 _GIB = 1024**3
-#: How learning rates follow the effective batch size (`lightning_boost.batch_size.search.LR_RULES`).
-LRScaling = Literal["linear", "sqrt"]
+#: How learning rates follow the effective batch size: ``"auto"`` picks the optimizers' rule
+#: (`lightning_boost.batch_size.goodput.lr_rule`), the others are `batch_size.search.LR_RULES`.
+LRScaling = Literal["auto", "linear", "sqrt"]
 #: Timed steps per size: past 100 a trial only repeats itself.
 MAX_STEPS = 100
 
@@ -63,20 +60,29 @@ _RESULT_KEYS = {"batch_size", "accumulate_grad_batches", "effective_batch_size",
 #: The arguments a measurement depends on (the time budget bounds its cost, not its answer).
 _KEYED = ("init_batch_size", "max_batch_size", "headroom", "cpu_memory_fraction", "memory_budget_gib",
           "tolerance", "steps", "target_global_batch_size", "lr_scaling", "reference_batch_size",
-          "check_validation", "attr_name")  # fmt: skip
+          "check_validation", "attr_name", "min_efficiency")  # fmt: skip
 
 
 class AutoBatchSize(BoostCallback):
-    """Sets the batch size to the smallest measured size within `tolerance` of the best throughput
-    whose training step peaks within the memory budget; keeps the effective batch when asked.
+    """Sets the batch size that reaches the model soonest: the smallest measured size within
+    `tolerance` of the best goodput (throughput x statistical efficiency) whose training step peaks
+    within the memory budget; scales the learning rates the way the optimizers need, warmed up.
 
     At the start of fit it takes real training steps (forward, backward, optimizer step on real
     batches, in the run's precision) on a copy of the model at growing sizes, then refines,
-    measuring samples/s and peak memory; validation is checked at the chosen size. The run's
+    measuring samples/s, peak memory and the squared gradient norm, from which it fits the gradient
+    noise scale: past it a larger batch teaches the model less per sample, so it must run that much
+    faster to be worth it, and a size under `min_efficiency` is not chosen (the run keeps its
+    epochs). A size is measured only while it can repay its trial over the planned run, and a run
+    too short for any trial (``fast_dev_run``, ``overfit_batches``, a count of batches or steps, a
+    few steps) keeps the configured size, with a finding that says why. Validation is checked at
+    the chosen size. The run's
     weights, optimizer, schedulers, RNG states, loop counters and data order are not touched: a run
     tuned to size B trains exactly like one given B by hand. Under DDP every rank measures each size
     and the ranks merge the results (any OOM, the largest peak, the slowest rank) before deciding,
     so they choose the same size. The result is kept in ``state_dict``: resuming does not tune again.
+    The attribute is put back to the configured size at the end of the fit, so a second fit, a
+    resumed run and a reused datamodule scale from the size the user wrote.
 
     The batch size is found as Lightning's tuner finds it: an attribute `attr_name` on the model,
     its ``hparams`` or the datamodule (`BoostedDataModule` has one), read by ``train_dataloader()``.
@@ -89,17 +95,24 @@ class AutoBatchSize(BoostCallback):
         cpu_memory_fraction: on CPU, fraction of the RAM available at the start that a step may
             use (shared by the processes on the node); no OOM is waited for.
         memory_budget_gib: the peak a step may reach per process, in GiB, instead of the two above.
-        tolerance: sizes within this fraction of the best throughput count as equally fast, and
-            the smallest of them is chosen; growth stops when two doublings gain less.
+        tolerance: sizes within this fraction (or their measured spread, if wider) of the best
+            goodput count as equally good, and the smallest of them is chosen; growth stops when
+            two doublings gain less.
         time_budget_s: no new size is measured once the trials took this long.
         steps: timed steps per size after a warm-up step; the fastest counts (fewer for slow
             steps: about 2 s of timed steps per size at most).
         target_global_batch_size: sets ``accumulate_grad_batches`` so that batch x accumulation x
             world size comes closest to it (and bounds the batch size by it).
-        lr_scaling: ``"linear"`` or ``"sqrt"``: scale the optimizers' learning rates (and schedulers'
-            base rates) by the change of the effective batch size from `reference_batch_size`.
+        lr_scaling: scale the optimizers' learning rates (and schedulers' base rates) by the change
+            of the effective batch size from `reference_batch_size`: ``"auto"`` by the optimizers'
+            rule (linear for SGD, square root for Adam and other adaptive ones), or ``"linear"``,
+            ``"sqrt"``; ``None`` keeps them. A raised rate is warmed up, and past x4 is a warning.
         reference_batch_size: the effective batch the learning rates were set for (default: the
             batch size configured, times ``accumulate_grad_batches``, times world size).
+        min_efficiency: the least statistical efficiency (progress per sample against the
+            configured size) a larger size may have.
+        lr_warmup_steps: optimizer steps over which a raised learning rate rises from the configured
+            one (default: a tenth of the planned run).
         check_validation: also run a validation step at the chosen size, stepping down if it fails.
         attr_name: the name of the batch-size attribute.
         retune: measure even when the cache holds a result for this machine, model and data.
@@ -126,8 +139,10 @@ class AutoBatchSize(BoostCallback):
         time_budget_s: Seconds = 60.0,
         steps: Annotated[int, Range(ge=1, le=MAX_STEPS)] = 3,
         target_global_batch_size: PositiveInt | None = None,
-        lr_scaling: LRScaling | None = None,
+        lr_scaling: LRScaling | None = "auto",
         reference_batch_size: PositiveInt | None = None,
+        min_efficiency: Fraction = 0.8,
+        lr_warmup_steps: Annotated[int, Range(ge=0)] | None = None,
         check_validation: bool = True,
         attr_name: Annotated[str, Identifier()] = "batch_size",
         retune: bool = False,
@@ -135,7 +150,8 @@ class AutoBatchSize(BoostCallback):
     ) -> None:
         if reference_batch_size is not None and lr_scaling is None:
             raise ValueError(
-                "`reference_batch_size` only applies with `lr_scaling`: pass lr_scaling='linear' or 'sqrt'."
+                "`reference_batch_size` only applies with `lr_scaling`:"
+                " pass lr_scaling='auto', 'linear' or 'sqrt'."
             )
         if max_batch_size is not None and init_batch_size is not None and init_batch_size > max_batch_size:
             raise ValueError(
@@ -153,6 +169,8 @@ class AutoBatchSize(BoostCallback):
         self.target_global_batch_size = target_global_batch_size
         self.lr_scaling = lr_scaling
         self.reference_batch_size = reference_batch_size
+        self.min_efficiency = min_efficiency
+        self.lr_warmup_steps = lr_warmup_steps
         self.check_validation = check_validation
         self.attr_name = attr_name
         self.retune = retune
@@ -160,6 +178,9 @@ class AutoBatchSize(BoostCallback):
         self.decision: BatchSizeDecision | None = None
         self.findings: list[Finding] = []
         self._restored = False
+        self._configured: int | None = None  # the size the user wrote, put back at the end of fit
+        self._ramped: list[tuple[dict[str, Any], float]] = []  # (param group, its lr) under warm-up
+        self._watch: LossWatch | None = None
         self._set_state_key(attr_name=attr_name)
 
     @property
@@ -189,8 +210,8 @@ class AutoBatchSize(BoostCallback):
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         configured = int(lightning_getattr(pl_module, self.attr_name))  # type: ignore[arg-type]
+        self._configured = configured
         if not (self._restored and self.decision is not None):
-            _check_loader_reads(trainer, pl_module, self.attr_name, configured)
             self.decision = self._tune(trainer, pl_module, configured)
         decision = self.decision
         self.findings += (
@@ -200,6 +221,8 @@ class AutoBatchSize(BoostCallback):
         trainer.accumulate_grad_batches = decision.accumulate_grad_batches
         if not self._restored:  # a checkpoint's optimizer state already holds the scaled rates
             _scale_learning_rates(trainer, decision.lr_factor)
+        changed = decision.batch_size != decision.configured_batch_size or decision.lr_factor != 1.0
+        self._watch = LossWatch() if changed else None
         self._restored = False
 
     @override
@@ -213,18 +236,65 @@ class AutoBatchSize(BoostCallback):
                 f" `batch_size=self.{self.attr_name}` in `train_dataloader()`."
             )
 
+    @override
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        """During the warm-up, lower the scaled rates for this step only (put back after it)."""
+        decision = self.decision
+        if decision is None:
+            return
+        ramp = warmup_factor(trainer.global_step, decision.lr_warmup_steps, decision.lr_factor)
+        if ramp == 1.0:
+            return
+        for group in optimizer.param_groups:
+            if isinstance(group.get("lr"), float):
+                self._ramped.append((group, group["lr"]))
+                group["lr"] = group["lr"] * ramp
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._end_ramp()
+        if self._watch is not None and self.decision is not None:
+            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            verdict = self._watch.add(loss) if isinstance(loss, torch.Tensor) else None
+            if verdict is not None:
+                self.findings.append(self._watch.finding(verdict, self.decision))
+                self._watch = None
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().teardown(trainer, pl_module, stage)
+        self._end_ramp()
+        if stage == "fit" and self._configured is not None:
+            lightning_setattr(pl_module, self.attr_name, self._configured)
+            self._configured = None
+
+    def _end_ramp(self) -> None:
+        for group, lr in self._ramped:
+            group["lr"] = lr
+        self._ramped.clear()
+
     def _tune(self, trainer: L.Trainer, pl_module: L.LightningModule, configured: int) -> BatchSizeDecision:
         started = time.perf_counter()
         world = trainer.world_size
         train_data = _split_data(trainer, "train")
         if train_data is None:
             raise RuntimeError("AutoBatchSize needs a training DataLoader to take batches from.")
+        limits = self._limits(trainer, pl_module, train_data[0], world, configured)
+        plan = _plan(trainer, train_data[0], world)
+        why = plan.keep_reason(configured, target=self.target_global_batch_size is not None)
+        if why:
+            return kept(configured, trainer.accumulate_grad_batches, limits, why)
+        _check_loader_reads(trainer, pl_module, self.attr_name, configured)
         path = Path(self.cache_dir or cache.default_cache_dir()) / CACHE_FILE
         key = cache.fingerprint(self._cache_parts(trainer, pl_module, train_data[0], configured))
         cached = self._cached(trainer, path, key)
         if cached is not None:
             return cached
-        limits = self._limits(trainer, pl_module, train_data[0], world)
+        limits = dataclasses.replace(limits, planned_samples=plan.samples_planned(configured))
         probe = StepProbe(
             pl_module,
             trainer.optimizers,
@@ -232,38 +302,26 @@ class AutoBatchSize(BoostCallback):
             trainer.precision_plugin.train_step_context,
             trainer.precision_plugin.val_step_context,
         )
+        validates = self.check_validation and overrides(pl_module, "validation_step")
+        val_data = _split_data(trainer, "val") if validates else None
+        rule = lr_rule([type(o).__name__ for o in trainer.optimizers], self.lr_scaling)
         with preserved_rng():
-            start = self.init_batch_size or configured
-            trials, reason = _search(trainer, probe, train_data, start, limits)
-            choice = choose(trials, limits.budget_bytes, self.tolerance)
-            if choice is None:
-                raise MemoryError(_nothing_fits(trials, limits, reason))
-            validates = self.check_validation and overrides(pl_module, "validation_step")
-            val_data = _split_data(trainer, "val") if validates else None
-            checks: list[Trial] = []
-            if val_data is not None:
-                choice = _fitting_validation(trainer, probe, val_data, trials, choice, limits, checks)
-        accumulate = trainer.accumulate_grad_batches
-        if self.target_global_batch_size is not None:
-            accumulate = accumulation(self.target_global_batch_size, choice.size, world)
-        reference = self.reference_batch_size or configured * trainer.accumulate_grad_batches * world
-        effective = choice.size * accumulate * world
-        decision = BatchSizeDecision(
-            batch_size=choice.size,
-            accumulate_grad_batches=accumulate,
-            effective_batch_size=effective,
-            configured_batch_size=configured,
-            reference_batch_size=reference,
-            lr_factor=lr_factor(self.lr_scaling, effective, reference),
-            lr_scaling=self.lr_scaling,
-            target_global_batch_size=self.target_global_batch_size,
-            world_size=world,
-            budget_bytes=limits.budget_bytes,
+            decision = decide(
+                lambda size: _measured(trainer, size, _train_trial(trainer, probe, train_data, size)),
+                None
+                if val_data is None
+                else lambda size: _measured(trainer, size, _val_trial(trainer, probe, val_data, size)),
+                self.init_batch_size or configured,
+                configured,
+                limits,
+                rule,
+            )
+        steps = plan.optimizer_steps(decision.batch_size)
+        warmup = self.lr_warmup_steps if self.lr_warmup_steps is not None else max(1, (steps or 1000) // 10)
+        decision = decision.replace(
             budget=_budget_text(pl_module, self),
-            stopped=reason,
-            trials=tuple(trials),
-            validation=tuple(checks),
             seconds=time.perf_counter() - started,
+            lr_warmup_steps=warmup if decision.lr_factor > 1.0 else 0,
         )
         if trainer.is_global_zero:
             cache.store_entry(path, key, {"result": decision.to_dict()})
@@ -305,18 +363,27 @@ class AutoBatchSize(BoostCallback):
         entry = trainer.strategy.broadcast(entry, src=0)
         return None if entry is None else BatchSizeDecision.from_dict({**entry["result"], "source": "cache"})
 
-    def _limits(self, trainer: L.Trainer, pl_module: L.LightningModule, dataset: Any, world: int) -> Limits:
+    def _limits(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, dataset: Any, world: int, configured: int
+    ) -> Limits:
         bounds = [self.max_batch_size or math.inf]
-        if isinstance(dataset, Sized):
-            bounds.append(max(1, len(dataset) // world))
+        largest_for_run = _plan(trainer, dataset, world).largest_size()
+        if largest_for_run is not None:
+            bounds.append(largest_for_run)
         if self.target_global_batch_size is not None:
             bounds.append(max(1, self.target_global_batch_size // world))
         largest = min(bounds)
+        accumulate = trainer.accumulate_grad_batches
         return Limits(
             max_size=int(largest) if largest != math.inf else 2**31,
             budget_bytes=self._memory_budget(trainer, pl_module),
             tolerance=self.tolerance,
             time_budget_s=self.time_budget_s,
+            reference=self.reference_batch_size or configured * accumulate * world,
+            accumulate=accumulate,
+            world=world,
+            target=self.target_global_batch_size,
+            min_efficiency=self.min_efficiency,
         )
 
     def _memory_budget(self, trainer: L.Trainer, pl_module: L.LightningModule) -> int:
@@ -404,57 +471,52 @@ def _split_data(trainer: L.Trainer, split: str) -> tuple[Any, Any] | None:
     return loaders.dataset, loaders.collate_fn
 
 
-def _search(
-    trainer: L.Trainer, probe: StepProbe, data: tuple[Any, Any], start: int, limits: Limits
-) -> tuple[list[Trial], str]:
-    trials: list[Trial] = []
-    while True:
-        size, reason = next_size(trials, start, limits)
-        if size is None:
-            return trials, reason
-        trials.append(_measured(trainer, data, size, probe.train))
-
-
-def _fitting_validation(
-    trainer: L.Trainer,
-    probe: StepProbe,
-    data: tuple[Any, Any],
-    trials: list[Trial],
-    choice: Trial,
-    limits: Limits,
-    checks: list[Trial],
-) -> Trial:
-    """`choice`, or the next smaller fitting size, whose validation step fits too."""
-    candidates = sorted(
-        (t for t in trials if t.fits(limits.budget_bytes) and t.size <= choice.size), key=lambda t: -t.size
+def _plan(trainer: L.Trainer, dataset: Any, world: int) -> RunPlan:
+    """What the run will train: the Trainer's limits over the training data, per rank."""
+    datamodule = datamodule_of(trainer)
+    drop_last = (
+        bool(getattr(datamodule, "drop_last", False)) if isinstance(datamodule, BoostedDataMixin) else False
     )
-    for candidate in candidates:
-        check = _measured(trainer, data, candidate.size, probe.validate)
-        checks.append(check)
-        if check.fits(limits.budget_bytes):
-            return candidate
-    raise MemoryError(
-        f"AutoBatchSize: a validation step does not fit at any batch size whose training step fits (down to"
-        f" {candidates[-1].size}): lower the validation batch size or the model's memory use."
+    max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else None
+    return RunPlan(
+        samples=len(dataset) // world if isinstance(dataset, Sized) else None,
+        max_epochs=max_epochs,
+        max_steps=trainer.max_steps,
+        limit_batches=trainer.limit_train_batches,
+        val_check_interval=trainer.val_check_interval,
+        accumulate=trainer.accumulate_grad_batches,
+        drop_last=drop_last,
+        debugging=debugging_mode(trainer),
     )
 
 
-def _measured(trainer: L.Trainer, data: tuple[Any, Any], size: int, run: Any) -> Trial:
+def _train_trial(
+    trainer: L.Trainer, probe: StepProbe, data: tuple[Any, Any], size: int
+) -> Callable[[], Trial]:
+    """Training steps at `size`, each on other samples drawn at random from the training set."""
+
+    def trial() -> Trial:
+        batches = (trainer.strategy.batch_to_device(b) for b in sample_batches(data[0], data[1], size))
+        return probe.train(next(batches), size, batches)
+
+    return trial
+
+
+def _val_trial(trainer: L.Trainer, probe: StepProbe, data: tuple[Any, Any], size: int) -> Callable[[], Trial]:
+    return lambda: probe.validate(trainer.strategy.batch_to_device(first_batch(data[0], data[1], size)), size)
+
+
+def _measured(trainer: L.Trainer, size: int, run: Callable[[], Trial]) -> Trial:
     """One trial at `size` on every rank, merged; a failure other than OOM on any rank stops all ranks."""
-    fetch_started = time.perf_counter()
+    started = time.perf_counter()
     error: BaseException | None = None
     trial = Trial(size, oom=True)
     try:
-        batch = trainer.strategy.batch_to_device(first_batch(data[0], data[1], size))
-        fetch_s = time.perf_counter() - fetch_started
-        trial = run(batch, size)
-        del batch
-        trial = dataclasses.replace(trial, seconds=trial.seconds + fetch_s)
+        trial = run()
     except Exception as caught:  # told to every rank first, so none waits for the others forever
-        if is_oom(caught):  # the batch itself did not fit on the device
-            trial = Trial(size, oom=True, seconds=time.perf_counter() - fetch_started)
-        else:
+        if not is_oom(caught):  # an OOM loading the batch onto the device is a trial that did not fit
             error = caught
+    trial = dataclasses.replace(trial, seconds=time.perf_counter() - started)
     per_rank, failed = _gather(trainer, trial, error is not None)
     if failed:
         raise RuntimeError(
@@ -469,14 +531,19 @@ def _gather(trainer: L.Trainer, trial: Trial, failed: bool) -> tuple[list[Trial]
     """Every rank's trial and whether any rank failed (one all-gather; none when single-process)."""
     if trainer.world_size == 1:
         return [trial], failed
+    grad_sq = trial.grad_sq if trial.grad_sq is not None else math.nan
     values = torch.tensor(
-        [trial.samples_per_s, float(trial.peak_bytes or -1), float(trial.oom), trial.seconds, float(failed)],
+        [trial.samples_per_s, float(trial.peak_bytes or -1), float(trial.oom), trial.seconds, float(failed),
+         grad_sq, trial.spread],
         dtype=torch.float64,
         device=trainer.strategy.root_device,
-    )
-    rows = trainer.strategy.all_gather(values).reshape(-1, 5).tolist()
+    )  # fmt: skip
+    rows = trainer.strategy.all_gather(values).reshape(-1, 7).tolist()
     trials = [
-        Trial(trial.size, tp, int(peak) if peak >= 0 else None, bool(oom), s) for tp, peak, oom, s, _ in rows
+        Trial(
+            trial.size, tp, int(peak) if peak >= 0 else None, bool(oom), s, None if math.isnan(g) else g, sp
+        )
+        for tp, peak, oom, s, _, g, sp in rows
     ]
     return trials, any(row[4] for row in rows)
 
@@ -504,14 +571,3 @@ def _scale_learning_rates(trainer: L.Trainer, factor: float) -> None:
         base_lrs = getattr(config.scheduler, "base_lrs", None)
         if isinstance(base_lrs, list):
             config.scheduler.base_lrs = [lr * factor for lr in base_lrs]
-
-
-def _nothing_fits(trials: list[Trial], limits: Limits, reason: str) -> str:
-    smallest = min(trials, key=lambda t: t.size)
-    need = "runs out of memory" if smallest.oom else f"needs {(smallest.peak_bytes or 0) / _GIB:.2f} GiB"
-    return (
-        f"AutoBatchSize: a training step at batch size {smallest.size} {need}, over the budget of"
-        f" {limits.budget_bytes / _GIB:.2f} GiB (stopped: {reason}). Train in lower precision"
-        " (`Trainer(precision='bf16-mixed')`, or `preset('auto')`), shard the model with `preset('fsdp')`,"
-        " or use a smaller model."
-    )

@@ -1,20 +1,32 @@
 """What `AutoBatchSize` decided, as a frozen record, and the findings that explain it.
 
 No Lightning here. A `BatchSizeDecision` is the whole answer to "why did this run get batch B":
-the size and accumulation, the learning-rate factor, every trial with its throughput and peak,
-why the search stopped, what it cost and where the answer came from. It is the callback's
-``state_dict`` payload and cache entry (`to_dict`, the same keys checkpoints have always held) and
-the only input of `findings`.
+the size and accumulation, the learning-rate factor and its warm-up, every trial with its
+throughput, peak and gradient statistics, the noise scale and efficiency they gave, why the search
+stopped (or why the run kept the user's size), what it cost and where the answer came from. It is
+the callback's ``state_dict`` payload and cache entry (`to_dict`; keys an older checkpoint lacks
+take their defaults) and the only input of `findings`. `decide` makes it from two trial callables.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from lightning_boost.batch_size.search import Trial
+from lightning_boost.batch_size.goodput import LR_FACTOR_WARN
+from lightning_boost.batch_size.search import (
+    Limits,
+    Trial,
+    choose,
+    fitting_validation,
+    goodput,
+    lr_factor,
+    noise_of,
+    search,
+)
 from lightning_boost.report import Finding, Severity, plot_data
 
 _GIB = 1024**3
@@ -41,6 +53,12 @@ class BatchSizeDecision:
         validation: the validation steps checked at the chosen size.
         seconds: what the search took.
         source: ``"measured"`` or ``"cache"``.
+        configured_accumulate: the ``accumulate_grad_batches`` the user configured.
+        noise_scale: the gradient noise scale the trials measured (``None``: too few sizes).
+        efficiency: the statistical efficiency of the chosen size against the user's.
+        min_efficiency: the least efficiency a size could be chosen with.
+        lr_warmup_steps: optimizer steps over which a raised learning rate is ramped in.
+        kept: why the run kept the user's size without measuring (``""`` when it measured).
     """
 
     batch_size: int
@@ -59,6 +77,12 @@ class BatchSizeDecision:
     validation: tuple[Trial, ...] = field(default_factory=tuple)
     seconds: float = 0.0
     source: str = "measured"
+    configured_accumulate: int = 1
+    noise_scale: float | None = None
+    efficiency: float = 1.0
+    min_efficiency: float = 0.0
+    lr_warmup_steps: int = 0
+    kept: str = ""
 
     @property
     def tuned(self) -> dict[str, Any]:
@@ -90,12 +114,112 @@ class BatchSizeDecision:
         return dataclasses.replace(self, **changes)
 
 
+def kept(configured: int, accumulate: int, limits: Limits, why: str) -> BatchSizeDecision:
+    """The decision of a run that keeps the user's size, and why: nothing measured, nothing scaled."""
+    return BatchSizeDecision(
+        batch_size=configured,
+        accumulate_grad_batches=accumulate,
+        effective_batch_size=configured * accumulate * limits.world,
+        configured_batch_size=configured,
+        reference_batch_size=limits.reference or configured * accumulate * limits.world,
+        world_size=limits.world,
+        budget_bytes=limits.budget_bytes,
+        configured_accumulate=accumulate,
+        kept=why,
+        stopped=why,
+    )
+
+
+def decide(
+    measure: Callable[[int], Trial],
+    check: Callable[[int], Trial] | None,
+    start: int,
+    configured: int,
+    limits: Limits,
+    lr_rule: str | None,
+) -> BatchSizeDecision:
+    """The batch size for a run, from a training-step trial callable (`measure`) and a validation
+    one (`check`, ``None`` to skip): search, choose by goodput, step down until validation fits,
+    then the accumulation (kept unless `limits.target` is set) and the learning-rate factor from
+    the user's effective batch (`limits.reference`) by `lr_rule`.
+
+    Raises:
+        MemoryError: when no size fits, or no fitting size's validation step does.
+
+    Example:
+        >>> flat = lambda size: Trial(size, 100.0 * size, 1, seconds=0.1, grad_sq=1.0 + 256.0 / size)
+        >>> limits = Limits(1024, 10, reference=64, min_efficiency=0.8)
+        >>> d = decide(flat, None, 64, 64, limits, "sqrt")
+        >>> d.batch_size, round(d.noise_scale), round(d.efficiency, 2), d.lr_factor
+        (128, 256, 0.83, 1.4142135623730951)
+    """
+    started = time.perf_counter()
+    reference = limits.reference or configured * limits.accumulate * limits.world
+    trials, reason = search(measure, start, limits)
+    choice = choose(trials, limits)
+    if choice is None:
+        raise MemoryError(_nothing_fits(trials, limits, reason))
+    checks: list[Trial] = []
+    if check is not None:
+        choice, checks = fitting_validation(check, trials, choice, limits)
+    noise = noise_of(trials, limits.budget_bytes)
+    effective = limits.effective(choice.size)
+    return BatchSizeDecision(
+        batch_size=choice.size,
+        accumulate_grad_batches=effective // (choice.size * limits.world),
+        effective_batch_size=effective,
+        configured_batch_size=configured,
+        reference_batch_size=reference,
+        lr_factor=lr_factor(lr_rule, effective, reference),
+        lr_scaling=lr_rule,
+        target_global_batch_size=limits.target,
+        world_size=limits.world,
+        budget_bytes=limits.budget_bytes,
+        stopped=reason,
+        trials=tuple(trials),
+        validation=tuple(checks),
+        seconds=time.perf_counter() - started,
+        configured_accumulate=limits.accumulate,
+        noise_scale=None if noise is None else noise.value,
+        efficiency=limits.efficiency(choice.size, noise),
+        min_efficiency=limits.min_efficiency,
+    )
+
+
+def _nothing_fits(trials: list[Trial], limits: Limits, reason: str) -> str:
+    smallest = min(trials, key=lambda t: t.size)
+    need = "runs out of memory" if smallest.oom else f"needs {(smallest.peak_bytes or 0) / _GIB:.2f} GiB"
+    return (
+        f"AutoBatchSize: a training step at batch size {smallest.size} {need}, over the budget of"
+        f" {limits.budget_bytes / _GIB:.2f} GiB (stopped: {reason}). Train in lower precision"
+        " (`Trainer(precision='bf16-mixed')`, or `preset('auto')`), shard the model with `preset('fsdp')`,"
+        " or use a smaller model."
+    )
+
+
 def findings(decision: BatchSizeDecision, tolerance: float) -> list[Finding]:
-    """What the report says about a measured or cached `decision`: the size, with its trials."""
+    """What the report says about a measured or cached `decision`: the size with its trials, and a
+    WARN for a learning-rate factor past `LR_FACTOR_WARN`; a kept size says why."""
+    if decision.kept:
+        return [
+            Finding(
+                "AutoBatchSize",
+                "batch size",
+                Severity.INFO,
+                f"Batch size {decision.batch_size} kept as configured: {decision.kept}",
+                detail="No trial was run and no learning rate was changed.",
+                data=_data(decision),
+            )
+        ]
+    return [_size_finding(decision, tolerance), *_lr_findings(decision), *_accumulation_findings(decision)]
+
+
+def _size_finding(decision: BatchSizeDecision, tolerance: float) -> Finding:
     trials = sorted(decision.trials, key=lambda t: t.size)
     budget = decision.budget_bytes
+    limits = limits_of(decision)
+    noise = noise_of(trials, budget)
     chosen = next(t for t in trials if t.size == decision.batch_size)
-    best = max((t for t in trials if t.fits(budget)), key=lambda t: t.samples_per_s)
     cached = decision.source == "cache"
     how = (
         f"Reused the cached measurement of {len(trials)} sizes (`retune=True` measures again)"
@@ -105,40 +229,113 @@ def findings(decision: BatchSizeDecision, tolerance: float) -> list[Finding]:
     target = f" (target {decision.target_global_batch_size})" if decision.target_global_batch_size else ""
     rates = (
         f"; learning rates x{decision.lr_factor:.3g} ({decision.lr_scaling},"
-        f" from {decision.reference_batch_size})."
+        f" from {decision.reference_batch_size}, warmed up over {decision.lr_warmup_steps} steps)."
         if decision.lr_scaling
-        else "."
+        else "; learning rates unchanged (`lr_scaling=None`)."
+    )
+    statistics = (
+        f" Gradient noise scale {decision.noise_scale:,.0f} samples: a batch of B teaches the model"
+        f" (noise + {decision.reference_batch_size}) / (noise + B) as much per sample as the configured one;"
+        f" sizes under {decision.min_efficiency:.0%} efficiency are not chosen."
+        if decision.noise_scale is not None
+        else " No noise scale (fewer than two sizes measured): judged by throughput."
     )
     detail = (
-        f"{how}; stopped at {decision.stopped}."
+        f"{how}; stopped at {decision.stopped}.{statistics}"
         f" Memory budget: {budget / _GIB:.2f} GiB, {decision.budget}. The smallest size within"
-        f" {tolerance:.0%} of the best throughput ({best.size}: {best.samples_per_s:,.0f} samples/s) is kept."
+        f" {tolerance:.0%} (or the measured spread) of the best goodput (throughput x efficiency) is kept."
         f" Effective batch: {decision.batch_size} x {decision.accumulate_grad_batches} accumulated x"
         f" {decision.world_size} processes = {decision.effective_batch_size}{target}{rates}\n"
-        + "\n".join(_row(t, budget) for t in trials)
+        "    size     samples/s  efficiency    goodput        peak  status\n"
+        + "\n".join(_row(t, budget, limits.efficiency(t.size, noise)) for t in trials)
     )
     plot = plot_data(
         "batch_size",
-        "Batch size: training throughput and peak memory",
+        "Batch size: training throughput, goodput and peak memory",
         "batch size",
         [t.size for t in trials],
-        {"samples/s": [t.samples_per_s for t in trials]},
+        {
+            "samples/s": [t.samples_per_s for t in trials],
+            "goodput": [goodput(t, limits, noise) for t in trials],
+        },
         {"peak GiB": [(t.peak_bytes or 0) / _GIB for t in trials]},
         chosen=chosen.size,
     )
-    data = {k: v for k, v in decision.to_dict().items() if k != "budget"}
+    return Finding(
+        "AutoBatchSize",
+        "batch size",
+        Severity.INFO,
+        f"Batch size {chosen.size} (was {decision.configured_batch_size}):"
+        f" {chosen.samples_per_s:,.0f} samples/s at {decision.efficiency:.0%} efficiency,"
+        f" peak {format_size(chosen.peak_bytes)}",
+        detail=detail,
+        data={**_data(decision), "plot": plot},
+        cost="" if cached else f"{decision.seconds:.1f} s tuning",
+    )
+
+
+def _lr_findings(decision: BatchSizeDecision) -> list[Finding]:
+    if decision.lr_factor <= LR_FACTOR_WARN:
+        return []
+    return [
+        Finding(
+            "AutoBatchSize",
+            "batch size",
+            Severity.WARN,
+            f"Learning rates x{decision.lr_factor:.3g} for batch {decision.effective_batch_size}"
+            f" (from {decision.reference_batch_size})",
+            detail=(
+                f"Past x{LR_FACTOR_WARN:g}, the {decision.lr_scaling} scaling rule is known to fail:"
+                " training may diverge or end at a worse model than the configured batch gives."
+            ),
+            fix=(
+                f"Bound the batch with `AutoBatchSize(max_batch_size={decision.configured_batch_size * 4})`,"
+                " or keep the learning rates with `lr_scaling=None`."
+            ),
+            data={"lr_factor": decision.lr_factor, "lr_scaling": decision.lr_scaling},
+        )
+    ]
+
+
+def _accumulation_findings(decision: BatchSizeDecision) -> list[Finding]:
+    if decision.accumulate_grad_batches == decision.configured_accumulate:
+        return []
     return [
         Finding(
             "AutoBatchSize",
             "batch size",
             Severity.INFO,
-            f"Batch size {chosen.size} (was {decision.configured_batch_size}):"
-            f" {chosen.samples_per_s:,.0f} samples/s, peak {format_size(chosen.peak_bytes)}",
-            detail=detail,
-            data={**data, "plot": plot},
-            cost="" if cached else f"{decision.seconds:.1f} s tuning",
+            f"accumulate_grad_batches {decision.accumulate_grad_batches}"
+            f" (was {decision.configured_accumulate}) for the target global batch"
+            f" {decision.target_global_batch_size}",
+            detail=(
+                f"{decision.batch_size} x {decision.accumulate_grad_batches} x"
+                f" {decision.world_size} processes"
+                f" = {decision.effective_batch_size}."
+            ),
+            data={
+                "accumulate_grad_batches": decision.accumulate_grad_batches,
+                "configured_accumulate": decision.configured_accumulate,
+            },
         )
     ]
+
+
+def limits_of(decision: BatchSizeDecision) -> Limits:
+    """The limits that give `decision`'s efficiencies and goodputs again (sizes aside)."""
+    return Limits(
+        max_size=decision.batch_size,
+        budget_bytes=decision.budget_bytes,
+        reference=decision.reference_batch_size,
+        accumulate=decision.configured_accumulate,
+        world=decision.world_size,
+        target=decision.target_global_batch_size,
+        min_efficiency=decision.min_efficiency,
+    )
+
+
+def _data(decision: BatchSizeDecision) -> dict[str, Any]:
+    return {k: v for k, v in decision.to_dict().items() if k != "budget"}
 
 
 def restored_finding(decision: BatchSizeDecision) -> Finding:
@@ -152,14 +349,18 @@ def restored_finding(decision: BatchSizeDecision) -> Finding:
             f"Accumulation {decision.accumulate_grad_batches},"
             f" effective batch {decision.effective_batch_size}."
         ),
-        data={k: v for k, v in decision.to_dict().items() if k != "budget"},
+        data=_data(decision),
     )
 
 
-def _row(trial: Trial, budget: int) -> str:
+def _row(trial: Trial, budget: int, efficiency: float) -> str:
     status = "out of memory" if trial.oom else "ok" if trial.fits(budget) else "over budget"
     size = format_size(trial.peak_bytes)
-    return f"  {trial.size:>6}  {trial.samples_per_s:>10,.0f} samples/s  {size:>10}  {status}"
+    spread = f" ±{trial.spread:.0%}" if trial.spread >= 0.01 else ""
+    return (
+        f"  {trial.size:>6}  {trial.samples_per_s:>12,.0f}  {efficiency:>10.0%}"
+        f"  {trial.samples_per_s * efficiency:>9,.0f}  {size:>10}  {status}{spread}"
+    )
 
 
 def format_size(nbytes: int | None) -> str:

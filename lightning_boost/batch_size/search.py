@@ -1,22 +1,32 @@
 """Batch-size decisions over measured trials: which size to try next, which to keep, and the
 accumulation and learning-rate scaling that keep the effective batch. Plain data, no Lightning.
 
+Sizes are judged by *goodput*: measured throughput times the statistical efficiency of the
+effective batch (`lightning_boost.batch_size.goodput`), with the gradient noise scale fitted to the
+squared gradient norms the same trials measured. A size is worth measuring only while it can
+still pay for its trial over the planned run, and kept only when its gain is beyond the spread
+its own timed steps showed.
+
 The search grows the batch size by doubling from a start size while steps fit in memory and
 throughput still improves (a doubling the peaks measured so far say would go over the memory
 budget is replaced by the largest size they say fits, so no trial is spent over it), halves it
 when the start does not fit, then refines between the largest size that fits and the smallest
 that does not while throughput was still rising there.
-The choice is the smallest measured size within a tolerance of the best measured throughput,
-among sizes whose peak memory stays within the budget: a size that was never measured is never
-returned.
+The choice is the smallest measured size within a tolerance (or the measured spread, if larger)
+of the best goodput, among sizes whose peak memory stays within the budget and whose statistical
+efficiency is at least `Limits.min_efficiency`: a size that was never measured is never returned.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from lightning_boost.batch_size.goodput import NoiseScale, efficiency, estimate_noise
 
 #: Learning-rate scaling rules: factor from (effective batch / reference batch).
 LR_RULES: dict[str, Callable[[float], float]] = {"linear": lambda ratio: ratio, "sqrt": math.sqrt}
@@ -32,6 +42,10 @@ class Trial:
         peak_bytes: peak memory of the step (measured on CUDA, estimated elsewhere); ``None`` after OOM.
         oom: the step ran out of memory on some rank.
         seconds: wall time the trial took, fetching the batch included.
+        grad_sq: the mean squared gradient norm of its steps (each on other samples, taken before
+            the optimizer step), for the noise scale; ``None`` when not measured.
+        spread: how far its timed steps strayed from the fastest (median / fastest - 1): a gain
+            smaller than this is not told apart from noise.
     """
 
     size: int
@@ -39,6 +53,8 @@ class Trial:
     peak_bytes: int | None = None
     oom: bool = False
     seconds: float = 0.0
+    grad_sq: float | None = None
+    spread: float = 0.0
 
     def fits(self, budget_bytes: int) -> bool:
         """Ran without OOM and peaked within `budget_bytes`."""
@@ -49,7 +65,9 @@ class Trial:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Trial:
-        return cls(**{key: data[key] for key in ("size", "samples_per_s", "peak_bytes", "oom", "seconds")})
+        """From `to_dict`'s form (an older cache's or checkpoint's lacks `grad_sq` and `spread`)."""
+        names = ("size", "samples_per_s", "peak_bytes", "oom", "seconds", "grad_sq", "spread")
+        return cls(**{key: data[key] for key in names if key in data})
 
 
 @dataclass(frozen=True)
@@ -62,6 +80,16 @@ class Limits:
         tolerance: sizes within this fraction of the best throughput count as equally fast.
         patience: stop growing after this many doublings in a row gain less than `tolerance`.
         time_budget_s: no trial starts that would end past this many seconds of trials.
+        reference: the effective batch the user's settings train with: statistical efficiency
+            is relative to it; ``None`` judges sizes by throughput alone.
+        accumulate: ``accumulate_grad_batches`` (the user's, or set from `target`).
+        world: processes in the run.
+        target: a global batch the user asked for: accumulation keeps the effective batch near it.
+        min_efficiency: a size whose statistical efficiency is below this is not chosen (nor
+            measured once the noise scale says so): the run keeps its epochs, so each sample must
+            teach the model nearly as much as at the user's size.
+        planned_samples: samples the run trains on each rank; a size that cannot save more time
+            over them than its trial costs is not measured.
     """
 
     max_size: int
@@ -69,19 +97,90 @@ class Limits:
     tolerance: float = 0.05
     patience: int = 2
     time_budget_s: float = float("inf")
+    reference: int | None = None
+    accumulate: int = 1
+    world: int = 1
+    target: int | None = None
+    min_efficiency: float = 0.0
+    planned_samples: float = float("inf")
+
+    def effective(self, size: int) -> int:
+        """The effective batch at `size` per rank: size x accumulation x world size."""
+        accumulate = self.accumulate if self.target is None else accumulation(self.target, size, self.world)
+        return size * accumulate * self.world
+
+    def efficiency(self, size: int, noise: NoiseScale | None) -> float:
+        """Statistical efficiency at `size`: 1 without a reference or a noise estimate."""
+        if self.reference is None or noise is None:
+            return 1.0
+        return efficiency(noise.value, self.effective(size), self.reference)
 
 
 def merge(size: int, per_rank: Sequence[Trial]) -> Trial:
-    """One trial from every rank's: OOM anywhere, the largest peak, the slowest rank's throughput."""
+    """One trial from every rank's: OOM anywhere, the largest peak, the slowest rank's throughput,
+    the ranks' mean squared gradient norm (each an estimate at the same size) and widest spread."""
     oom = any(t.oom for t in per_rank)
     peaks = [t.peak_bytes for t in per_rank if t.peak_bytes is not None]
+    grads = [t.grad_sq for t in per_rank if t.grad_sq is not None]
     return Trial(
         size=size,
         samples_per_s=0.0 if oom else min(t.samples_per_s for t in per_rank),
         peak_bytes=None if oom or not peaks else max(peaks),
         oom=oom,
         seconds=max(t.seconds for t in per_rank),
+        grad_sq=None if oom or not grads else sum(grads) / len(grads),
+        spread=max(t.spread for t in per_rank),
     )
+
+
+def noise_of(trials: Sequence[Trial], budget_bytes: int) -> NoiseScale | None:
+    """The gradient noise scale fitted to the fitting trials' squared gradient norms."""
+    return estimate_noise(
+        [(t.size, t.grad_sq) for t in trials if t.fits(budget_bytes) and t.grad_sq is not None]
+    )
+
+
+def goodput(trial: Trial, limits: Limits, noise: NoiseScale | None) -> float:
+    """Throughput times statistical efficiency: the samples per second the model is worth."""
+    return trial.samples_per_s * limits.efficiency(trial.size, noise)
+
+
+def search(measure: Callable[[int], Trial], start: int, limits: Limits) -> tuple[list[Trial], str]:
+    """Measure sizes from `start` until `next_size` stops, then `settle` them; the trials and why."""
+    trials: list[Trial] = []
+    while True:
+        size, reason = next_size(trials, start, limits)
+        if size is None:
+            return settle(measure, trials, limits), reason
+        trials.append(measure(size))
+
+
+def settle(measure: Callable[[int], Trial], trials: list[Trial], limits: Limits) -> list[Trial]:
+    """Measure again a size whose step was timed slower than a larger size's (a step cannot take
+    longer on fewer samples: a busy moment hit that trial), keeping the faster of the two, so a
+    disturbed small size does not make a larger one look better than it is.
+
+    Example:
+        >>> disturbed = [Trial(64, 736.0, 1), Trial(128, 32_000.0, 2)]  # 87 ms at 64, 4 at 128
+        >>> again = settle(lambda size: Trial(size, 32_000.0, 1), disturbed, Limits(256, 9))
+        >>> [t.samples_per_s for t in again]
+        [32000.0, 32000.0]
+    """
+    settled = list(trials)
+    ok = sorted((t for t in settled if t.fits(limits.budget_bytes)), key=lambda t: t.size)
+    for small, large in itertools.pairwise(ok):
+        if small.size / small.samples_per_s > large.size / large.samples_per_s:
+            again = measure(small.size)
+            if again.fits(limits.budget_bytes) and again.samples_per_s > small.samples_per_s:
+                settled[settled.index(small)] = dataclasses.replace(
+                    again, seconds=small.seconds + again.seconds, grad_sq=_mean_grad(small, again)
+                )
+    return settled
+
+
+def _mean_grad(first: Trial, second: Trial) -> float | None:
+    values = [t.grad_sq for t in (first, second) if t.grad_sq is not None]
+    return sum(values) / len(values) if values else None
 
 
 def next_size(trials: Sequence[Trial], start: int, limits: Limits) -> tuple[int | None, str]:
@@ -99,6 +198,8 @@ def next_size(trials: Sequence[Trial], start: int, limits: Limits) -> tuple[int 
         (4, '')
         >>> next_size([Trial(8, 80.0, 10, seconds=40.0)], 8, Limits(64, 100, time_budget_s=60.0))
         (None, 'the time budget of 60 s (16 would take about 80 s more)')
+        >>> next_size([Trial(8, 80.0, 10, seconds=1.0)], 8, Limits(64, 100, planned_samples=240))
+        (None, 'the planned run (240 samples): 16 could save at most 1.5 s, less than its trial (about 2 s)')
     """
     if not trials:
         return min(start, limits.max_size), ""
@@ -115,7 +216,30 @@ def next_size(trials: Sequence[Trial], start: int, limits: Limits) -> tuple[int 
     if spent + expected > limits.time_budget_s:
         more = f"{size} would take about {expected:.2g} s more"
         return None, f"the time budget of {limits.time_budget_s:g} s ({more})"
+    saving = _largest_saving(trials, size, limits)
+    if saving is not None and saving <= expected:
+        return None, (
+            f"the planned run ({limits.planned_samples:,.0f} samples): {size} could save at most"
+            f" {saving:.2g} s, less than its trial (about {expected:.2g} s)"
+        )
     return size, why
+
+
+def _largest_saving(trials: Sequence[Trial], size: int, limits: Limits) -> float | None:
+    """The most seconds measuring `size` could save over the planned run: its step can take no
+    less time than the largest fitting size's below it, so its throughput is at most that size's
+    scaled by the sizes' ratio; ``None`` when there is nothing to bound it with."""
+    ok = [t for t in trials if t.fits(limits.budget_bytes)]
+    below = [t for t in ok if t.size < size]
+    if not below or math.isinf(limits.planned_samples):
+        return None
+    noise = noise_of(trials, limits.budget_bytes)
+    best = max(goodput(t, limits, noise) for t in ok)
+    nearest = max(below, key=lambda t: t.size)
+    bound = nearest.samples_per_s * size / nearest.size * limits.efficiency(size, noise)
+    if bound <= best:
+        return 0.0
+    return limits.planned_samples / best - limits.planned_samples / bound
 
 
 def _next_size(trials: Sequence[Trial], limits: Limits) -> tuple[int | None, str]:
@@ -137,6 +261,13 @@ def _next_size(trials: Sequence[Trial], limits: Limits) -> tuple[int | None, str
                 f"a throughput plateau ({limits.patience} doublings gained under {limits.tolerance:.0%})",
             )
         doubled = min(2 * largest.size, limits.max_size)
+        noise = noise_of(trials, limits.budget_bytes)
+        if limits.efficiency(doubled, noise) < limits.min_efficiency:
+            return None, (
+                f"the statistical efficiency ({doubled} would teach the model"
+                f" {limits.efficiency(doubled, noise):.0%} as much per sample, under"
+                f" {limits.min_efficiency:.0%}; noise scale {noise.value if noise else 0:,.0f})"
+            )
         fits = _projected_fit(ok, limits.budget_bytes)
         if fits is None or fits >= doubled:
             return doubled, ""
@@ -144,29 +275,70 @@ def _next_size(trials: Sequence[Trial], limits: Limits) -> tuple[int | None, str
             return fits, ""  # the largest size the peaks so far say fits: no trial over the budget
         return None, f"the memory budget ({doubled} would peak over it, by the peaks measured so far)"
     upper = above[0]
-    if max(ok, key=lambda t: t.samples_per_s) is not largest:
-        return None, f"{_why_failed(upper)} at {upper.size}, past the throughput peak"
+    noise = noise_of(trials, limits.budget_bytes)
+    if max(ok, key=lambda t: goodput(t, limits, noise)) is not largest:
+        return None, f"{_why_failed(upper)} at {upper.size}, past the goodput peak"
     middle = _between(largest.size, upper.size)
     if middle is None or middle in tried:
         return None, f"{_why_failed(upper)} at {upper.size}"
     return middle, ""
 
 
-def choose(trials: Sequence[Trial], budget_bytes: int, tolerance: float) -> Trial | None:
-    """The smallest fitting trial within `tolerance` of the best fitting throughput; ``None`` if none fits.
+def choose(trials: Sequence[Trial], limits: Limits) -> Trial | None:
+    """The smallest fitting trial whose goodput is within `tolerance` (or the two trials' measured
+    spread, if wider) of the best, among those efficient enough; ``None`` if none fits.
+
+    The smallest fitting size is always a candidate, whatever its efficiency: it is the closest
+    to what the user wrote.
 
     Example:
         >>> table = [Trial(32, 900.0, 10), Trial(64, 1000.0, 20), Trial(128, 1010.0, 40)]
-        >>> choose(table, budget_bytes=100, tolerance=0.05).size
+        >>> choose(table, Limits(256, budget_bytes=100)).size
         64
-        >>> choose(table + [Trial(256, oom=True)], budget_bytes=15, tolerance=0.05).size
+        >>> choose(table + [Trial(256, oom=True)], Limits(256, budget_bytes=15)).size
+        32
+        >>> noisy = [Trial(32, 900.0, 10, spread=0.1), Trial(64, 1000.0, 20, spread=0.1)]
+        >>> choose(noisy, Limits(256, budget_bytes=100)).size  # an 11% gain within 20% of noise
         32
     """
-    ok = [t for t in trials if t.fits(budget_bytes)]
+    ok = sorted((t for t in trials if t.fits(limits.budget_bytes)), key=lambda t: t.size)
     if not ok:
         return None
-    best = max(t.samples_per_s for t in ok)
-    return min((t for t in ok if t.samples_per_s >= (1 - tolerance) * best), key=lambda t: t.size)
+    noise = noise_of(trials, limits.budget_bytes)
+    candidates = [ok[0], *(t for t in ok[1:] if limits.efficiency(t.size, noise) >= limits.min_efficiency)]
+    best = max(candidates, key=lambda t: goodput(t, limits, noise))
+    top = goodput(best, limits, noise)
+    return min(
+        (
+            t
+            for t in candidates
+            if goodput(t, limits, noise) >= (1 - max(limits.tolerance, t.spread + best.spread)) * top
+        ),
+        key=lambda t: t.size,
+    )
+
+
+def fitting_validation(
+    check: Callable[[int], Trial], trials: Sequence[Trial], choice: Trial, limits: Limits
+) -> tuple[Trial, list[Trial]]:
+    """`choice`, or the next smaller fitting size, whose validation step (`check`) fits too; with the
+    checks made.
+
+    Raises:
+        MemoryError: when no fitting size's validation step fits.
+    """
+    candidates = sorted(
+        (t for t in trials if t.fits(limits.budget_bytes) and t.size <= choice.size), key=lambda t: -t.size
+    )
+    checks: list[Trial] = []
+    for candidate in candidates:
+        checks.append(check(candidate.size))
+        if checks[-1].fits(limits.budget_bytes):
+            return candidate, checks
+    raise MemoryError(
+        f"AutoBatchSize: a validation step does not fit at any batch size whose training step fits (down to"
+        f" {candidates[-1].size}): lower the validation batch size or the model's memory use."
+    )
 
 
 def accumulation(target_global: int, batch_size: int, world_size: int) -> int:
@@ -214,11 +386,12 @@ def _projected_fit(ok: Sequence[Trial], budget_bytes: int) -> int | None:
 
 
 def _plateaued(ok: Sequence[Trial], limits: Limits) -> bool:
-    """The last `patience` fitting sizes gained less than `tolerance` over the best before them."""
+    """The last `patience` fitting sizes gained less than `tolerance` in goodput over the best before them."""
     if len(ok) <= limits.patience:
         return False
-    before = max(t.samples_per_s for t in ok[: -limits.patience])
-    return max(t.samples_per_s for t in ok[-limits.patience :]) < (1 + limits.tolerance) * before
+    noise = noise_of(ok, limits.budget_bytes)
+    before = max(goodput(t, limits, noise) for t in ok[: -limits.patience])
+    return max(goodput(t, limits, noise) for t in ok[-limits.patience :]) < (1 + limits.tolerance) * before
 
 
 def _between(lower: int, upper: int) -> int | None:

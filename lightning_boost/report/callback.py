@@ -16,6 +16,7 @@ from typing_extensions import override
 from lightning_boost._lightning import (
     callbacks_of,
     datamodule_of,
+    debugging_mode,
     hold_hyperparameters,
     is_lightning,
     user_hyperparameters,
@@ -143,11 +144,14 @@ class BoostReport(L.Callback):
             self.paths = list(report.write(directory)) + self.paths
 
     def _directory(self, trainer: L.Trainer) -> Path | None:
-        """Where the files go, or ``None`` for none: a run without a logger writes nothing unasked."""
+        """Where the files go, or ``None`` for none: a run without a logger, or one whose logging
+        Lightning suppresses (``fast_dev_run``), writes nothing unasked."""
         if self.files is False:
             return None
         if self.dirpath is not None:
             return Path(self.dirpath)
+        if debugging_mode(trainer) == "fast_dev_run" and not self.files:
+            return None
         if trainer.loggers or self.files:
             return log_dir(trainer)
         return None

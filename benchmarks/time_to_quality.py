@@ -1,0 +1,197 @@
+"""Time to quality: wall time to the plain run's final validation metric, plain against boosted.
+
+Three learnable workloads, each trained in one process three times from the same seed of model
+and data: plain Lightning twice (PyTorch's ``DataLoader`` defaults, ``Trainer()``'s; two seeds, so
+the row states the run-to-run noise of the final metric) and once with the README's set-up
+(`BoostedDataModule`, ``preset("auto")``, ``boost_callbacks()``, ``AutoBatchSize()``) from a cold
+cache. Every fit validates four times an epoch; the ratio is the first plain run's wall time to its
+own final metric over the boosted run's wall time to reach that metric (tuning included; above 1
+is sooner). A boosted run that never reaches it gets ratio 0.
+
+- ``cnn``: the demo's images (`ClassImages`, with its augmentation) and its small CNN, SGD.
+- ``mlp``: a 32-input classifier with Adam on 7,168 samples, the issue's quickstart trial.
+- ``autoencoder``: a 64-16-64 autoencoder with Adam on data with 8 latent factors (val MSE).
+
+Run: ``python -m benchmarks time_to_quality``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torchmetrics
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+from typing_extensions import override
+
+from benchmarks.common import Row
+from lightning_boost import AutoBatchSize, BoostedDataModule, boost_callbacks, preset
+from lightning_boost.demo import ClassImages, Throughput, ValidatedCNN, eval_transform, train_transform
+from lightning_boost.hardware import HardwareInfo
+
+COMMAND = "python -m benchmarks time_to_quality"
+
+
+class MLP(L.LightningModule):
+    def __init__(self, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(32, 128), nn.ReLU(), nn.Linear(128, 10))
+        self.val_acc = torchmetrics.Accuracy(task="multiclass", num_classes=10)
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+        self.log("train_loss", loss)
+        return loss
+
+    @override
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.val_acc(self.net(batch[0]), batch[1])
+        self.log("val_acc", self.val_acc)
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        return torch.optim.Adam(self.parameters(), lr=self.hparams["lr"])
+
+
+class AutoEncoder(L.LightningModule):
+    def __init__(self, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.encoder = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
+        self.decoder = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64))
+
+    def _loss(self, batch: tuple[Tensor, ...]) -> Tensor:
+        return nn.functional.mse_loss(self.decoder(self.encoder(batch[0])), batch[0])
+
+    @override
+    def training_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    @override
+    def validation_step(self, batch: tuple[Tensor, ...], batch_idx: int) -> None:
+        self.log("val_acc", -self._loss(batch))  # higher is better, as for the classifiers
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        return torch.optim.Adam(self.parameters(), lr=self.hparams["lr"])
+
+
+def classes(samples: int, seed: int) -> TensorDataset:
+    weights = torch.randn(32, 10, generator=torch.Generator().manual_seed(123))
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 32, generator=generator)
+    return TensorDataset(x, (x @ weights + 0.5 * torch.randn(samples, 10, generator=generator)).argmax(1))
+
+
+def factors(samples: int, seed: int) -> TensorDataset:
+    mixing = torch.randn(8, 64, generator=torch.Generator().manual_seed(321))
+    generator = torch.Generator().manual_seed(seed)
+    latent = torch.randn(samples, 8, generator=generator)
+    return TensorDataset(torch.tanh(latent @ mixing) + 0.05 * torch.randn(samples, 64, generator=generator))
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    model: Callable[[], L.LightningModule]
+    train: Callable[[], Dataset[Any]]
+    val: Callable[[], Dataset[Any]]
+    epochs: int
+    metric: str
+
+
+WORKLOADS = (
+    Workload(
+        "cnn",
+        ValidatedCNN,
+        lambda: ClassImages(4096, 0, train_transform()),
+        lambda: ClassImages(1024, 1, eval_transform()),
+        2,
+        "val accuracy",
+    ),
+    Workload("mlp", MLP, lambda: classes(7168, 0), lambda: classes(2048, 1), 3, "val accuracy"),
+    Workload("autoencoder", AutoEncoder, lambda: factors(16384, 0), lambda: factors(2048, 1), 3, "val -MSE"),
+)
+
+
+class Data(BoostedDataModule):
+    def __init__(self, workload: Workload, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.workload = workload
+
+    @override
+    def setup(self, stage: str) -> None:
+        self.train_dataset, self.val_dataset = self.workload.train(), self.workload.val()
+
+
+def _fit(
+    workload: Workload, root: Path, seed: int, boosted: bool, cache: Path
+) -> tuple[Throughput, AutoBatchSize | None]:
+    clock = Throughput()
+    tuner = AutoBatchSize(cache_dir=cache) if boosted else None
+    callbacks: list[L.Callback] = [clock]
+    if tuner is not None:
+        callbacks += [*boost_callbacks(boost_report={"console": False}), tuner]
+    L.seed_everything(seed, verbose=False)
+    trainer = L.Trainer(
+        max_epochs=workload.epochs,
+        strategy=preset("auto", hardware=HardwareInfo.detect()) if boosted else "auto",
+        callbacks=callbacks,
+        default_root_dir=str(root),
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        val_check_interval=0.25,
+        num_sanity_val_steps=0,
+    )
+    if boosted:
+        trainer.fit(workload.model(), datamodule=Data(workload, batch_size=64, cache_dir=cache))
+    else:
+        train = DataLoader(workload.train(), batch_size=64, shuffle=True)
+        trainer.fit(workload.model(), train, DataLoader(workload.val(), batch_size=64))
+    return clock, tuner
+
+
+def _reach(clock: Throughput, target: float) -> float | None:
+    return next((seconds for seconds, value in clock.curve if value >= target), None)
+
+
+def run() -> list[Row]:
+    rows = []
+    for workload in WORKLOADS:
+        with tempfile.TemporaryDirectory() as folder:
+            root = Path(folder)
+            plain, _ = _fit(workload, root / "plain", 0, False, root / "cache")
+            again, _ = _fit(workload, root / "again", 1, False, root / "cache")
+            boosted, tuner = _fit(workload, root / "boosted", 0, True, root / "cache")
+        target = plain.curve[-1][1]
+        noise = abs(again.curve[-1][1] - target)
+        plain_s, boosted_s = _reach(plain, target), _reach(boosted, target)
+        assert plain_s is not None and tuner is not None and tuner.decision is not None
+        decision = tuner.decision
+        reached = f"{boosted_s:.1f} s" if boosted_s is not None else "never"
+        rows.append(
+            Row(
+                f"time to quality ({workload.name})",
+                plain_s / boosted_s if boosted_s else 0.0,
+                f"{workload.metric}: plain {target:.4g} (second seed {again.curve[-1][1]:.4g}, noise"
+                f" {noise:.2g}), boosted {boosted.curve[-1][1]:.4g}; plain's final reached at {plain_s:.1f} s"
+                f" plain, {reached} boosted (tuning {boosted.before_training_s:.1f} s); batch"
+                f" {decision.batch_size}, lr x{decision.lr_factor:.2f}"
+                f" ({decision.kept or decision.stopped}).",
+                COMMAND,
+            )
+        )
+    return rows

@@ -1,0 +1,124 @@
+"""Goodput: what a batch size is worth to the model, not only how many samples per second it runs.
+
+No Lightning here. A larger batch runs more samples per second, but past the gradient noise scale
+each sample teaches the model less: the steps needed to reach a loss fall by less than the batch
+grows (McCandlish et al., "An Empirical Model of Large-Batch Training", 2018). Pollux (Qiao et
+al., OSDI 2021) calls throughput x statistical efficiency *goodput* and picks the batch size that
+maximizes it. This module holds the pieces, each over plain numbers:
+
+- `estimate_noise`: the gradient noise scale from the squared gradient norms the batch-size
+  trials measured at several sizes (``E|G_B|^2 = |G|^2 + tr(Σ)/B``, fitted by least squares over
+  ``1/B``: no extra passes);
+- `efficiency`: the progress per sample at an effective batch, relative to the user's;
+- `lr_rule`: the learning-rate scaling rule the optimizers need (square root for adaptive ones,
+  Malladi et al. 2022; linear for SGD, Goyal et al. 2017, with warm-up);
+- `warmup_factor`: the multiplier that ramps a scaled learning rate in over the first steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+#: Optimizers whose update is the gradient times the learning rate: linear scaling (with warm-up).
+SGD_FAMILY = frozenset({"SGD", "ASGD", "LARS", "LBFGS"})
+#: A learning-rate factor beyond this is a warning: past it, large-batch training is known to
+#: diverge or end worse without more care than a rule of thumb gives (Goyal et al. 2017 stop at x32
+#: for SGD on ImageNet with 5 warm-up epochs; adaptive optimizers break down sooner).
+LR_FACTOR_WARN = 4.0
+
+
+@dataclass(frozen=True)
+class NoiseScale:
+    """The gradient noise scale ``B_noise = tr(Σ) / |G|^2``, in samples.
+
+    Args:
+        value: the noise scale; ``inf`` when the gradient's noise hid its mean at every measured
+            size, 0 when no noise was seen.
+        grad_sq: the estimate of the squared norm of the true gradient ``|G|^2``.
+        trace: the estimate of the per-sample gradient variance ``tr(Σ)``.
+        sizes: the batch sizes it was fitted on.
+    """
+
+    value: float
+    grad_sq: float
+    trace: float
+    sizes: tuple[int, ...]
+
+
+def estimate_noise(points: Sequence[tuple[int, float]]) -> NoiseScale | None:
+    """The noise scale from ``(batch size, mean squared gradient norm at that size)`` pairs.
+
+    ``E|G_B|^2 = |G|^2 + tr(Σ)/B``: a least-squares line over ``1/B`` gives both terms. A fitted
+    trace at or below zero means no noise was seen (0: a larger batch teaches nothing more per
+    step); a true-gradient term at or below zero means the noise hid the gradient at every size
+    measured, so the noise scale is beyond them (``inf``: the search measures a larger size, whose
+    gradient resolves it or confirms it). ``None`` with fewer than two sizes.
+
+    Example:
+        >>> est = estimate_noise([(64, 1.0 + 640.0 / 64), (128, 1.0 + 640.0 / 128), (256, 1.0 + 2.5)])
+        >>> round(est.value), round(est.grad_sq, 3), round(est.trace)
+        (640, 1.0, 640)
+        >>> estimate_noise([(64, 1.0), (128, 1.2)]).value, estimate_noise([(64, 1.0)]) is None
+        (0.0, True)
+    """
+    finite = [(size, sq) for size, sq in points if math.isfinite(sq)]
+    sizes = tuple(sorted({size for size, _ in finite}))
+    if len(sizes) < 2:
+        return None
+    xs = [1.0 / size for size, _ in finite]
+    ys = [sq for _, sq in finite]
+    mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+    spread = sum((x - mean_x) ** 2 for x in xs)
+    trace = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / spread
+    grad_sq = mean_y - trace * mean_x
+    if trace <= 0:
+        return NoiseScale(0.0, grad_sq, trace, sizes)
+    if grad_sq <= 0:
+        return NoiseScale(math.inf, grad_sq, trace, sizes)
+    return NoiseScale(trace / grad_sq, grad_sq, trace, sizes)
+
+
+def efficiency(noise: float, effective: int, reference: int) -> float:
+    """Progress per sample at an `effective` batch relative to the `reference` one (the user's):
+    ``(B_noise + reference) / (B_noise + effective)``. Below 1 for a larger batch: the run needs
+    more samples for the same model, so it must run that much faster to be worth it.
+
+    Example:
+        >>> efficiency(1000.0, 128, 64), efficiency(0.0, 128, 64), efficiency(math.inf, 4096, 64)
+        (0.9432624113475178, 0.5, 1.0)
+    """
+    if math.isinf(noise):
+        return 1.0
+    return (noise + reference) / (noise + effective)
+
+
+def lr_rule(optimizers: Sequence[str], requested: str | None) -> str | None:
+    """The scaling rule for optimizers of these class names: `requested` unless it is ``"auto"``,
+    which is ``"linear"`` when every optimizer is of the SGD family and ``"sqrt"`` otherwise
+    (Adam, AdamW, RMSprop, Adagrad, ... and any optimizer it does not know: the milder rule).
+
+    Example:
+        >>> lr_rule(["SGD"], "auto"), lr_rule(["AdamW"], "auto"), lr_rule(["SGD", "Adam"], "auto")
+        ('linear', 'sqrt', 'sqrt')
+        >>> lr_rule(["Adam"], "linear"), lr_rule(["Adam"], None)
+        ('linear', None)
+    """
+    if requested != "auto":
+        return requested
+    return "linear" if optimizers and all(name in SGD_FAMILY for name in optimizers) else "sqrt"
+
+
+def warmup_factor(step: int, steps: int, factor: float) -> float:
+    """What to multiply the scaled learning rate by at optimizer step `step` (from 0) so that it
+    rises linearly from the unscaled rate to the scaled one over `steps` steps; 1 once warmed up
+    and for a factor at or below 1 (a smaller rate needs no warm-up).
+
+    Example:
+        >>> [round(warmup_factor(k, 4, 4.0), 4) for k in range(5)]
+        [0.25, 0.4375, 0.625, 0.8125, 1.0]
+    """
+    if factor <= 1.0 or step >= steps:
+        return 1.0
+    return (1.0 + (factor - 1.0) * step / steps) / factor

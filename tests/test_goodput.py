@@ -1,0 +1,283 @@
+"""Batch size by goodput: the noise scale, the efficiency floor, the run-length rules, the learning
+rate's rule and warm-up, on scripted measurements (pure) and in real CPU Trainer runs."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
+from torch import Tensor, nn
+from torch.utils.data import TensorDataset
+from typing_extensions import override
+
+from lightning_boost import AutoBatchSize, BoostedDataModule, boost_callbacks
+from lightning_boost.batch_size.decision import decide
+from lightning_boost.batch_size.goodput import estimate_noise
+from lightning_boost.batch_size.plan import MIN_STEPS_PER_EPOCH, RunPlan
+from lightning_boost.batch_size.search import Limits, Trial, choose, search
+from lightning_boost.batch_size.watch import LossWatch
+from lightning_boost.testing import tiny_trainer
+
+GIB = 1024**3
+
+
+def sampled_grad_sq(
+    noise: float, grad_sq: float = 1.0, dims: int = 64, seed: int = 0
+) -> Callable[[int], float]:
+    """|G_B|^2 of a batch of B per-sample gradients drawn around a true gradient G with |G|^2 =
+    `grad_sq` and per-sample variance tr(Σ) = `noise` x `grad_sq`: the quantity the trials read."""
+    generator = torch.Generator().manual_seed(seed)
+    true = torch.full((dims,), math.sqrt(grad_sq / dims), dtype=torch.float64)
+    sigma = math.sqrt(noise * grad_sq / dims)
+
+    def at(size: int) -> float:
+        mean_noise = torch.randn(dims, generator=generator, dtype=torch.float64) * sigma / math.sqrt(size)
+        return float((true + mean_noise).pow(2).sum())
+
+    return at
+
+
+def fixed_cost(noise: float, per_step_s: float = 0.01, per_sample_s: float = 1e-6) -> Callable[[int], Trial]:
+    """A step with a fixed cost (a busy CPU, a small model on a GPU): throughput rises with every
+    doubling, so throughput alone grows the batch to the dataset. Gradients of a noise scale `noise`,
+    each trial averaging four steps as `StepProbe.train` does."""
+    grads = sampled_grad_sq(noise)
+
+    def measure(size: int) -> Trial:
+        rate = size / (per_step_s + per_sample_s * size)
+        return Trial(size, rate, GIB, seconds=0.05, grad_sq=sum(grads(size) for _ in range(4)) / 4)
+
+    return measure
+
+
+def test_the_noise_scale_is_recovered_from_the_trials_gradients() -> None:
+    for noise in (50.0, 500.0, 5000.0):
+        grads = sampled_grad_sq(noise)
+        points = [(size, grads(size)) for size in (64, 128, 256, 512) for _ in range(4)]
+        estimate = estimate_noise(points)
+        assert estimate is not None
+        assert noise / 2 < estimate.value < noise * 2, (noise, estimate)
+
+
+def test_a_fixed_cost_step_stops_where_samples_stop_paying_not_at_the_dataset() -> None:
+    throughput_only = Limits(max_size=7168, budget_bytes=80 * GIB)
+    trials, _ = search(fixed_cost(noise=300.0), 64, throughput_only)
+    assert choose(trials, throughput_only).size >= 4096  # what the issue saw: the whole set
+
+    limits = dataclasses.replace(throughput_only, reference=64, min_efficiency=0.8)
+    decision = decide(fixed_cost(noise=300.0), None, 64, 64, limits, "sqrt")
+    assert decision.batch_size <= 128 and decision.efficiency >= 0.8
+    assert decision.noise_scale is not None and 150 < decision.noise_scale < 600
+    assert max(t.size for t in decision.trials) <= 256  # the search stopped too, not only the choice
+    assert "statistical efficiency" in decision.stopped
+    assert decision.lr_factor == pytest.approx(math.sqrt(decision.batch_size / 64))
+
+    noisy = decide(fixed_cost(noise=100_000.0), None, 64, 64, limits, "sqrt")
+    assert noisy.batch_size >= 1024  # a large noise scale: large batches are as good per sample
+
+
+def test_a_trial_hit_by_a_busy_moment_is_measured_again() -> None:
+    calls: list[int] = []
+
+    def measure(size: int) -> Trial:
+        calls.append(size)
+        disturbed = size == 64 and calls.count(64) == 1  # 87 ms where the step takes 2 ms
+        seconds = 0.087 if disturbed else 0.002 * size / 64
+        return Trial(size, size / seconds, GIB, seconds=0.1)
+
+    limits = Limits(max_size=256, budget_bytes=80 * GIB, tolerance=0.05)
+    trials, _ = search(measure, 64, limits)
+    assert calls.count(64) == 2
+    assert choose(trials, limits).size == 64  # flat per sample: the configured size
+
+
+def test_a_gain_within_the_measured_spread_keeps_the_smaller_size() -> None:
+    limits = Limits(max_size=256, budget_bytes=GIB)
+    steady = [Trial(64, 1000.0, 1, spread=0.01), Trial(128, 1150.0, 1, spread=0.01)]
+    noisy = [Trial(64, 1000.0, 1, spread=0.1), Trial(128, 1150.0, 1, spread=0.1)]
+    assert choose(steady, limits).size == 128
+    assert choose(noisy, limits).size == 64
+
+
+def test_a_run_that_cannot_repay_the_next_trial_stops_searching() -> None:
+    limits = Limits(max_size=4096, budget_bytes=80 * GIB, planned_samples=1_000)
+    trials, reason = search(fixed_cost(noise=1e6), 64, limits)  # 0.16 s of run at 64
+    assert [t.size for t in trials] == [64]
+    assert "could save at most" in reason
+
+
+@pytest.mark.parametrize(
+    ("plan", "target", "reason"),
+    [
+        (RunPlan(100_000, debugging="fast_dev_run"), False, "`fast_dev_run` runs the fit as a check"),
+        (RunPlan(100_000, debugging="overfit_batches"), True, "`overfit_batches` runs the fit as a check"),
+        (RunPlan(100_000, limit_batches=200), False, "`limit_train_batches=200` counts batches"),
+        (RunPlan(100_000, max_epochs=None, max_steps=500), False, "`max_steps=500` ends the run by steps"),
+        (RunPlan(100_000, max_steps=20), True, "the run is 20 optimizer steps, too few"),
+        (RunPlan(1_000, max_epochs=10), False, f"fewer than {MIN_STEPS_PER_EPOCH} batches"),
+        (RunPlan(100_000), False, ""),
+        (RunPlan(100_000, max_epochs=None, max_steps=5_000), True, ""),
+        (RunPlan(100_000, limit_batches=0.5), False, ""),
+    ],
+)
+def test_short_and_partial_runs_keep_the_configured_size(plan: RunPlan, target: bool, reason: str) -> None:
+    found = plan.keep_reason(64, target)
+    assert (reason in found) if reason else found == ""
+
+
+def test_a_fractional_limit_bounds_the_size_so_an_epoch_keeps_its_batches() -> None:
+    plan = RunPlan(7168, max_epochs=3, limit_batches=0.1)
+    largest = plan.largest_size()
+    assert largest is not None and plan.batches_per_epoch(largest) >= MIN_STEPS_PER_EPOCH
+    assert RunPlan(7168, val_check_interval=100).largest_size() == 71
+
+
+class MLP(L.LightningModule):
+    """A 32-input classifier with Adam, as in the issue's quickstart trial."""
+
+    def __init__(self, lr: float = 1e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+        self.log("train_loss", loss)
+        return loss
+
+    @override
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.log("val_loss", nn.functional.cross_entropy(self.net(batch[0]), batch[1]))
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        return torch.optim.Adam(self.parameters(), lr=self.hparams["lr"])
+
+
+def classes(samples: int, seed: int = 0) -> TensorDataset:
+    weights = torch.randn(32, 10, generator=torch.Generator().manual_seed(123))
+    x = torch.randn(samples, 32, generator=torch.Generator().manual_seed(seed))
+    return TensorDataset(x, (x @ weights).argmax(1))
+
+
+class Classes(BoostedDataModule):
+    def __init__(self, samples: int = 7168, **kwargs: Any) -> None:
+        super().__init__(num_workers=0, **kwargs)
+        self.samples = samples
+
+    @override
+    def setup(self, stage: str) -> None:
+        self.train_dataset, self.val_dataset = classes(self.samples), classes(1024, seed=1)
+
+
+def quiet_trainer(root: Path, callbacks: list[L.Callback], **options: Any) -> L.Trainer:
+    settings: dict[str, Any] = dict(limit_train_batches=1.0, limit_val_batches=1.0, max_epochs=1)
+    return tiny_trainer(root, callbacks=callbacks, enable_checkpointing=False, **(settings | options))
+
+
+def test_fast_dev_run_keeps_the_size_measures_nothing_and_writes_no_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    callback = AutoBatchSize(retune=True)
+    trainer = L.Trainer(
+        fast_dev_run=True,
+        accelerator="cpu",
+        callbacks=[*boost_callbacks(), callback],
+        enable_progress_bar=False,
+    )
+    trainer.fit(MLP(), datamodule=Classes())
+    assert callback.decision is not None and "fast_dev_run" in callback.decision.kept
+    assert callback.decision.trials == () and callback.decision.lr_factor == 1.0
+    assert "kept as configured" in callback.findings[0].title
+    assert list(tmp_path.iterdir()) == []  # Lightning logs nothing under fast_dev_run; nor do we
+
+
+def test_a_fractional_limit_never_leaves_an_epoch_without_batches(tmp_path: Path) -> None:
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache")
+    trainer = quiet_trainer(tmp_path, [callback], limit_train_batches=0.1, max_epochs=10)
+    datamodule = Classes(samples=32768, batch_size=64)
+    trainer.fit(MLP(), datamodule=datamodule)
+    assert trainer.state.finished
+    assert trainer.num_training_batches >= MIN_STEPS_PER_EPOCH
+    assert callback.decision is not None and callback.decision.trials  # it did tune
+
+
+def test_the_quickstart_never_takes_the_whole_dataset_and_refits_from_the_written_size(
+    tmp_path: Path,
+) -> None:
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache")
+    datamodule = Classes(batch_size=64)
+    factors = []
+    for run in range(2):
+        trainer = quiet_trainer(tmp_path / str(run), [callback], max_epochs=2)
+        trainer.fit(MLP(), datamodule=datamodule)
+        decision = callback.decision
+        assert decision is not None and decision.trials
+        assert decision.batch_size <= 7168 // MIN_STEPS_PER_EPOCH  # at most 448, never 7168
+        assert decision.reference_batch_size == decision.configured_batch_size == 64
+        assert decision.lr_scaling == "sqrt"  # Adam
+        assert decision.lr_factor == pytest.approx(math.sqrt(decision.batch_size / 64))
+        assert datamodule.batch_size == 64  # put back: the second fit scales from it too
+        factors.append(decision.lr_factor)
+    assert all(f == pytest.approx(math.sqrt(448 / 64)) or f <= math.sqrt(448 / 64) for f in factors)
+
+
+def test_the_users_accumulation_is_kept_without_a_target(tmp_path: Path) -> None:
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache")
+    trainer = quiet_trainer(tmp_path, [callback], max_epochs=4, accumulate_grad_batches=2)
+    trainer.fit(MLP(), datamodule=Classes(samples=16384, batch_size=32))
+    assert trainer.accumulate_grad_batches == 2
+    assert callback.decision is not None and callback.decision.accumulate_grad_batches == 2
+    assert callback.decision.reference_batch_size == 64  # 32 x 2 accumulated
+
+
+class LearningRates(L.Callback):
+    """The learning rate each optimizer step runs with (after AutoBatchSize's hook) and after it."""
+
+    def __init__(self) -> None:
+        self.during: list[float] = []
+        self.after: list[float] = []
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
+        self.during.append(optimizer.param_groups[0]["lr"])
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.after.append(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+@pytest.mark.usefixtures("fixed_cost_steps")
+def test_a_raised_learning_rate_is_warmed_up_from_the_configured_one(tmp_path: Path) -> None:
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", lr_warmup_steps=8)
+    rates = LearningRates()
+    trainer = quiet_trainer(tmp_path, [callback, rates], max_epochs=2)
+    trainer.fit(MLP(lr=1e-3), datamodule=Classes(samples=16384, batch_size=32))
+    decision = callback.decision
+    assert decision is not None and decision.lr_factor > 1.0 and decision.lr_warmup_steps == 8
+    scaled = 1e-3 * decision.lr_factor
+    assert rates.during[0] == pytest.approx(1e-3)  # the first step runs at the configured rate
+    assert all(b > a for a, b in zip(rates.during[:8], rates.during[1:9], strict=True))
+    assert rates.during[8:] == pytest.approx([scaled] * len(rates.during[8:]))
+    assert rates.after == pytest.approx([scaled] * len(rates.after))  # schedulers see the scaled rate
+
+
+def test_a_diverging_loss_is_reported_once_with_the_fix() -> None:
+    watch = LossWatch(window=2)
+    verdicts = [
+        watch.add(torch.tensor(value)) for value in (2.0, 2.0, 1.0, 1.0, 1.2, 1.2, 1.4, 1.4, 1.6, 1.6)
+    ]
+    assert verdicts[:-1] == [None] * 9
+    assert verdicts[-1] == "the training loss rose for 3 windows in a row, from 1 to 1.6"
+    assert LossWatch(window=1).add(torch.tensor(float("inf"))) == "the training loss became inf"
