@@ -10,6 +10,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.fabric.utilities.seed import _collect_rng_states, _set_rng_states
 from lightning.pytorch.trainer.connectors.data_connector import _DataLoaderSource
 from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
@@ -189,6 +190,34 @@ def rebuild_dataloaders(
             loop._data_source = original
 
     return undo
+
+
+def train_loader_built(trainer: L.Trainer) -> bool:
+    """Whether the fit loop already holds its training loader: before ``on_fit_start`` only when
+    something asked for it early, as ``trainer.estimated_stepping_batches`` in ``configure_optimizers``."""
+    return trainer.fit_loop._combined_loader is not None
+
+
+def forget_train_loader(trainer: L.Trainer) -> None:
+    """Let the fit loop request its training loader again (at the batch size set since)."""
+    trainer.fit_loop._combined_loader = None
+
+
+def redo_optimizers(trainer: L.Trainer) -> bool:
+    """Run ``configure_optimizers`` again, as ``Strategy.setup`` did, so schedulers sized from the
+    step count see the steps the run will now take. Only at ``on_fit_start``: no step taken, no
+    state restored yet. False, changing nothing, where the strategy or precision plugin wraps or
+    shards the optimizers (FSDP, DeepSpeed, model parallel), which only their own setup can redo.
+    """
+    strategy = trainer.strategy
+    plain = (
+        type(strategy).setup_optimizers.__qualname__ == "Strategy.setup_optimizers"
+        and type(strategy.precision_plugin).connect.__qualname__ == "Precision.connect"
+    )
+    if plain:
+        strategy.setup_optimizers(trainer)
+        _optimizers_to_device(strategy.optimizers, strategy.root_device)
+    return plain
 
 
 def detached_copy(module: L.LightningModule) -> L.LightningModule:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import math
 import statistics
 import time
 import warnings
@@ -109,14 +110,22 @@ class StepProbe:
         self.eval_context = eval_context
         self.device = module.device
 
-    def train(self, batch: Any, size: int, following: Iterator[Any] | None = None) -> Trial:
+    def train(
+        self, batch: Any, size: int, following: Iterator[Any] | None = None, split: bool = False
+    ) -> Trial:
         """Warm-up at `batch`, then `steps` timed steps (forward, backward, optimizer step), each at
         the next batch of `following` (`batch` again without it). The trial's ``grad_sq`` is the
-        mean squared gradient norm over the steps, ``spread`` how far the median timed step lies
-        above the fastest."""
+        warm-up's squared gradient norm, at the module's own parameters (later steps move the
+        copy's, and the noise scale compares sizes at the same point); ``spread`` is how far the
+        median timed step lies above the fastest. With `split`, the warm-up's batch is first also
+        run as its two halves (gradients only, untimed): ``half_grad_sq``, the noise scale's second
+        size from one trial.
+        """
         record: dict[str, Any] = {}
 
         def run(clone: L.LightningModule, optimizers: list[Optimizer], peak: _Peak) -> float:
+            if split:
+                record["half_grad_sq"] = self._half_grad_sq(clone, batch, size)
             return self._train_steps(clone, optimizers, batch, following, peak, record)
 
         trial = self._trial(size, run)
@@ -180,6 +189,28 @@ class StepProbe:
         }
         return clone, [copy.deepcopy(optimizer, memo) for optimizer in self.optimizers]
 
+    def _half_grad_sq(self, clone: L.LightningModule, batch: Any, size: int) -> float | None:
+        """The mean squared gradient norm of `batch`'s two halves, at the parameters the warm-up
+        step's full-batch gradient is then taken at (``E|G_B|^2 = |G|^2 + tr(Σ)/B`` at B/2 and B:
+        McCandlish et al. 2018, appendix A). ``None`` when the batch cannot be halved along its
+        first dimension, or a half-size step fails (the full-size warm-up reports real errors)."""
+        halves = split_batch(batch, size)
+        if halves is None:
+            return None
+        clone.train()
+        squares: list[Tensor] = []
+        try:
+            for half in halves:
+                self._train_step(clone, [], half, None, squares)  # no optimizers: gradients cleared
+        except Exception as error:
+            if is_oom(error):
+                raise
+            return None  # e.g. a step that reshapes by a fixed batch size
+        finally:
+            clone.zero_grad(set_to_none=True)
+        values = [float(square) for square in squares]
+        return sum(values) / len(values) if all(map(math.isfinite, values)) else None
+
     def _train_steps(
         self,
         clone: L.LightningModule,
@@ -200,12 +231,11 @@ class StepProbe:
         count = max(1, min(self.steps, int(TIMED_S / slow)))  # slow steps: fewer, not less precise
         batches = iter(following if following is not None else ())
         times = step_times(
-            lambda: self._train_step(clone, optimizers, next(batches, batch), None, grads), count, self.device
+            lambda: self._train_step(clone, optimizers, next(batches, batch), None), count, self.device
         )
-        squares = torch.stack([g.cpu() for g in grads])  # one read, after the timed steps
-        finite = squares[torch.isfinite(squares)]  # fp16 without its scaler can overflow a step's norm
-        if finite.numel():
-            record["grad_sq"] = float(finite.mean())
+        square = float(grads[0])  # fp16 without its scaler can overflow the norm: then none
+        if math.isfinite(square):
+            record["grad_sq"] = square
         record["spread"] = statistics.median(times) / min(times) - 1.0
         return min(times)
 
@@ -297,6 +327,45 @@ class _Peak:
         for tensor in tensors:
             storage = tensor.untyped_storage()
             self.groups[group][storage.data_ptr()] = storage.nbytes()
+
+
+def split_batch(batch: Any, size: int) -> tuple[Any, Any] | None:
+    """`batch` as two batches of its first and second halves: every tensor in it (in tuples,
+    lists and mappings) of first dimension `size` is cut; ``None`` for an odd or tiny `size`, or a
+    batch holding anything else (a per-sample list of strings cannot be told from a setting).
+
+    Example:
+        >>> first, second = split_batch((torch.arange(4), {"y": torch.zeros(4, 2)}), 4)
+        >>> first[0].tolist(), second[1]["y"].shape
+        ([0, 1], torch.Size([2, 2]))
+    """
+    if size < 4 or size % 2:
+        return None
+    half = size // 2
+
+    def cut(value: Any) -> tuple[Any, Any] | None:
+        if isinstance(value, Tensor):
+            return (value[:half], value[half:]) if value.dim() and value.shape[0] == size else None
+        if isinstance(value, Mapping):
+            keys = list(value)
+            parts = [cut(value[key]) for key in keys]
+            if any(part is None for part in parts):
+                return None
+            return _rebuild(parts, lambda items: dict(zip(keys, items, strict=True)))
+        if isinstance(value, (list, tuple)) and value:
+            pieces = [cut(item) for item in value]
+            if any(piece is None for piece in pieces):
+                return None
+            kind: Any = type(value)
+            return _rebuild(pieces, kind._make if hasattr(kind, "_fields") else kind)  # namedtuples
+        return None
+
+    return cut(batch)
+
+
+def _rebuild(parts: list[Any], make: Callable[[Iterator[Any]], Any]) -> tuple[Any, Any]:
+    """The two halves of a container whose items' halves are `parts`, made by `make`."""
+    return make(part[0] for part in parts), make(part[1] for part in parts)
 
 
 def _tensors(value: Any) -> Iterator[Tensor]:

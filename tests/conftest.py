@@ -41,8 +41,10 @@ def fixed_cost_steps(monkeypatch: pytest.MonkeyPatch) -> None:
 
     real = StepProbe.train
 
-    def train(self: StepProbe, batch: object, size: int, following: object = None) -> object:
-        trial = real(self, batch, size, following)  # type: ignore[arg-type]
+    def train(
+        self: StepProbe, batch: object, size: int, following: object = None, split: bool = False
+    ) -> object:
+        trial = real(self, batch, size, following, split)  # type: ignore[arg-type]
         if trial.oom:
             return trial
         return dataclasses.replace(trial, samples_per_s=size / (0.01 + 1e-6 * size), spread=0.0)

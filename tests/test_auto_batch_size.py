@@ -40,11 +40,12 @@ def scripted_throughput(monkeypatch: pytest.MonkeyPatch) -> None:
     spawned processes this patch does not reach: there a fixed step time does the same."""
     real = StepProbe.train
 
-    def train(self: StepProbe, batch: Any, size: int, following: Any = None) -> Any:
-        trial = real(self, batch, size, following)
+    def train(self: StepProbe, batch: Any, size: int, following: Any = None, split: bool = False) -> Any:
+        trial = real(self, batch, size, following, split)
         if trial.oom:
             return trial
-        return dataclasses.replace(trial, samples_per_s=1000.0 * size, grad_sq=None, spread=0.0)
+        scripted = {"samples_per_s": 1000.0 * size, "grad_sq": None, "half_grad_sq": None, "spread": 0.0}
+        return dataclasses.replace(trial, **scripted)
 
     monkeypatch.setattr(StepProbe, "train", train)
 
@@ -324,7 +325,9 @@ def test_a_second_run_reuses_the_cached_result_and_retune_measures_again(
     monkeypatch.setattr(
         StepProbe,
         "train",
-        lambda self, batch, size, more=None: calls.append(size) or real(self, batch, size, more),
+        lambda self, batch, size, *more, **split: (
+            calls.append(size) or real(self, batch, size, *more, **split)
+        ),
     )
     fit(tmp_path / "retune", AutoBatchSize(max_batch_size=32, lr_scaling="linear", retune=True, **FAST))
     assert calls  # measured again
@@ -462,7 +465,7 @@ class RankOOMModel(BoringModel):
 
 @pytest.mark.ddp
 def test_ddp_takes_the_smallest_fit_over_ranks_without_hanging(tmp_path: Path) -> None:
-    callback = AutoBatchSize(**FAST)
+    callback = AutoBatchSize(**FAST, min_efficiency=0.01)  # the search is about memory, not noise
     trainer = tiny_trainer(  # spawned ranks miss `long_planned_run`: a run that repays a search
         tmp_path,
         devices=2,

@@ -433,6 +433,7 @@ def test_a_subclass_is_configurable_from_lightning_cli(
     assert cli.trainer.state.finished
 
 
+@pytest.mark.usefixtures("fixed_cost_steps")
 def test_lightning_cli_saves_the_config_the_run_trained_with(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -444,7 +445,7 @@ def test_lightning_cli_saves_the_config_the_run_trained_with(
         f"seed_everything: 0\ntrainer:\n  max_epochs: 1\n  accelerator: cpu\n  logger: false\n"
         f"  enable_checkpointing: false\n  default_root_dir: {run}\n  enable_progress_bar: false\n"
         "  callbacks:\n  - class_path: lightning_boost.AutoBatchSize\n    init_args:\n"
-        "      max_batch_size: 32\n      steps: 1\n      lr_scaling: linear\n"
+        "      max_batch_size: 32\n      lr_scaling: linear\n      min_efficiency: 0.5\n"
         "model:\n  lr: 0.05\n"
         "data:\n  length: 64\n  batch_size: 8\n"
         "  worker_tuning:\n    window_s: 0.2\n    prefetch_factors: [2]\n"

@@ -4,6 +4,7 @@ rate's rule and warm-up, on scripted measurements (pure) and in real CPU Trainer
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ from lightning_boost import AutoBatchSize, BoostedDataModule, boost_callbacks
 from lightning_boost.batch_size.decision import decide
 from lightning_boost.batch_size.goodput import estimate_noise
 from lightning_boost.batch_size.plan import MIN_STEPS_PER_EPOCH, RunPlan
-from lightning_boost.batch_size.search import Limits, Trial, choose, search
+from lightning_boost.batch_size.search import Limits, Trial, choose, next_size, noise_of, search
 from lightning_boost.batch_size.watch import LossWatch
 from lightning_boost.testing import tiny_trainer
 
@@ -44,15 +45,18 @@ def sampled_grad_sq(
     return at
 
 
-def fixed_cost(noise: float, per_step_s: float = 0.01, per_sample_s: float = 1e-6) -> Callable[[int], Trial]:
+def fixed_cost(
+    noise: float, per_step_s: float = 0.01, per_sample_s: float = 1e-6, dims: int = 4096
+) -> Callable[[int], Trial]:
     """A step with a fixed cost (a busy CPU, a small model on a GPU): throughput rises with every
-    doubling, so throughput alone grows the batch to the dataset. Gradients of a noise scale `noise`,
-    each trial averaging four steps as `StepProbe.train` does."""
-    grads = sampled_grad_sq(noise)
+    doubling, so throughput alone grows the batch to the dataset. Gradients of a noise scale `noise`
+    read as `StepProbe.train(split=True)` reads them: one batch's, and the mean of its two halves'."""
+    grads = sampled_grad_sq(noise, dims=dims)
 
     def measure(size: int) -> Trial:
         rate = size / (per_step_s + per_sample_s * size)
-        return Trial(size, rate, GIB, seconds=0.05, grad_sq=sum(grads(size) for _ in range(4)) / 4)
+        half = (grads(size // 2) + grads(size // 2)) / 2
+        return Trial(size, rate, GIB, seconds=0.05, grad_sq=grads(size), half_grad_sq=half)
 
     return measure
 
@@ -79,8 +83,29 @@ def test_a_fixed_cost_step_stops_where_samples_stop_paying_not_at_the_dataset() 
     assert "statistical efficiency" in decision.stopped
     assert decision.lr_factor == pytest.approx(math.sqrt(decision.batch_size / 64))
 
-    noisy = decide(fixed_cost(noise=100_000.0), None, 64, 64, limits, "sqrt")
+    noisy = decide(fixed_cost(noise=20_000.0, dims=1 << 20), None, 64, 64, limits, "sqrt")
     assert noisy.batch_size >= 1024  # a large noise scale: large batches are as good per sample
+
+
+def test_one_trial_split_in_halves_stops_a_search_the_noise_scale_rules_out() -> None:
+    limits = Limits(max_size=7168, budget_bytes=80 * GIB, reference=64, min_efficiency=0.8)
+    trials, reason = search(fixed_cost(noise=20.0), 64, limits)
+    assert [t.size for t in trials] == [64]  # 128 would be (20+64)/(20+128) = 57% efficient
+    assert "statistical efficiency" in reason
+
+
+def test_a_noise_scale_hidden_by_the_noise_is_a_lower_bound_chosen_from_cautiously() -> None:
+    hidden = [Trial(64, 1000.0, 1, grad_sq=1.5, half_grad_sq=3.5), Trial(128, 1900.0, 1, grad_sq=0.5)]
+    limits = Limits(max_size=7168, budget_bytes=GIB, reference=64, min_efficiency=0.8)
+    noise = noise_of(hidden, GIB)
+    assert noise is not None and noise.lower_bound and noise.value == 128
+    assert limits.efficiency(128, noise) == pytest.approx(192 / 256)  # as if the noise were 128
+    assert choose(hidden, limits).size == 64  # 75% efficient: not chosen at 1.9x the samples/s
+    first = noise_of(hidden[:1], GIB)  # the split trial alone: 32 and 64
+    assert first is not None and first.lower_bound
+    assert next_size(hidden[:1], 64, limits) == (128, "")  # one larger size may resolve it
+    size, reason = next_size(hidden, 64, limits)  # still hidden at three sizes: the bound stands
+    assert size is None and "at least 128" in reason
 
 
 def test_a_trial_hit_by_a_busy_moment_is_measured_again() -> None:
@@ -260,7 +285,7 @@ class LearningRates(L.Callback):
 
 @pytest.mark.usefixtures("fixed_cost_steps")
 def test_a_raised_learning_rate_is_warmed_up_from_the_configured_one(tmp_path: Path) -> None:
-    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", lr_warmup_steps=8)
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", lr_warmup_steps=8, min_efficiency=0.5)
     rates = LearningRates()
     trainer = quiet_trainer(tmp_path, [callback, rates], max_epochs=2)
     trainer.fit(MLP(lr=1e-3), datamodule=Classes(samples=16384, batch_size=32))
@@ -281,3 +306,70 @@ def test_a_diverging_loss_is_reported_once_with_the_fix() -> None:
     assert verdicts[:-1] == [None] * 9
     assert verdicts[-1] == "the training loss rose for 3 windows in a row, from 1 to 1.6"
     assert LossWatch(window=1).add(torch.tensor(float("inf"))) == "the training loss became inf"
+
+
+class OneCycleMLP(MLP):
+    """Lightning's documented schedule: OneCycleLR over ``trainer.estimated_stepping_batches``,
+    which builds the training loader before the fit starts (at the configured batch size)."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=0.05)
+        self.total_steps: list[int] = []
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams["lr"])
+        total = int(self.trainer.estimated_stepping_batches)
+        self.total_steps.append(total)
+        schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, self.hparams["lr"], total_steps=total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+@pytest.mark.usefixtures("fixed_cost_steps")
+def test_a_schedule_sized_from_the_step_count_spans_the_tuned_run(tmp_path: Path) -> None:
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", min_efficiency=0.5)
+    model = OneCycleMLP()
+    trainer = quiet_trainer(tmp_path, [callback], max_epochs=2)
+    trainer.fit(model, datamodule=Classes(samples=16384, batch_size=32))
+    decision = callback.decision
+    assert decision is not None and decision.batch_size > 32  # a fixed-cost step gains from a larger batch
+    assert model.total_steps == [1024, 2 * math.ceil(16384 / decision.batch_size)]  # made again
+    assert trainer.global_step == model.total_steps[-1]  # the one cycle ends with the run
+    assert trainer.train_dataloader.batch_size == decision.batch_size
+    schedule = trainer.lr_scheduler_configs[0].scheduler
+    assert schedule.optimizer is trainer.optimizers[0]
+    assert trainer.optimizers[0].param_groups[0]["max_lr"] == pytest.approx(0.05 * decision.lr_factor)
+    assert any("configure_optimizers ran again" in f.title for f in callback.findings)
+
+
+def test_a_kept_size_makes_the_optimizers_once(tmp_path: Path) -> None:
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache")
+    model = OneCycleMLP()
+    trainer = quiet_trainer(tmp_path, [callback], max_steps=20)  # a counted run keeps its size
+    trainer.fit(model, datamodule=Classes(samples=4096, batch_size=32))
+    assert model.total_steps == [20] and trainer.global_step == 20
+    assert not any("configure_optimizers" in f.title for f in callback.findings)
+
+
+class RecordedOneCycle(OneCycleMLP):
+    """`OneCycleMLP` that writes, per rank, the step counts it sized schedules for and the steps run."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+
+    @override
+    def on_train_end(self) -> None:
+        record = {"total_steps": self.total_steps, "global_step": self.trainer.global_step}
+        Path(self.out, f"rank{self.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.ddp
+def test_ddp_ranks_make_their_optimizers_again_for_a_target_global_batch(tmp_path: Path) -> None:
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", max_batch_size=32,
+                             target_global_batch_size=128)  # fmt: skip
+    trainer = quiet_trainer(tmp_path, [callback], max_epochs=2, devices=2, strategy="ddp_spawn")
+    trainer.fit(RecordedOneCycle(str(tmp_path)), datamodule=Classes(samples=8192, batch_size=32))
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    # 4096 samples a rank: 128 batches of 32 an epoch, 64 steps at accumulation 2
+    assert records[0] == records[1] == {"total_steps": [256, 128], "global_step": 128}

@@ -22,13 +22,23 @@ from lightning_boost._lightning import (
     callbacks_of,
     datamodule_of,
     debugging_mode,
+    forget_train_loader,
     hardware_for,
     overrides,
     preserved_rng,
+    redo_optimizers,
+    train_loader_built,
     user_dataloaders,
 )
 from lightning_boost._validation import Fraction, Identifier, PositiveInt, Range, Seconds, validated
-from lightning_boost.batch_size.decision import BatchSizeDecision, decide, findings, kept, restored_finding
+from lightning_boost.batch_size.decision import (
+    BatchSizeDecision,
+    decide,
+    findings,
+    kept,
+    optimizers_finding,
+    restored_finding,
+)
 from lightning_boost.batch_size.goodput import lr_rule, warmup_factor
 from lightning_boost.batch_size.plan import RunPlan
 from lightning_boost.batch_size.search import Limits, Trial, merge
@@ -219,6 +229,13 @@ class AutoBatchSize(BoostCallback):
         )
         lightning_setattr(pl_module, self.attr_name, decision.batch_size)
         trainer.accumulate_grad_batches = decision.accumulate_grad_batches
+        per_step = decision.batch_size * decision.accumulate_grad_batches
+        if (
+            train_loader_built(trainer)
+            and per_step != decision.configured_batch_size * decision.configured_accumulate
+        ):  # configure_optimizers counted the steps
+            forget_train_loader(trainer)
+            self.findings.append(optimizers_finding(decision, redo_optimizers(trainer)))
         if not self._restored:  # a checkpoint's optimizer state already holds the scaled rates
             _scale_learning_rates(trainer, decision.lr_factor)
         changed = decision.batch_size != decision.configured_batch_size or decision.lr_factor != 1.0
@@ -305,13 +322,16 @@ class AutoBatchSize(BoostCallback):
         validates = self.check_validation and overrides(pl_module, "validation_step")
         val_data = _split_data(trainer, "val") if validates else None
         rule = lr_rule([type(o).__name__ for o in trainer.optimizers], self.lr_scaling)
+        start = self.init_batch_size or configured
         with preserved_rng():
             decision = decide(
-                lambda size: _measured(trainer, size, _train_trial(trainer, probe, train_data, size)),
+                lambda size: _measured(
+                    trainer, size, _train_trial(trainer, probe, train_data, size, split=size == start)
+                ),
                 None
                 if val_data is None
                 else lambda size: _measured(trainer, size, _val_trial(trainer, probe, val_data, size)),
-                self.init_batch_size or configured,
+                start,
                 configured,
                 limits,
                 rule,
@@ -491,13 +511,14 @@ def _plan(trainer: L.Trainer, dataset: Any, world: int) -> RunPlan:
 
 
 def _train_trial(
-    trainer: L.Trainer, probe: StepProbe, data: tuple[Any, Any], size: int
+    trainer: L.Trainer, probe: StepProbe, data: tuple[Any, Any], size: int, split: bool
 ) -> Callable[[], Trial]:
-    """Training steps at `size`, each on other samples drawn at random from the training set."""
+    """Training steps at `size`, each on other samples drawn at random from the training set;
+    with `split`, the first batch's halves too (the noise scale from this one trial)."""
 
     def trial() -> Trial:
         batches = (trainer.strategy.batch_to_device(b) for b in sample_batches(data[0], data[1], size))
-        return probe.train(next(batches), size, batches)
+        return probe.train(next(batches), size, batches, split=split)
 
     return trial
 
@@ -531,20 +552,27 @@ def _gather(trainer: L.Trainer, trial: Trial, failed: bool) -> tuple[list[Trial]
     """Every rank's trial and whether any rank failed (one all-gather; none when single-process)."""
     if trainer.world_size == 1:
         return [trial], failed
-    grad_sq = trial.grad_sq if trial.grad_sq is not None else math.nan
+
+    def nan_for_none(value: float | None) -> float:
+        return value if value is not None else math.nan
+
+    def none_for_nan(value: float) -> float | None:
+        return None if math.isnan(value) else value
+
     values = torch.tensor(
         [trial.samples_per_s, float(trial.peak_bytes or -1), float(trial.oom), trial.seconds, float(failed),
-         grad_sq, trial.spread],
+         nan_for_none(trial.grad_sq), trial.spread, nan_for_none(trial.half_grad_sq)],
         dtype=torch.float64,
         device=trainer.strategy.root_device,
     )  # fmt: skip
-    rows = trainer.strategy.all_gather(values).reshape(-1, 7).tolist()
+    rows = trainer.strategy.all_gather(values).reshape(-1, 8).tolist()
     trials = [
         Trial(
-            trial.size, tp, int(peak) if peak >= 0 else None, bool(oom), s, None if math.isnan(g) else g, sp
+            trial.size, tp, int(peak) if peak >= 0 else None, bool(oom), s, none_for_nan(g), sp,
+            none_for_nan(half),
         )
-        for tp, peak, oom, s, _, g, sp in rows
-    ]
+        for tp, peak, oom, s, _, g, sp, half in rows
+    ]  # fmt: skip
     return trials, any(row[4] for row in rows)
 
 

@@ -233,8 +233,11 @@ def _size_finding(decision: BatchSizeDecision, tolerance: float) -> Finding:
         if decision.lr_scaling
         else "; learning rates unchanged (`lr_scaling=None`)."
     )
+    bound = (
+        "at least " if noise is not None and noise.lower_bound else ""
+    )  # the noise hid the gradient at every size: the most cautious value
     statistics = (
-        f" Gradient noise scale {decision.noise_scale:,.0f} samples: a batch of B teaches the model"
+        f" Gradient noise scale {bound}{decision.noise_scale:,.0f} samples: a batch of B teaches the model"
         f" (noise + {decision.reference_batch_size}) / (noise + B) as much per sample as the configured one;"
         f" sizes under {decision.min_efficiency:.0%} efficiency are not chosen."
         if decision.noise_scale is not None
@@ -350,6 +353,39 @@ def restored_finding(decision: BatchSizeDecision) -> Finding:
             f" effective batch {decision.effective_batch_size}."
         ),
         data=_data(decision),
+    )
+
+
+def optimizers_finding(decision: BatchSizeDecision, redone: bool) -> Finding:
+    """What the report says when ``configure_optimizers`` read the step count (the training loader
+    was built before the fit started) and the tuned batch changed it: run again, or could not be."""
+    sizes = (
+        f"batch {decision.configured_batch_size} x {decision.configured_accumulate} accumulated ->"
+        f" {decision.batch_size} x {decision.accumulate_grad_batches}"
+    )
+    if redone:
+        return Finding(
+            "AutoBatchSize",
+            "batch size",
+            Severity.INFO,
+            "configure_optimizers ran again at the tuned batch size",
+            detail=(
+                f"It read the step count ({sizes}) before the fit started, as"
+                " `trainer.estimated_stepping_batches` does, so its schedulers now count the steps the"
+                " run takes."
+            ),
+        )
+    return Finding(
+        "AutoBatchSize",
+        "batch size",
+        Severity.WARN,
+        "The schedulers count the steps of the configured batch size",
+        detail=(
+            f"`configure_optimizers` read the step count before the fit started ({sizes}), and this"
+            " strategy wraps its optimizers, so they could not be made again: a schedule sized from"
+            " `trainer.estimated_stepping_batches` ends at another step than the run."
+        ),
+        fix="Set the batch size by hand (drop AutoBatchSize), or size the schedule in epochs.",
     )
 
 

@@ -7,8 +7,8 @@ al., OSDI 2021) calls throughput x statistical efficiency *goodput* and picks th
 maximizes it. This module holds the pieces, each over plain numbers:
 
 - `estimate_noise`: the gradient noise scale from the squared gradient norms the batch-size
-  trials measured at several sizes (``E|G_B|^2 = |G|^2 + tr(Σ)/B``, fitted by least squares over
-  ``1/B``: no extra passes);
+  trials measured at several sizes, all at the same (the run's initial) parameters
+  (``E|G_B|^2 = |G|^2 + tr(Σ)/B``, fitted by least squares over ``1/B``);
 - `efficiency`: the progress per sample at an effective batch, relative to the user's;
 - `lr_rule`: the learning-rate scaling rule the optimizers need (square root for adaptive ones,
   Malladi et al. 2022; linear for SGD, Goyal et al. 2017, with warm-up);
@@ -34,27 +34,31 @@ class NoiseScale:
     """The gradient noise scale ``B_noise = tr(Σ) / |G|^2``, in samples.
 
     Args:
-        value: the noise scale; ``inf`` when the gradient's noise hid its mean at every measured
-            size, 0 when no noise was seen.
+        value: the noise scale; 0 when no noise was seen. When the gradient's noise hid its mean
+            at every measured size, the largest of them: a lower bound, the most cautious value
+            the measurements allow (a larger batch then looks least efficient).
         grad_sq: the estimate of the squared norm of the true gradient ``|G|^2``.
         trace: the estimate of the per-sample gradient variance ``tr(Σ)``.
         sizes: the batch sizes it was fitted on.
+        lower_bound: `value` is a lower bound (the noise hid the gradient), not an estimate.
     """
 
     value: float
     grad_sq: float
     trace: float
     sizes: tuple[int, ...]
+    lower_bound: bool = False
 
 
 def estimate_noise(points: Sequence[tuple[int, float]]) -> NoiseScale | None:
-    """The noise scale from ``(batch size, mean squared gradient norm at that size)`` pairs.
+    """The noise scale from ``(batch size, squared gradient norm at that size)`` pairs.
 
     ``E|G_B|^2 = |G|^2 + tr(Σ)/B``: a least-squares line over ``1/B`` gives both terms. A fitted
     trace at or below zero means no noise was seen (0: a larger batch teaches nothing more per
     step); a true-gradient term at or below zero means the noise hid the gradient at every size
-    measured, so the noise scale is beyond them (``inf``: the search measures a larger size, whose
-    gradient resolves it or confirms it). ``None`` with fewer than two sizes.
+    measured, so the noise scale is beyond them: the largest size is returned as a lower bound,
+    which keeps every larger batch's efficiency at its most cautious. ``None`` with fewer than two
+    sizes.
 
     Example:
         >>> est = estimate_noise([(64, 1.0 + 640.0 / 64), (128, 1.0 + 640.0 / 128), (256, 1.0 + 2.5)])
@@ -62,6 +66,9 @@ def estimate_noise(points: Sequence[tuple[int, float]]) -> NoiseScale | None:
         (640, 1.0, 640)
         >>> estimate_noise([(64, 1.0), (128, 1.2)]).value, estimate_noise([(64, 1.0)]) is None
         (0.0, True)
+        >>> hidden = estimate_noise([(64, 2.0), (128, 0.9)])
+        >>> hidden.value, hidden.lower_bound
+        (128.0, True)
     """
     finite = [(size, sq) for size, sq in points if math.isfinite(sq)]
     sizes = tuple(sorted({size for size, _ in finite}))
@@ -76,7 +83,7 @@ def estimate_noise(points: Sequence[tuple[int, float]]) -> NoiseScale | None:
     if trace <= 0:
         return NoiseScale(0.0, grad_sq, trace, sizes)
     if grad_sq <= 0:
-        return NoiseScale(math.inf, grad_sq, trace, sizes)
+        return NoiseScale(float(max(sizes)), grad_sq, trace, sizes, lower_bound=True)
     return NoiseScale(trace / grad_sq, grad_sq, trace, sizes)
 
 

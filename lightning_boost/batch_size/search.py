@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -42,10 +42,12 @@ class Trial:
         peak_bytes: peak memory of the step (measured on CUDA, estimated elsewhere); ``None`` after OOM.
         oom: the step ran out of memory on some rank.
         seconds: wall time the trial took, fetching the batch included.
-        grad_sq: the mean squared gradient norm of its steps (each on other samples, taken before
-            the optimizer step), for the noise scale; ``None`` when not measured.
+        grad_sq: the squared gradient norm of its first batch at the run's parameters (every
+            trial starts from them), for the noise scale; ``None`` when not measured.
         spread: how far its timed steps strayed from the fastest (median / fastest - 1): a gain
             smaller than this is not told apart from noise.
+        half_grad_sq: the mean squared gradient norm of one batch's two halves, taken at the
+            same parameters as a full-batch one: a second size for the noise scale from one trial.
     """
 
     size: int
@@ -55,6 +57,7 @@ class Trial:
     seconds: float = 0.0
     grad_sq: float | None = None
     spread: float = 0.0
+    half_grad_sq: float | None = None
 
     def fits(self, budget_bytes: int) -> bool:
         """Ran without OOM and peaked within `budget_bytes`."""
@@ -65,8 +68,8 @@ class Trial:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Trial:
-        """From `to_dict`'s form (an older cache's or checkpoint's lacks `grad_sq` and `spread`)."""
-        names = ("size", "samples_per_s", "peak_bytes", "oom", "seconds", "grad_sq", "spread")
+        """From `to_dict`'s form (an older cache's or checkpoint's lacks the gradient fields and `spread`)."""
+        names = ("size", "samples_per_s", "peak_bytes", "oom", "seconds", "grad_sq", "spread", "half_grad_sq")
         return cls(**{key: data[key] for key in names if key in data})
 
 
@@ -109,9 +112,12 @@ class Limits:
         accumulate = self.accumulate if self.target is None else accumulation(self.target, size, self.world)
         return size * accumulate * self.world
 
-    def efficiency(self, size: int, noise: NoiseScale | None) -> float:
-        """Statistical efficiency at `size`: 1 without a reference or a noise estimate."""
-        if self.reference is None or noise is None:
+    def efficiency(self, size: int, noise: NoiseScale | None, *, at_most: bool = False) -> float:
+        """Statistical efficiency at `size`: 1 without a reference or a noise estimate. A noise
+        scale known only as a lower bound gives the most cautious efficiency (for choosing), or with
+        `at_most` the most it could be, 1 (for deciding whether a larger size is worth measuring:
+        its gradient may resolve the noise scale)."""
+        if self.reference is None or noise is None or (at_most and noise.lower_bound):
             return 1.0
         return efficiency(noise.value, self.effective(size), self.reference)
 
@@ -121,22 +127,30 @@ def merge(size: int, per_rank: Sequence[Trial]) -> Trial:
     the ranks' mean squared gradient norm (each an estimate at the same size) and widest spread."""
     oom = any(t.oom for t in per_rank)
     peaks = [t.peak_bytes for t in per_rank if t.peak_bytes is not None]
-    grads = [t.grad_sq for t in per_rank if t.grad_sq is not None]
     return Trial(
         size=size,
         samples_per_s=0.0 if oom else min(t.samples_per_s for t in per_rank),
         peak_bytes=None if oom or not peaks else max(peaks),
         oom=oom,
         seconds=max(t.seconds for t in per_rank),
-        grad_sq=None if oom or not grads else sum(grads) / len(grads),
+        grad_sq=None if oom else _mean(t.grad_sq for t in per_rank),
         spread=max(t.spread for t in per_rank),
+        half_grad_sq=None if oom else _mean(t.half_grad_sq for t in per_rank),
     )
 
 
+def _mean(values: Iterable[float | None]) -> float | None:
+    known = [value for value in values if value is not None]
+    return sum(known) / len(known) if known else None
+
+
 def noise_of(trials: Sequence[Trial], budget_bytes: int) -> NoiseScale | None:
-    """The gradient noise scale fitted to the fitting trials' squared gradient norms."""
+    """The gradient noise scale fitted to the fitting trials' squared gradient norms (a trial's
+    halves count at half its size)."""
+    ok = [t for t in trials if t.fits(budget_bytes)]
     return estimate_noise(
-        [(t.size, t.grad_sq) for t in trials if t.fits(budget_bytes) and t.grad_sq is not None]
+        [(t.size, t.grad_sq) for t in ok if t.grad_sq is not None]
+        + [(t.size // 2, t.half_grad_sq) for t in ok if t.half_grad_sq is not None]
     )
 
 
@@ -173,14 +187,12 @@ def settle(measure: Callable[[int], Trial], trials: list[Trial], limits: Limits)
             again = measure(small.size)
             if again.fits(limits.budget_bytes) and again.samples_per_s > small.samples_per_s:
                 settled[settled.index(small)] = dataclasses.replace(
-                    again, seconds=small.seconds + again.seconds, grad_sq=_mean_grad(small, again)
+                    again,
+                    seconds=small.seconds + again.seconds,
+                    grad_sq=_mean(t.grad_sq for t in (small, again)),
+                    half_grad_sq=_mean(t.half_grad_sq for t in (small, again)),
                 )
     return settled
-
-
-def _mean_grad(first: Trial, second: Trial) -> float | None:
-    values = [t.grad_sq for t in (first, second) if t.grad_sq is not None]
-    return sum(values) / len(values) if values else None
 
 
 def next_size(trials: Sequence[Trial], start: int, limits: Limits) -> tuple[int | None, str]:
@@ -236,7 +248,12 @@ def _largest_saving(trials: Sequence[Trial], size: int, limits: Limits) -> float
     noise = noise_of(trials, limits.budget_bytes)
     best = max(goodput(t, limits, noise) for t in ok)
     nearest = max(below, key=lambda t: t.size)
-    bound = nearest.samples_per_s * size / nearest.size * limits.efficiency(size, noise)
+    bound = (
+        nearest.samples_per_s
+        * size
+        / nearest.size
+        * limits.efficiency(size, noise, at_most=_unresolved(noise))
+    )
     if bound <= best:
         return 0.0
     return limits.planned_samples / best - limits.planned_samples / bound
@@ -262,11 +279,11 @@ def _next_size(trials: Sequence[Trial], limits: Limits) -> tuple[int | None, str
             )
         doubled = min(2 * largest.size, limits.max_size)
         noise = noise_of(trials, limits.budget_bytes)
-        if limits.efficiency(doubled, noise) < limits.min_efficiency:
+        if limits.efficiency(doubled, noise, at_most=_unresolved(noise)) < limits.min_efficiency:
             return None, (
                 f"the statistical efficiency ({doubled} would teach the model"
                 f" {limits.efficiency(doubled, noise):.0%} as much per sample, under"
-                f" {limits.min_efficiency:.0%}; noise scale {noise.value if noise else 0:,.0f})"
+                f" {limits.min_efficiency:.0%}; noise scale {_noise_text(noise)})"
             )
         fits = _projected_fit(ok, limits.budget_bytes)
         if fits is None or fits >= doubled:
@@ -402,6 +419,18 @@ def _between(lower: int, upper: int) -> int | None:
     middle = (lower + upper) // 2
     rounded = middle // 8 * 8
     return rounded if rounded > lower else middle
+
+
+def _unresolved(noise: NoiseScale | None) -> bool:
+    """A noise scale known only as a lower bound from the first trial's two sizes: one larger size
+    is measured, whose gradient may resolve it; past that, the bound stands (the search stops)."""
+    return noise is not None and noise.lower_bound and len(noise.sizes) < 3
+
+
+def _noise_text(noise: NoiseScale | None) -> str:
+    if noise is None:
+        return "unknown"
+    return f"{'at least ' if noise.lower_bound else ''}{noise.value:,.0f}"
 
 
 def _why_failed(trial: Trial) -> str:
