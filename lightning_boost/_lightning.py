@@ -223,14 +223,25 @@ def redo_optimizers(trainer: L.Trainer) -> bool:
 def detached_copy(module: L.LightningModule) -> L.LightningModule:
     """A deep copy of `module` without its trainer reference (``_trainer``), which has no setter.
 
-    The copy's steps touch nothing of the run: its ``self.log`` calls warn and return.
+    The copy's steps touch nothing of the run: its ``self.log`` calls warn and return. A module
+    Lightning took from ``torch.compile`` gets its own (uncompiled) steps back: the compiled
+    wrappers would call the original module's, trainer and all.
     """
     trainer = module._trainer
     module._trainer = None
     try:
-        return copy.deepcopy(module)
+        clone = copy.deepcopy(module)
     finally:
         module._trainer = trainer
+    if getattr(clone, "_compiler_ctx", None):  # `fit(torch.compile(module))`
+        for name in _COMPILED_STEPS:  # the compiled wrappers call the original module's methods
+            clone.__dict__.pop(name, None)
+        clone._compiler_ctx = None
+    return clone
+
+
+#: What Lightning's ``from_compiled`` replaces on the instance with ``torch.compile``d wrappers.
+_COMPILED_STEPS = ("forward", "training_step", "validation_step", "test_step", "predict_step")
 
 
 def user_dataloaders(trainer: L.Trainer, split: str) -> Any:

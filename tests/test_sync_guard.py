@@ -21,7 +21,16 @@ from torch import Tensor
 from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAccuracy
 
-from lightning_boost import BoostReport, BoostWarning, Finding, Severity, SyncError, SyncGuard, testing
+from lightning_boost import (
+    AutoBatchSize,
+    BoostReport,
+    BoostWarning,
+    Finding,
+    Severity,
+    SyncError,
+    SyncGuard,
+    testing,
+)
 from lightning_boost._lightning import pytorch_lightning_takes_our_callbacks
 from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
 
@@ -773,3 +782,32 @@ def test_a_reported_call_is_not_counted_again_as_the_allocators(monkeypatch: pyt
     counters["num_alloc_retries"] += 1  # an allocation retry in the step, outside any reported call
     assert seen == ["empty_cache"]
     assert watch.stop() == {"alloc_retry": 1}
+
+
+class LoggedItem(BoringModel):
+    """Logs `loss.item()`: under torch.compile a graph break, run eagerly, where the guard sees it."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        self.log("train_loss", loss.item())
+        return loss
+
+
+@pytest.mark.parametrize(("model", "found"), [(BoringModel, 0), (LoggedItem, 1)])
+@pytest.mark.filterwarnings(
+    "ignore:The .grad attribute of a Tensor that is not a leaf"
+)  # dynamo's own, plain too
+def test_a_compiled_module_trains_and_its_eager_syncs_are_found(
+    tmp_path: Path, model: type[BoringModel], found: int
+) -> None:
+    # backend="eager": dynamo's tracing under the guard's mode is what broke, not code generation
+    compiled = torch.compile(model(), backend="eager")
+    guard = SyncGuard(mode="report", every_n_steps=1)
+    tuner = AutoBatchSize(max_batch_size=16)
+    trainer = tiny_trainer(tmp_path, callbacks=[guard, tuner])
+    trainer.fit(compiled, datamodule=BoringDataModule())  # crashed: "the tensor must have a single element"
+    assert trainer.state.finished and tuner.decision is not None and tuner.decision.trials
+    user = [f for f in guard.findings if f.severity == Severity.WARN]
+    assert len(user) == found
+    assert all("loss.item()" in f.title for f in user)
+    assert any("Compiled code" in f.title for f in guard.findings)  # says what it cannot see

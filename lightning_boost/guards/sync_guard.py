@@ -158,6 +158,7 @@ class SyncGuard(Guard):
         self._world_size = world_size
         self._packages: Packages | None = None
         self._watch: SyncWatch | None = None
+        self._compiled = False
 
     @property
     def checked_steps(self) -> dict[str, int]:
@@ -172,6 +173,7 @@ class SyncGuard(Guard):
         self.findings = []
         self._packages = Packages()
         self._watch = SyncWatch(self._on_sync, cuda=self._cuda)
+        self._compiled = _compiled(pl_module)
         self._mark_host_side(trainer, pl_module)
         if self.scope == "fit":
             self._watch.start()
@@ -331,7 +333,32 @@ class SyncGuard(Guard):
                     data={"pattern": pattern, "count": count, "checked_steps": steps},
                 )
             )
+        if self._compiled:
+            findings.append(
+                Finding(
+                    source,
+                    "syncs",
+                    Severity.INFO,
+                    "Compiled code (torch.compile) was checked where it runs eagerly",
+                    "A sync in a compiled step breaks the graph and runs eagerly, where the guard sees it"
+                    " (`.item()`, `print(tensor)`, `if tensor:`). Inside a compiled graph it is not seen:"
+                    " there syncs are ops such as `nonzero` or a boolean mask, or `.item()` captured with"
+                    " `capture_scalar_outputs`.",
+                    "To list every graph break, run once with `TORCH_LOGS=graph_breaks`.",
+                )
+            )
         return findings
+
+
+def _compiled(module: torch.nn.Module) -> bool:
+    """Whether `module` or a submodule runs through ``torch.compile`` (Lightning's unwrapped
+    ``fit(torch.compile(model))``, a compiled submodule, or ``Module.compile()``)."""
+    return any(
+        getattr(m, "_compiler_ctx", None)
+        or type(m).__name__ == "OptimizedModule"
+        or getattr(m, "_compiled_call_impl", None)
+        for m in module.modules()
+    )
 
 
 def _error_message(group: SyncGroup, pattern: str) -> str:

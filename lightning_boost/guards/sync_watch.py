@@ -71,6 +71,8 @@ class _Mode(TorchFunctionMode):
         self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # torch.compile traces this: its graph must be the plain one
+            return func(*args, **kwargs)
         watch = self.watch
         pattern = classify(func, args, kwargs, watch.cuda)
         if pattern is not None and watch.on_host(args[0]):
