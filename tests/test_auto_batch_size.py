@@ -598,3 +598,28 @@ def test_cuda_out_of_memory_is_real_and_survived(tmp_path: Path) -> None:
     chosen = trainer.train_dataloader.batch_size
     assert chosen == callback.result["batch_size"] < 32 and not tried[chosen]["oom"]
     assert trainer.state.finished
+
+
+class Stream(torch.utils.data.IterableDataset):  # type: ignore[type-arg]
+    """64 samples, streamed: no `len()`, so no size bound is known before a batch comes back short."""
+
+    def __iter__(self) -> Any:
+        generator = torch.Generator().manual_seed(0)
+        for _ in range(64):
+            yield torch.randn(32, generator=generator), torch.randn(2, generator=generator)
+
+
+@pytest.mark.usefixtures("scripted_throughput")
+def test_a_stream_shorter_than_the_batch_bounds_the_size_by_what_came_back(tmp_path: Path) -> None:
+    class StreamData(BoostedDataModule):
+        def setup(self, stage: str) -> None:
+            self.train_dataset = Stream()
+
+    callback = AutoBatchSize(**FAST)
+    trainer = tiny_trainer(tmp_path, callbacks=[callback], limit_val_batches=0)
+    trainer.fit(BoringModel(), datamodule=StreamData(batch_size=16, num_workers=0))
+    decision = callback.decision
+    assert decision is not None and decision.batch_size <= 64  # it chose 33,554,432
+    assert max(t.size for t in decision.trials) == 64
+    assert max(t.samples_per_s for t in decision.trials) <= 1000.0 * 64  # rates of the samples held
+    assert "held 64 samples" in decision.stopped

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+import warnings
 from collections.abc import Callable, Sized
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -13,6 +14,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from torch.utils.data import DataLoader
 from typing_extensions import override
@@ -518,9 +521,21 @@ def _train_trial(
 
     def trial() -> Trial:
         batches = (trainer.strategy.batch_to_device(b) for b in sample_batches(data[0], data[1], size))
-        return probe.train(next(batches), size, batches, split=split)
+        first = next(batches)
+        held = min(size, _samples_in(first) or size)  # an iterable dataset may hold fewer samples
+        return probe.train(first, held, batches, split=split)
 
     return trial
+
+
+def _samples_in(batch: Any) -> int | None:
+    """The samples in `batch` as Lightning counts them (the first dimension of its first tensor)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning warns when the count is ambiguous
+            return extract_batch_size(batch)
+    except (MisconfigurationException, RecursionError, TypeError):
+        return None
 
 
 def _val_trial(trainer: L.Trainer, probe: StepProbe, data: tuple[Any, Any], size: int) -> Callable[[], Trial]:

@@ -128,7 +128,7 @@ def merge(size: int, per_rank: Sequence[Trial]) -> Trial:
     oom = any(t.oom for t in per_rank)
     peaks = [t.peak_bytes for t in per_rank if t.peak_bytes is not None]
     return Trial(
-        size=size,
+        size=min(size, *(t.size for t in per_rank)),
         samples_per_s=0.0 if oom else min(t.samples_per_s for t in per_rank),
         peak_bytes=None if oom or not peaks else max(peaks),
         oom=oom,
@@ -160,13 +160,16 @@ def goodput(trial: Trial, limits: Limits, noise: NoiseScale | None) -> float:
 
 
 def search(measure: Callable[[int], Trial], start: int, limits: Limits) -> tuple[list[Trial], str]:
-    """Measure sizes from `start` until `next_size` stops, then `settle` them; the trials and why."""
+    """Measure sizes from `start` until `next_size` stops (or a batch comes back short of its size:
+    the data holds no more), then `settle` them; the trials and why."""
     trials: list[Trial] = []
     while True:
         size, reason = next_size(trials, start, limits)
         if size is None:
             return settle(measure, trials, limits), reason
         trials.append(measure(size))
+        if trials[-1].size < size:  # the data ran out before the batch was full
+            return settle(measure, trials, limits), f"the data: a batch of {size} held {trials[-1].size} samples"
 
 
 def settle(measure: Callable[[int], Trial], trials: list[Trial], limits: Limits) -> list[Trial]:
