@@ -18,6 +18,23 @@ from typing_extensions import override
 
 from lightning_boost.hardware import HardwareInfo
 
+#: What to import under ``import pytorch_lightning as pl`` (each Trainer takes its own namespace's classes).
+PL_IMPORT = "from lightning_boost.pytorch_lightning import BoostedDataModule, preset"
+
+
+def from_pytorch_lightning(obj: object) -> bool:
+    """`obj`'s class derives from a ``pytorch_lightning`` class (a ``pl.Trainer``, a user's subclass)."""
+    return any(cls.__module__.split(".")[0] == "pytorch_lightning" for cls in type(obj).__mro__)
+
+
+def wrong_namespace(what: str) -> TypeError:
+    """The error for a `lightning` object handed to ``pytorch_lightning``'s Trainer, with the fix."""
+    return TypeError(
+        f"{what} from `lightning_boost` is built on `lightning`, and a `pytorch_lightning.Trainer` does"
+        f" not take `lightning`'s classes. Under `import pytorch_lightning as pl`, import it from"
+        f" `lightning_boost.pytorch_lightning`: `{PL_IMPORT}` (the callbacks are the same)."
+    )
+
 
 def trainer_precision_flag(trainer: L.Trainer) -> str:
     """The precision the user passed to `Trainer` ("32-true" when none was passed).

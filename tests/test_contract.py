@@ -270,3 +270,25 @@ def test_the_pure_cores_import_no_lightning_at_run_time() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+class _LightningData(lightning_boost.BoostedDataModule):
+    def setup(self, stage: str) -> None:
+        self.train_dataset = RandomDataset(length=128)
+
+
+def test_the_lightning_names_under_pytorch_lightning_say_exactly_what_to_import(tmp_path: Path) -> None:
+    # the README's imports in a `pl` program: Lightning said "Expected a parent" and "invalid strategy name"
+    fix = "from lightning_boost.pytorch_lightning import BoostedDataModule, preset"
+    with pytest.raises(
+        TypeError, match=r"`preset\(\)` from `lightning_boost` is built on `lightning`"
+    ) as error:
+        pl.Trainer(strategy=lightning_boost.preset("auto"), logger=False)
+    assert fix in str(error.value)
+    trainer = tiny_trainer(tmp_path, trainer_class=pl.Trainer)
+    with pytest.raises(TypeError, match=r"`BoostedDataModule` from `lightning_boost`") as error:
+        trainer.fit(_PlModel(), datamodule=_LightningData(batch_size=8, num_workers=0))
+    assert fix in str(error.value)
+    same = lightning_boost.preset("auto")  # under `lightning` nothing changes
+    assert same == same and same != lightning_boost.preset("auto") and len({same}) == 1
+    assert tiny_trainer(tmp_path, strategy=same).strategy is same

@@ -169,7 +169,9 @@ def search(measure: Callable[[int], Trial], start: int, limits: Limits) -> tuple
             return settle(measure, trials, limits), reason
         trials.append(measure(size))
         if trials[-1].size < size:  # the data ran out before the batch was full
-            return settle(measure, trials, limits), f"the data: a batch of {size} held {trials[-1].size} samples"
+            return settle(
+                measure, trials, limits
+            ), f"the data: a batch of {size} held {trials[-1].size} samples"
 
 
 def settle(measure: Callable[[int], Trial], trials: list[Trial], limits: Limits) -> list[Trial]:

@@ -13,7 +13,13 @@ from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from typing_extensions import override
 
-from lightning_boost._lightning import hardware_for, overrides, reload_every_n_epochs
+from lightning_boost._lightning import (
+    from_pytorch_lightning,
+    hardware_for,
+    overrides,
+    reload_every_n_epochs,
+    wrong_namespace,
+)
 from lightning_boost._validation import Count, PositiveInt, unknown_choice_error, validated
 from lightning_boost.report import Finding, Severity
 from lightning_boost.workers.loaders import keep_workers_alive
@@ -271,3 +277,13 @@ class BoostedDataModule(BoostedDataMixin, L.LightningDataModule):
 
         trainer.fit(model, datamodule=CIFAR(batch_size=128))
     """
+
+    @property
+    def trainer(self) -> L.Trainer | None:
+        return self.__dict__.get("_boosted_trainer")
+
+    @trainer.setter
+    def trainer(self, trainer: L.Trainer | None) -> None:
+        if trainer is not None and from_pytorch_lightning(trainer):  # else Lightning's "Expected a parent"
+            raise wrong_namespace("`BoostedDataModule`")
+        self._boosted_trainer = trainer

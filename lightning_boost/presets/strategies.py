@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import sys
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
 from typing_extensions import override
 
-from lightning_boost._lightning import trainer_precision_flag
+from lightning_boost._lightning import trainer_precision_flag, wrong_namespace
 from lightning_boost.presets.plans import PresetPlan
 from lightning_boost.report import Finding
 
@@ -56,6 +57,11 @@ def restore_speed_flags(saved: dict[str, Any]) -> None:
     torch.backends.cudnn.benchmark = saved["benchmark"]
 
 
+def _compared_by_pytorch_lightning() -> bool:
+    caller = sys._getframe(2)  # past __eq__: the code that compared
+    return str(caller.f_globals.get("__name__", "")).split(".")[0] == "pytorch_lightning"
+
+
 if TYPE_CHECKING:  # the mixins are typed as the strategy they are mixed into
     _Strategy = Strategy
 else:
@@ -68,6 +74,16 @@ class PresetStrategy(_Strategy):
     It checks the Trainer's precision against the preset's when the run starts, and holds the
     speed flags (TF32, cudnn.benchmark) from setup to teardown.
     """
+
+    def __eq__(self, other: object) -> bool:
+        """Identity, as for any strategy; but `pytorch_lightning`'s Trainer compares the strategy it
+        is given with its registered names before it rejects another namespace's class with "You
+        selected an invalid strategy name": that comparison raises lightning-boost's fix instead."""
+        if isinstance(other, str) and isinstance(self, Strategy) and _compared_by_pytorch_lightning():
+            raise wrong_namespace("`preset()`")
+        return self is other
+
+    __hash__ = object.__hash__
 
     #: Where the precision plugins come from: the namespace of the strategy class mixed in.
     namespace = "lightning.pytorch"
