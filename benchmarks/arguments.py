@@ -32,7 +32,7 @@ import typing_extensions
 
 import lightning_boost
 from benchmarks.common import Row
-from lightning_boost._validation import Identifier, Matches, NonEmpty, OneOf, Range
+from lightning_boost._validation import Identifier, Matches, NonEmpty, NotBlank, OneOf, Range
 from lightning_boost.hardware import EXAMPLES
 
 COMMAND = "python -m benchmarks arguments"
@@ -131,6 +131,8 @@ def near(hint: Any) -> list[Any]:
                 found += ["two words", "1st", "a.b c"]
             if isinstance(rule, NonEmpty):
                 found += [(), []]
+            if isinstance(rule, NotBlank):
+                found += ["", "  "]
             if isinstance(rule, OneOf):
                 found += [word for choice in rule.choices() for word in misspellings(choice)]
     elif origin in (Union, types.UnionType, tuple, list, Sequence, collections.abc.Sequence):
@@ -231,6 +233,8 @@ def _rule_holds(rule: Any, value: Any) -> bool:
         return re.fullmatch(rule.pattern, value) is not None
     if isinstance(rule, NonEmpty):
         return len(value) > 0
+    if isinstance(rule, NotBlank):  # an empty or blank string; a Path("") is "." and fine
+        return not isinstance(value, str) or value.strip() != ""
     if isinstance(rule, OneOf):
         return all(part.rpartition(":")[2] in set(rule.choices()) for part in value.split(","))
     raise AssertionError(f"no oracle for the rule {rule!r}")

@@ -108,6 +108,17 @@ class NonEmpty:
 
 
 @dataclass(frozen=True)
+class NotBlank:
+    """A path that is not the empty string (``Path("")`` is the working directory; ``""`` is a mistake)."""
+
+    def holds(self, value: Any) -> bool:
+        return not (isinstance(value, str) and not value.strip())
+
+    def describe(self) -> str:
+        return "(not an empty string)"
+
+
+@dataclass(frozen=True)
 class OneOf:
     """A string from choices known only at run time (e.g. the registered distributed backends)."""
 
@@ -125,6 +136,7 @@ Seconds = Annotated[float, Range(gt=0, unit="seconds")]
 Fraction = Annotated[float, Range(gt=0, le=1)]
 PositiveInt = Annotated[int, Range(ge=1)]
 Count = Annotated[int, Range(ge=0)]
+Directory = Annotated[str | Path, NotBlank()]
 
 
 def unknown_choice_error(argument: str, value: object, choices: Iterable[str]) -> ValueError:
@@ -285,6 +297,17 @@ def _bind(
     try:
         return signature.bind(*args, **kwargs)
     except TypeError as error:
+        keyword_only = [n for n, p in parameters.items() if p.kind is p.KEYWORD_ONLY]
+        by_position = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        positional = [n for n, p in parameters.items() if p.kind in by_position]
+        extra = args[len(positional) :]
+        if extra and keyword_only and "positional" in str(error):
+            given = ", ".join(_shown(value) for value in extra)
+            raise TypeError(
+                f"{label}() takes its settings by name, but {given} came by position: name it, as one of "
+                + ", ".join(f"`{name}=`" for name in keyword_only)
+                + f" (e.g. {label}({keyword_only[0]}={_shown(extra[0])}))."
+            ) from None
         raise TypeError(f"{label}(): {error}.") from None
 
 

@@ -8,6 +8,7 @@ from their signatures' type hints; hypothesis draws values that do not fit (the 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,8 @@ from benchmarks import arguments
 from lightning_boost import (
     AutoBatchSize,
     BoostedDataModule,
+    BoostReport,
+    Finding,
     HardwareInfo,
     SyncGuard,
     WorkerTuning,
@@ -123,6 +126,25 @@ def test_the_oracle_tells_good_from_bad() -> None:
         (lambda: HardwareInfo("gpu"), ValueError, "`accelerator` expected one of 'cuda', 'mps', 'cpu'"),
         (lambda: boost_callbacks(sync_gaurd=True), TypeError, "Did you mean 'sync_guard'"),
         (lambda: boost_callbacks(sync_guard={"mdoe": "error"}), TypeError, "SyncGuard() got an unknown"),
+        # the last cases of issue 29: accepted, or failing later inside PyTorch
+        (lambda: AutoBatchSize(cache_dir=""), ValueError, "`cache_dir` expected a string or a path (not an"),
+        (lambda: BoostReport(dirpath=""), ValueError, "`dirpath` expected a string or a path (not an empty"),
+        (
+            lambda: BoostedDataModule(loader_kwargs={"timeout": -1}),
+            ValueError,
+            "['timeout']` expected seconds",
+        ),
+        (
+            lambda: BoostedDataModule(loader_kwargs={"multiprocessing_context": "bogus"}),
+            ValueError,
+            "`loader_kwargs['multiprocessing_context']` expected None, a multiprocessing context or one of",
+        ),
+        (
+            lambda: BoostedDataModule(loader_kwargs={"generator": 5}),
+            ValueError,
+            "expected None or a torch.Gen",
+        ),
+        (lambda: AutoBatchSize(8), TypeError, "8 came by position: name it, as one of `init_batch_size=`"),
     ],
 )
 def test_the_reported_bad_values_are_clear_errors(
@@ -150,3 +172,9 @@ def test_choices_are_literal_types_for_type_checkers() -> None:
                 ("preset", "name"), ("preset", "start_method")]:  # fmt: skip
         assert "Literal" in str(hints[key]), key
     assert set(lightning_boost.presets()) == set(arguments.typing.get_args(hints[("preset", "name")]))
+
+
+def test_a_non_finite_number_in_a_findings_data_is_kept_as_null() -> None:
+    finding = Finding("me", "data", "info", "t", data={"x": math.nan, "runs": [1.0, math.inf], "n": 3})
+    assert finding.data == {"x": None, "runs": [1.0, None], "n": 3}
+    assert json.loads(json.dumps(finding.to_dict(), allow_nan=False))["data"]["x"] is None

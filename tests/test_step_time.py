@@ -269,3 +269,13 @@ def test_cuda_run_times_on_the_gpu(tmp_path: Path) -> None:
     assert torch.cuda.is_available()
     (finding,) = monitor.findings
     assert finding.title.startswith("Input-bound")
+
+
+def test_a_warm_up_longer_than_the_run_says_no_step_was_timed_and_why(tmp_path: Path) -> None:
+    monitor = StepTimeMonitor(warmup_steps=10**12)
+    trainer = tiny_trainer(tmp_path, callbacks=[monitor], limit_val_batches=0)
+    loader = DataLoader(RandomDataset(32, 64), batch_size=8)
+    trainer.fit(BoringModel(), loader, loader)
+    (finding,) = monitor.findings
+    assert finding.title == "No training step was timed" and finding.severity == Severity.INFO
+    assert f"`warmup_steps={10**12}`" in finding.detail and "Lower `warmup_steps`" in finding.fix

@@ -33,7 +33,15 @@ from lightning_boost._lightning import (
     train_loader_built,
     user_dataloaders,
 )
-from lightning_boost._validation import Fraction, Identifier, PositiveInt, Range, Seconds, validated
+from lightning_boost._validation import (
+    Directory,
+    Fraction,
+    Identifier,
+    PositiveInt,
+    Range,
+    Seconds,
+    validated,
+)
 from lightning_boost.batch_size.decision import (
     BatchSizeDecision,
     decide,
@@ -159,7 +167,7 @@ class AutoBatchSize(BoostCallback):
         check_validation: bool = True,
         attr_name: Annotated[str, Identifier()] = "batch_size",
         retune: bool = False,
-        cache_dir: str | Path | None = None,
+        cache_dir: Directory | None = None,
     ) -> None:
         if reference_batch_size is not None and lr_scaling is None:
             raise ValueError(

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import multiprocessing
+import multiprocessing.context
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
+import torch
 from lightning.fabric.utilities.seed import pl_worker_init_function
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from typing_extensions import override
@@ -20,7 +22,7 @@ from lightning_boost._lightning import (
     reload_every_n_epochs,
     wrong_namespace,
 )
-from lightning_boost._validation import Count, PositiveInt, unknown_choice_error, validated
+from lightning_boost._validation import Count, Directory, PositiveInt, unknown_choice_error, validated
 from lightning_boost.report import Finding, Severity
 from lightning_boost.workers.loaders import keep_workers_alive
 from lightning_boost.workers.search import WorkerTuning
@@ -66,7 +68,7 @@ class BoostedDataMixin(_DataModule):
         eval_device_transforms: Callable[[Any], Any] | None = None,
         worker_tuning: WorkerTuning | None = None,
         retune: bool = False,
-        cache_dir: str | Path | None = None,
+        cache_dir: Directory | None = None,
         loader_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -222,7 +224,37 @@ def _checked_loader_kwargs(loader_kwargs: Mapping[str, Any]) -> dict[str, Any]:
             )
         if key not in allowed:
             raise unknown_choice_error("loader_kwargs", key, allowed)
+        check = _LOADER_VALUES.get(key)
+        if check is not None and not check[0](loader_kwargs[key]):
+            raise ValueError(
+                f"`loader_kwargs[{key!r}]` expected {check[1]}, got {loader_kwargs[key]!r}: the DataLoader"
+                " would fail with it later, at its first batch."
+            )
     return dict(loader_kwargs)
+
+
+def _start_method(value: object) -> bool:
+    if isinstance(value, str):
+        return value in multiprocessing.get_all_start_methods()
+    return value is None or isinstance(value, multiprocessing.context.BaseContext)
+
+
+#: What the DataLoader arguments a user may fix by hand must be (checked here, not at the first batch).
+_LOADER_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "timeout": (
+        lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < float("inf"),
+        "seconds >= 0 (0: wait forever)",
+    ),
+    "multiprocessing_context": (
+        _start_method,
+        "None, a multiprocessing context or one of "
+        + ", ".join(map(repr, multiprocessing.get_all_start_methods())),
+    ),
+    "generator": (lambda v: v is None or isinstance(v, torch.Generator), "None or a torch.Generator"),
+    "worker_init_fn": (lambda v: v is None or callable(v), "None or a function of the worker id"),
+    "pin_memory_device": (lambda v: isinstance(v, str), "a device name such as 'cuda'"),
+    "in_order": (lambda v: isinstance(v, bool), "True or False"),
+}
 
 
 class BoostedDataModule(BoostedDataMixin, L.LightningDataModule):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import math
 import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -84,7 +85,8 @@ class Finding:
         fix: what to do about it; empty when nothing needs doing.
         location: ``file:line`` in the user's code, when there is one.
         data: JSON-ready figures behind the finding; a ``"plot"`` entry made by `plot_data`
-            becomes a PNG in the report.
+            becomes a PNG in the report. A NaN or infinite number is kept as ``None``: JSON has no
+            such number, and the report stays valid JSON.
         cost: what it costs or cost to find, where measured (``"41% of step time"``,
             ``"3.1 s tuning"``); empty when not measured.
 
@@ -106,6 +108,7 @@ class Finding:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "severity", Severity(self.severity))
+        object.__setattr__(self, "data", _json_ready(self.data))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -328,3 +331,14 @@ def plot_data(
 
 def _md(value: object) -> str:
     return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def _json_ready(value: Any) -> Any:
+    """`value` with every non-finite float (NaN, inf) replaced by ``None``, through dicts and lists."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, Mapping):
+        return {key: _json_ready(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_json_ready(item) for item in value) if not hasattr(value, "_fields") else value
+    return value

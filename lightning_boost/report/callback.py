@@ -21,7 +21,7 @@ from lightning_boost._lightning import (
     is_lightning,
     user_hyperparameters,
 )
-from lightning_boost._validation import validated
+from lightning_boost._validation import Directory, validated
 from lightning_boost.report import BoostWarning, Finding, Report, ReportsFindings, ReportsTuned
 from lightning_boost.report.plots import matplotlib_missing, write_plots
 
@@ -71,7 +71,7 @@ class BoostReport(L.Callback):
         files: bool | None = None,
         plots: bool = True,
         log_hyperparams: bool = True,
-        dirpath: str | Path | None = None,
+        dirpath: Directory | None = None,
     ) -> None:
         self.console = console
         self.files = files

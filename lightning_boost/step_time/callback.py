@@ -145,7 +145,14 @@ class StepTimeMonitor(BoostCallback):
         detail += f" (the first {self.warmup_steps} left out)."
         if times.counted == 0:
             return Finding(
-                type(self).__name__, "step time", Severity.INFO, "Too few training steps to time", data=data
+                type(self).__name__,
+                "step time",
+                Severity.INFO,
+                "No training step was timed",
+                f"The run took {trainer.global_step} optimizer step(s); the first `warmup_steps="
+                f"{self.warmup_steps}` training steps are left out of the verdict.",
+                "Lower `warmup_steps` (default 3) to time a run this short.",
+                data=data,
             )
         if fraction <= self.threshold:
             return Finding(

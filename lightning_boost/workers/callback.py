@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -11,7 +10,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_boost._lightning import datamodule_of, rebuild_dataloaders, reload_every_n_epochs
-from lightning_boost._validation import validated
+from lightning_boost._validation import Directory, validated
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.report import Finding, Severity
@@ -54,7 +53,7 @@ class AutoNumWorkers(BoostCallback):
 
     @validated
     def __init__(
-        self, tuning: WorkerTuning | None = None, *, retune: bool = False, cache_dir: str | Path | None = None
+        self, tuning: WorkerTuning | None = None, *, retune: bool = False, cache_dir: Directory | None = None
     ) -> None:
         self.tuning = tuning or WorkerTuning()
         self.retune = retune
