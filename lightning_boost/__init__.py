@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_boost._lazy import lazy_exports
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 #: Public name -> the module that defines it.
 _EXPORTS = {

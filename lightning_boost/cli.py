@@ -36,11 +36,9 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _print_report(report: Report, title: str) -> None:
-    from rich.console import Console
+    from lightning_boost.report import Severity, make_console
 
-    from lightning_boost.report import Severity
-
-    console = Console()
+    console = make_console()
     report.print_to(console, title)
     counts = {s: sum(f.severity is s for f in report.findings) for s in Severity}
     console.print(", ".join(f"{n} {s.label}" for s, n in counts.items()))

@@ -292,3 +292,28 @@ def test_the_lightning_names_under_pytorch_lightning_say_exactly_what_to_import(
     same = lightning_boost.preset("auto")  # under `lightning` nothing changes
     assert same == same and same != lightning_boost.preset("auto") and len({same}) == 1
     assert tiny_trainer(tmp_path, strategy=same).strategy is same
+
+
+def test_installing_the_pack_leaves_plain_trainers_alone_and_needs_no_pre() -> None:
+    # rich in the environment switches every plain Trainer to rich progress bars and summaries
+    from importlib.metadata import requires, version
+
+    required = [r for r in requires("lightning-boost") or [] if "extra ==" not in r]
+    assert not any(r.startswith("rich") for r in required)
+    (lightning,) = [r for r in required if r.startswith("lightning")]
+    assert "!=2.6.2" in lightning and "!=2.6.3" in lightning  # withdrawn: a supply-chain compromise
+    assert "dev" not in version("lightning-boost") and lightning_boost.__version__ == version(
+        "lightning-boost"
+    )
+
+
+def test_the_report_prints_plain_text_without_rich(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for name in [m for m in sys.modules if m == "rich" or m.startswith("rich.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import rich...` raises ImportError
+    monkeypatch.setitem(sys.modules, "rich", None)
+    trainer = tiny_trainer(tmp_path, callbacks=[lightning_boost.BoostReport()], enable_progress_bar=False)
+    trainer.fit(BoringModel(), datamodule=BoringDataModule())
+    out = capsys.readouterr().out
+    assert "lightning-boost report" in out and "environment" in out

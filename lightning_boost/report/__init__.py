@@ -11,6 +11,8 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import shutil
+import sys
 import textwrap
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -268,8 +270,9 @@ class Report:
         return "\n".join(lines)
 
     def print_to(self, console: Any, title: str = "lightning-boost report") -> None:
-        """Print on a rich `console`: the table on a terminal 100 columns wide or more, else `to_text`."""
-        if console.is_terminal and console.width >= 100:
+        """Print on `console` (`make_console`'s): the table on a rich terminal 100 columns wide or
+        more, else `to_text`."""
+        if not isinstance(console, PlainConsole) and console.is_terminal and console.width >= 100:
             console.print(self.table(title=title))
         else:
             console.print(self.to_text(console.width, title), markup=False, highlight=False, soft_wrap=True)
@@ -280,6 +283,28 @@ class Report:
         json_path = atomic_write_text(directory / "boost_report.json", self.to_json() + "\n")
         md_path = atomic_write_text(directory / "boost_report.md", self.to_markdown() + "\n")
         return json_path, md_path
+
+
+class PlainConsole:
+    """What the report prints on without rich: plain lines on stdout, as wide as the terminal."""
+
+    def __init__(self) -> None:
+        self.is_terminal = sys.stdout.isatty()
+        self.width = shutil.get_terminal_size().columns
+
+    def print(self, text: object = "", **_: Any) -> None:
+        print(text)  # noqa: T201 - the console report is this class's whole job
+
+
+def make_console() -> Any:
+    """A rich ``Console`` when rich is installed (Lightning's `extra`, or `pip install rich`), else a
+    `PlainConsole`: the pack does not depend on rich, because installing rich switches every
+    plain ``Trainer`` in the environment to rich progress bars and summaries."""
+    try:
+        from rich.console import Console
+    except ImportError:
+        return PlainConsole()
+    return Console()
 
 
 def plot_data(

@@ -9,7 +9,6 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.core.saving import save_hparams_to_yaml
 from lightning.pytorch.utilities import rank_zero_warn
-from rich.console import Console
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -22,7 +21,7 @@ from lightning_boost._lightning import (
     user_hyperparameters,
 )
 from lightning_boost._validation import Directory, validated
-from lightning_boost.report import BoostWarning, Finding, Report, ReportsFindings, ReportsTuned
+from lightning_boost.report import BoostWarning, Finding, Report, ReportsFindings, ReportsTuned, make_console
 from lightning_boost.report.plots import matplotlib_missing, write_plots
 
 #: Prefix of the hyperparameters the report logs.
@@ -222,14 +221,14 @@ def log_dir(trainer: L.Trainer) -> Path:
     return Path(trainer.default_root_dir)
 
 
-def _console(trainer: L.Trainer) -> Console:
+def _console(trainer: L.Trainer) -> Any:
     """The live rich progress bar's console when there is one (the table then prints above it)."""
     bar = trainer.progress_bar_callback
     progress = getattr(bar, "progress", None) if is_lightning(bar, "RichProgressBar") else None
-    return progress.console if progress is not None else Console()
+    return progress.console if progress is not None else make_console()
 
 
-def _print(report: Report, path: Path | None, console: Console, tuned_config: Path | None) -> None:
+def _print(report: Report, path: Path | None, console: Any, tuned_config: Path | None) -> None:
     report.print_to(console)
     if path is not None:
         console.print(f"Report files: {path.parent}/boost_report.{{json,md}}", soft_wrap=True)
