@@ -510,7 +510,10 @@ def test_ddp_takes_the_smallest_fit_over_ranks_without_hanging(tmp_path: Path) -
         ({"min_efficiency": 0}, "`min_efficiency` expected a finite number > 0 and <= 1, got 0"),
         ({"lr_warmup_steps": -1}, "`lr_warmup_steps` expected an int >= 0 or None, got -1"),
         ({"retune": "yes"}, "`retune` expected True or False, got 'yes'"),
-        ({"cache_dir": 123}, "`cache_dir` expected a string or a path or None, got 123 (int)"),
+        (
+            {"cache_dir": 123},
+            "`cache_dir` expected a string or a path (not an empty string) or None, got 123 (int)",
+        ),
         ({"attr_name": "batch size"}, "`attr_name` expected a string that is an attribute name, got 'batch"),
     ],
 )

@@ -248,7 +248,11 @@ def test_report_collects_strategy_datamodule_and_callbacks_once(tmp_path: Path) 
     [
         ({"console": "yes"}, TypeError, "`console` expected True or False, got 'yes'"),
         ({"plots": 1}, TypeError, "`plots` expected True or False, got 1"),
-        ({"dirpath": 3}, TypeError, r"`dirpath` expected a string or a path or None, got 3 \(int\)"),
+        (
+            {"dirpath": 3},
+            TypeError,
+            r"`dirpath` expected a string or a path \(not an empty string\) or None, got 3 \(int\)",
+        ),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
@@ -331,3 +335,12 @@ def test_a_logger_shared_between_runs_gets_one_folder_per_run(tmp_path: Path) ->
     assert not (shared / "boost_report.json").exists()  # the shared folder is no run's own
     assert (shared / "experiment" / "run-a" / "boost_report.json").exists()
     assert (shared / "experiment" / "run-b" / "boost_report.json").exists()
+
+
+def test_the_precision_is_reported_once_when_a_preset_says_why(tmp_path: Path) -> None:
+    report = BoostReport(console=False)
+    trainer = tiny_trainer(tmp_path, strategy=preset("auto"), callbacks=[report])
+    trainer.fit(BoringModel(), datamodule=BoringDataModule())
+    assert report.report is not None
+    precision = [f for f in report.report.findings if "precision" in f.data]
+    assert [f.source for f in precision] == ["preset"]  # the doctor's line said the same without why

@@ -152,3 +152,17 @@ def test_a_narrow_or_piped_console_gets_the_compact_form() -> None:
     wide = Console(file=io.StringIO(), width=140, force_terminal=True)
     report.print_to(wide)
     assert "┃" in wide.file.getvalue()  # the table
+
+
+def test_a_findings_table_keeps_its_columns_and_leaves_the_main_table() -> None:
+    block = "    size     samples/s\n      64           527\n     128           563"
+    finding = Finding("AutoBatchSize", "batch size", "warn", "Batch size 128", f"Measured 2 sizes.\n{block}")
+    report = Report([finding])
+    text = report.to_text(width=40)
+    assert "       " + block.splitlines()[1] in text.splitlines()  # not re-wrapped at 40 columns
+    console = Console(width=120, force_terminal=True, record=True)
+    report.print_to(console)
+    shown = console.export_text()
+    table, after = shown.split("Batch size 128:\n")
+    assert "Measured 2 sizes." in table and "samples/s" not in table  # the main table's cell: prose only
+    assert block in after

@@ -68,6 +68,8 @@ def test_step_times_history_is_bounded_and_keeps_every_step() -> None:
         ({"num_workers": 0, "on_gpu": False, "pin_memory": False}, "More DataLoader workers", 3),
         ({"num_workers": 8, "on_gpu": True, "pin_memory": True}, "Move augmentation to the GPU", 3),
         ({"num_workers": 3, "on_gpu": True, "pin_memory": True, "tuned": True}, "Move augmentation", 3),
+        ({"num_workers": 0, "on_gpu": False, "pin_memory": False, "tuned": True}, "Augment whole", 2),
+        ({"num_workers": 0, "on_gpu": False, "pin_memory": False, "dataset": "tensors"}, "Index whole", 3),
     ],
 )
 def test_fixes_start_with_the_likely_payoff(loader: dict[str, Any], first: str, count: int) -> None:
@@ -77,13 +79,19 @@ def test_fixes_start_with_the_likely_payoff(loader: dict[str, Any], first: str, 
         pin_memory=loader["pin_memory"],
         on_gpu=loader["on_gpu"],
         tuned_workers=loader.get("tuned", False),
+        measured_workers=(0, 3, 6) if loader["num_workers"] == 3 else (),
+        dataset=loader.get("dataset", "samples"),
     )
     assert fixes[0].startswith(first)
     assert len(fixes) == count
     if loader["num_workers"] == 8:
         assert "whole CPU share (8 of 8)" in fixes[-1]
-    if loader.get("tuned"):
-        assert "num_workers=3 was measured as the fastest" in fixes[-1]
+    if loader.get("tuned") and loader["num_workers"] == 3:
+        assert "num_workers=3 was the fastest of the counts measured (0, 3, 6)" in fixes[-1]
+    else:  # chosen without measuring other counts, or not tuned: no claim of a measurement
+        assert not any("measured" in fix for fix in fixes)
+    if loader.get("dataset") == "tensors":  # nothing to decode or augment in memory
+        assert not any("Decode" in fix or "Augment" in fix for fix in fixes)
 
 
 def test_host_clock_times_waits_between_steps() -> None:
@@ -193,12 +201,12 @@ def test_patched_clock_gives_the_exact_data_wait_fraction(
     clock = FakeClock()
     monkeypatch.setattr(step_time, "_now", clock.now)
     monitor = StepTimeMonitor(warmup_steps=0)
-    loader = DataLoader(SlowDataset(0.01, clock, length=24), batch_size=4)  # 6 batches, 0.04 s each
+    loader = DataLoader(SlowDataset(0.01, clock, length=96), batch_size=4)  # 24 batches, 0.04 s each
     trainer = tiny_trainer(tmp_path, callbacks=[monitor], limit_train_batches=None, limit_val_batches=0)
     trainer.fit(TimedModel(0.01, clock), train_dataloaders=loader, val_dataloaders=NO_VAL)
-    assert monitor.times.counted == 6
-    assert monitor.times.wait_s == pytest.approx(6 * 0.04)  # every fetch, prefetching included
-    assert monitor.times.step_s == pytest.approx(6 * 0.01)
+    assert monitor.times.counted == 24
+    assert monitor.times.wait_s == pytest.approx(24 * 0.04)  # every fetch, prefetching included
+    assert monitor.times.step_s == pytest.approx(24 * 0.01)
     (finding,) = monitor.findings
     assert finding.severity is Severity.WARN and finding.area == "step time"
     assert finding.title == "Input-bound: 80% of step time waiting for data"
@@ -208,7 +216,7 @@ def test_patched_clock_gives_the_exact_data_wait_fraction(
 
 def test_a_slow_dataset_is_reported_input_bound_with_the_fix_and_logged(tmp_path: Path) -> None:
     monitor = StepTimeMonitor()
-    loader = DataLoader(SlowDataset(0.004, length=64), batch_size=8)  # ~32 ms per batch
+    loader = DataLoader(SlowDataset(0.008, length=200), batch_size=8)  # ~64 ms per batch, 25 batches
     trainer = tiny_trainer(tmp_path, callbacks=[monitor], limit_train_batches=None, limit_val_batches=0)
     trainer.fit(TimedModel(0.002), train_dataloaders=loader, val_dataloaders=NO_VAL)
     (finding,) = monitor.findings
@@ -220,7 +228,7 @@ def test_a_slow_dataset_is_reported_input_bound_with_the_fix_and_logged(tmp_path
     assert len(finding.data["plot"]["x"]) >= 2
     rows = list(csv.DictReader((Path(trainer.log_dir or "") / "metrics.csv").read_text().splitlines()))
     logged = [float(row["boost/data_wait_fraction"]) for row in rows if row["boost/data_wait_fraction"]]
-    assert len(logged) == 8  # log_every_n_steps=1: one row per batch
+    assert len(logged) == 25  # log_every_n_steps=1: one row per batch
     steps = {int(row["step"]) for row in rows if row["boost/data_wait_fraction"]}
     assert steps == {int(row["step"]) for row in rows if row.get("train_loss")}  # Lightning's rows
     assert all(row["boost/step_ms"] for row in rows if row["boost/data_wait_fraction"])
@@ -231,17 +239,17 @@ def test_compute_bound_run_and_validation_time_is_not_data_wait(tmp_path: Path) 
     trainer = tiny_trainer(
         tmp_path,
         callbacks=[monitor],
-        limit_train_batches=8,
-        val_check_interval=2,  # a slow validation run between every other step
+        limit_train_batches=48,  # enough timed steps and seconds for a verdict
+        val_check_interval=4,  # a slow validation run between every fourth step
         logger=False,
     )
-    model = TimedModel(0.02, val_seconds=0.05)
-    trainer.fit(model, train_dataloaders=DataLoader(RandomDataset(length=64), batch_size=8),
+    model = TimedModel(0.05, val_seconds=0.05)
+    trainer.fit(model, train_dataloaders=DataLoader(RandomDataset(length=384), batch_size=8),
                 val_dataloaders=DataLoader(RandomDataset(length=16), batch_size=8))  # fmt: skip
     (finding,) = monitor.findings
     assert finding.severity is Severity.INFO and finding.title.startswith("Compute-bound")
     assert finding.data["data_wait_fraction"] < 0.1
-    assert finding.data["steps"] < 8 - monitor.warmup_steps  # steps after validation left out
+    assert finding.data["steps"] < 48 - monitor.warmup_steps  # steps after validation left out
 
 
 @pytest.mark.parametrize(
@@ -279,3 +287,13 @@ def test_a_warm_up_longer_than_the_run_says_no_step_was_timed_and_why(tmp_path: 
     (finding,) = monitor.findings
     assert finding.title == "No training step was timed" and finding.severity == Severity.INFO
     assert f"`warmup_steps={10**12}`" in finding.detail and "Lower `warmup_steps`" in finding.fix
+
+
+def test_a_handful_of_fast_steps_gets_no_verdict(tmp_path: Path) -> None:
+    monitor = StepTimeMonitor()  # the case: 9 timed steps, 0.2 s, on tensors in memory
+    loader = DataLoader(SlowDataset(0.001, length=96), batch_size=8)
+    trainer = tiny_trainer(tmp_path, callbacks=[monitor], limit_train_batches=None, limit_val_batches=0)
+    trainer.fit(TimedModel(0.001), train_dataloaders=loader, val_dataloaders=NO_VAL)
+    (finding,) = monitor.findings
+    assert finding.severity is Severity.INFO and finding.title.startswith("Too little timed to judge")
+    assert "at least 20 steps and 1 s" in finding.detail and not finding.fix

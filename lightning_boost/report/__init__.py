@@ -231,7 +231,8 @@ class Report:
         for area, found in self.by_area():
             for index, f in enumerate(found):
                 # the findings' own text is plain: `[plots]` in a fix is not rich markup
-                what = escape(f.title) + (f"\n[dim]{escape(f.detail)}[/dim]" if f.detail else "")
+                text = _split_detail(f.detail)[0]  # a block (a trial table) prints below the table
+                what = escape(f.title) + (f"\n[dim]{escape(text)}[/dim]" if text else "")
                 what += f"\n[dim]at {escape(f.location)}[/dim]" if f.location else ""
                 label = f"[{styles[f.severity]}]{f.severity.label}[/]"
                 texts = [escape(getattr(f, name)) for name in optional]
@@ -261,11 +262,10 @@ class Report:
                 lines += textwrap.wrap(head, width, initial_indent="  ", subsequent_indent=indent)
                 if f.severity is Severity.INFO:
                     continue
-                for extra in (
-                    f.detail,
-                    f"at {f.location}" if f.location else "",
-                    f"fix: {f.fix}" if f.fix else "",
-                ):
+                text, block = _split_detail(f.detail)
+                lines += textwrap.wrap(text, width, initial_indent=indent, subsequent_indent=indent)
+                lines += [indent + line for line in block.splitlines()]  # a table keeps its columns
+                for extra in (f"at {f.location}" if f.location else "", f"fix: {f.fix}" if f.fix else ""):
                     lines += textwrap.wrap(extra, width, initial_indent=indent, subsequent_indent=indent)
         return "\n".join(lines)
 
@@ -274,6 +274,10 @@ class Report:
         more, else `to_text`."""
         if not isinstance(console, PlainConsole) and console.is_terminal and console.width >= 100:
             console.print(self.table(title=title))
+            for f in self.findings:  # blocks such as the batch-size trials: their own small tables
+                block = _split_detail(f.detail)[1]
+                if block:
+                    console.print(f"{f.title}:\n{block}", markup=False, highlight=False)
         else:
             console.print(self.to_text(console.width, title), markup=False, highlight=False, soft_wrap=True)
 
@@ -283,6 +287,12 @@ class Report:
         json_path = atomic_write_text(directory / "boost_report.json", self.to_json() + "\n")
         md_path = atomic_write_text(directory / "boost_report.md", self.to_markdown() + "\n")
         return json_path, md_path
+
+
+def _split_detail(detail: str) -> tuple[str, str]:
+    """A finding's detail as its prose and the preformatted block after its first line break."""
+    text, _, block = detail.partition("\n")
+    return text, block
 
 
 class PlainConsole:

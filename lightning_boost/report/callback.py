@@ -175,6 +175,8 @@ def collect_report(trainer: L.Trainer) -> Report:
     for part in [trainer.strategy, datamodule_of(trainer), *callbacks_of(trainer)]:
         if isinstance(part, ReportsFindings):
             report.add(f for f in part.findings if isinstance(f, Finding))
+    if any(f.source == "preset" and "precision" in f.data for f in report.findings):  # says it with why
+        report.findings = [f for f in report.findings if not (f.source == "doctor" and "precision" in f.data)]
     report.tuned = tuned_values(trainer)
     return report
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import lightning as L
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 from typing_extensions import override
 
 from lightning_boost._lightning import callbacks_of, datamodule_of, hardware_for, training_log_step
@@ -15,6 +15,10 @@ from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.report import Finding, Severity, plot_data
 from lightning_boost.step_time.timing import CudaClock, HostClock, StepTimes, input_bound_fixes
 from lightning_boost.workers.callback import AutoNumWorkers
+
+#: A verdict rests on at least this many timed steps and seconds (fewer: an INFO that says so).
+MIN_STEPS = 20
+MIN_SECONDS = 1.0
 
 
 class StepTimeMonitor(BoostCallback):
@@ -154,6 +158,15 @@ class StepTimeMonitor(BoostCallback):
                 "Lower `warmup_steps` (default 3) to time a run this short.",
                 data=data,
             )
+        if times.counted < MIN_STEPS or times.wait_s + times.step_s < MIN_SECONDS:
+            return Finding(
+                type(self).__name__,
+                "step time",
+                Severity.INFO,
+                f"Too little timed to judge: {share}",
+                f"{detail} A verdict needs at least {MIN_STEPS} steps and {MIN_SECONDS:g} s of them.",
+                data=data,
+            )
         if fraction <= self.threshold:
             return Finding(
                 type(self).__name__, "step time", Severity.INFO, f"Compute-bound: {share}", detail, data=data
@@ -173,12 +186,26 @@ class StepTimeMonitor(BoostCallback):
     def _fixes(self, trainer: L.Trainer, pl_module: L.LightningModule) -> list[str]:
         loader = trainer.train_dataloader
         datamodule = datamodule_of(trainer)
-        tuned = isinstance(datamodule, BoostedDataMixin) and datamodule.num_workers is None
-        tuned = tuned or any(isinstance(callback, AutoNumWorkers) for callback in callbacks_of(trainer))
+        tuners = [c.worker_tuner for c in callbacks_of(trainer) if isinstance(c, AutoNumWorkers)]
+        if isinstance(datamodule, BoostedDataMixin) and datamodule.num_workers is None:
+            tuners.append(datamodule.worker_tuner)
+        measured = tuple(
+            trial.num_workers
+            for tuner in tuners
+            for choice in tuner.choices.values()
+            for trial in choice.trials
+        )
+        dataset = getattr(loader, "dataset", None)
         return input_bound_fixes(
             num_workers=loader.num_workers if isinstance(loader, DataLoader) else 0,
             max_workers=hardware_for(trainer).cpus_per_process,  # the budget worker tuning searches
             pin_memory=bool(getattr(loader, "pin_memory", False)),
             on_gpu=pl_module.device.type == "cuda",
-            tuned_workers=tuned,
+            tuned_workers=bool(tuners),
+            measured_workers=measured,
+            dataset="tensors"
+            if isinstance(dataset, TensorDataset)
+            else "stream"
+            if isinstance(dataset, IterableDataset)
+            else "samples",
         )

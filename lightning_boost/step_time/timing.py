@@ -108,16 +108,26 @@ class StepTimes:
 
 
 def input_bound_fixes(
-    *, num_workers: int, max_workers: int, pin_memory: bool, on_gpu: bool, tuned_workers: bool
+    *,
+    num_workers: int,
+    max_workers: int,
+    pin_memory: bool,
+    on_gpu: bool,
+    tuned_workers: bool,
+    measured_workers: tuple[int, ...] = (),
+    dataset: str = "samples",
 ) -> list[str]:
-    """What to try when a run waits for data, most likely payoff first.
+    """What to try when a run waits for data, most likely payoff first, for the data at hand.
 
     Args:
         num_workers: the training loader's workers.
         max_workers: the most workers this process's CPU share allows.
         pin_memory: whether the loader pins its batches.
         on_gpu: whether the model trains on a GPU.
-        tuned_workers: whether lightning-boost already measured the worker count.
+        tuned_workers: whether lightning-boost chose the worker count.
+        measured_workers: the worker counts whose loading was measured (none: chosen another way).
+        dataset: ``"tensors"`` (a `TensorDataset`: tensors in memory, nothing to decode or
+            augment), ``"stream"`` (an `IterableDataset`) or ``"samples"`` (any other).
 
     Example:
         >>> fixes = input_bound_fixes(
@@ -125,40 +135,58 @@ def input_bound_fixes(
         ... )
         >>> fixes[0].split(":")[0], len(fixes)
         ('More DataLoader workers (now 0, up to 8 here)', 4)
+        >>> input_bound_fixes(num_workers=0, max_workers=2, pin_memory=False, on_gpu=False,
+        ...                   tuned_workers=True, dataset="tensors")[0].split(":")[0]
+        'Index whole batches'
     """
     fixes = []
+    if dataset == "tensors":
+        fixes.append(
+            "Index whole batches: a `TensorDataset` is gathered and collated sample by sample; with"
+            " `DataLoader(dataset, batch_size=None, sampler=BatchSampler(RandomSampler(dataset),"
+            " batch_size, drop_last=False))` one `__getitem__` slices each batch."
+        )
+        fixes.append("A larger batch (`AutoBatchSize`) spreads the per-step loading cost over more samples.")
     if num_workers < max_workers and not tuned_workers:
         fixes.append(
             f"More DataLoader workers (now {num_workers}, up to {max_workers} here): "
             "`Trainer(callbacks=[AutoNumWorkers()])` or subclass `BoostedDataModule`."
         )
-    if on_gpu:
-        fixes.append(
-            "Move augmentation to the GPU: `BoostedDataModule(device_transforms=...)` runs batched "
-            "torchvision transforms.v2 after the transfer, off the workers."
-        )
-        if not pin_memory:
-            fixes.append("Pin host memory: `DataLoader(pin_memory=True)` (BoostedDataModule does it on GPU).")
-    else:
-        fixes.append(
-            "Augment whole batches instead of single samples: "
-            "`BoostedDataModule(device_transforms=...)` applies batched transforms.v2 once per batch."
-        )
-    fixes.append(
-        "Decode faster: store images pre-resized to the training size, decode JPEGs with "
-        "`torchvision.io.decode_jpeg(device='cuda')`, or read a sequential format (WebDataset, LitData)."
-    )
+    if dataset != "tensors":
+        fixes += _sample_work_fixes(on_gpu)
+    if on_gpu and not pin_memory:
+        fixes.append("Pin host memory: `DataLoader(pin_memory=True)` (BoostedDataModule does it on GPU).")
     if num_workers >= max_workers:
         fixes.append(
             f"The workers use this process's whole CPU share ({num_workers} of {max_workers}): "
             "give the job more CPUs or run fewer processes per node."
         )
-    elif tuned_workers:
+    elif len(set(measured_workers)) > 1:
+        counts = ", ".join(str(n) for n in sorted(set(measured_workers)))
         fixes.append(
-            f"num_workers={num_workers} was measured as the fastest here; more workers did not help, "
-            "so the per-sample work itself has to get cheaper."
+            f"num_workers={num_workers} was the fastest of the counts measured ({counts}); more workers did"
+            " not help, so the per-sample work itself has to get cheaper."
         )
     return fixes
+
+
+def _sample_work_fixes(on_gpu: bool) -> list[str]:
+    """Fixes for per-sample work: augmentation and decoding."""
+    if on_gpu:
+        augment = (
+            "Move augmentation to the GPU: `BoostedDataModule(device_transforms=...)` runs batched "
+            "torchvision transforms.v2 after the transfer, off the workers."
+        )
+    else:
+        augment = (
+            "Augment whole batches instead of single samples: "
+            "`BoostedDataModule(device_transforms=...)` applies batched transforms.v2 once per batch."
+        )
+    decode = (
+        "Decode faster: store images pre-resized to the training size, decode JPEGs with "
+        "`torchvision.io.decode_jpeg(device='cuda')`, or read a sequential format (WebDataset, LitData)."
+    )
+    return [augment, decode]
 
 
 Sample = tuple[float, float]
