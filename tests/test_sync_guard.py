@@ -811,3 +811,17 @@ def test_a_compiled_module_trains_and_its_eager_syncs_are_found(
     assert len(user) == found
     assert all("loss.item()" in f.title for f in user)
     assert any("Compiled code" in f.title for f in guard.findings)  # says what it cannot see
+
+
+class IntegerMath(BoringModel):
+    """`int(torch.div(a, b, rounding_mode="floor"))` on Python ints (a popular model zoo's anchor
+    count): a CPU scalar in a GPU run too, no device involved. It was reported as an `.item()`."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        stride = int(torch.div(batch[0].shape[1], 4, rounding_mode="floor"))
+        return self._loss((batch[0][:, : stride * 4], batch[1])) if stride else self._loss(batch)
+
+
+def test_math_on_python_numbers_is_not_a_sync(tmp_path: Path) -> None:
+    guard = fit(IntegerMath(), tmp_path, limit_train_batches=4, limit_val_batches=0)
+    assert [f for f in guard.findings if f.severity == Severity.WARN] == []

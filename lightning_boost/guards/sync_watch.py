@@ -149,16 +149,17 @@ class SyncWatch:
 
     def follow(self, func: Any, args: Any, kwargs: dict[str, Any], result: object) -> None:
         """Model where `result` lives in a GPU run (CPU runs): a factory told no device makes it
-        on the host, and an op on host tensors alone keeps it there."""
+        on the host, as does an op on Python numbers alone (``torch.div(a, b)`` of two ints), and
+        an op on host tensors alone keeps it there."""
         if self.cuda or not isinstance(result, (torch.Tensor, tuple, list)):
             return
-        if made_on_host(func, kwargs, cuda=False):
-            self.mark_host(result)
+        inputs = [a for a in _flat((*args, *kwargs.values())) if isinstance(a, torch.Tensor)]
+        if made_on_host(func, kwargs, cuda=False) or (not inputs and "device" not in kwargs):
+            self.mark_host(result)  # a factory told no device, or an op on Python numbers alone
             return
         if not self._host:
             return
-        inputs = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        if inputs and all(self.on_host(t) for t in inputs):
+        if all(self.on_host(t) for t in inputs):
             for tensor in result if isinstance(result, (tuple, list)) else (result,):
                 self.mark_host(tensor)
 
@@ -300,3 +301,8 @@ def host_side(module: torch.nn.Module, optimizers: Iterable[Optimizer]) -> Itera
 def _allocator_counters() -> dict[str, int]:
     stats = torch.cuda.memory_stats()
     return {key: int(stats.get(key, 0)) for key in ALLOCATOR_COUNTERS}
+
+
+def _flat(values: tuple[Any, ...]) -> list[Any]:
+    """`values` with lists and tuples opened one level (``torch.cat([a, b])`` takes its tensors so)."""
+    return [item for value in values for item in (value if isinstance(value, (list, tuple)) else (value,))]
