@@ -117,9 +117,10 @@ class StepProbe:
         the next batch of `following` (`batch` again without it). The trial's ``grad_sq`` is the
         warm-up's squared gradient norm, at the module's own parameters (later steps move the
         copy's, and the noise scale compares sizes at the same point); ``spread`` is how far the
-        median timed step lies above the fastest. With `split`, the warm-up's batch is first also
-        run as its two halves (gradients only, untimed): ``half_grad_sq``, the noise scale's second
-        size from one trial.
+        median timed step lies above the fastest, and ``losses`` the timed steps' training losses
+        (after 1, 2, ... optimizer steps: where the module's settings take the loss). With
+        `split`, the warm-up's batch is first also run as its two halves (gradients only,
+        untimed): ``half_grad_sq``, the noise scale's second size from one trial.
         """
         record: dict[str, Any] = {}
 
@@ -230,9 +231,13 @@ class StepProbe:
         slow = time.perf_counter() - warm_up
         count = max(1, min(self.steps, int(TIMED_S / slow)))  # slow steps: fewer, not less precise
         batches = iter(following if following is not None else ())
+        losses: list[Tensor] = []
         times = step_times(
-            lambda: self._train_step(clone, optimizers, next(batches, batch), None), count, self.device
+            lambda: self._train_step(clone, optimizers, next(batches, batch), None, losses=losses),
+            count,
+            self.device,
         )
+        record["losses"] = tuple(float(loss) for loss in losses)  # one read each, after the timing
         square = float(grads[0])  # fp16 without its scaler can overflow the norm: then none
         if math.isfinite(square):
             record["grad_sq"] = square
@@ -246,6 +251,7 @@ class StepProbe:
         batch: Any,
         peak: _Peak | None,
         grads: list[Tensor] | None = None,
+        losses: list[Tensor] | None = None,
     ) -> None:
         with torch.enable_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # `self.log` on a copy without a trainer warns and returns
@@ -254,6 +260,8 @@ class StepProbe:
             loss = output.get("loss") if isinstance(output, Mapping) else output
             if not isinstance(loss, Tensor):
                 raise TypeError(f"`training_step` returned {type(output).__name__}, expected a loss tensor.")
+            if losses is not None:
+                losses.append(loss.detach().float().sum())
             loss.backward()
             del output, loss
             if peak is not None:

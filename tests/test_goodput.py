@@ -19,11 +19,11 @@ from torch.utils.data import TensorDataset
 from typing_extensions import override
 
 from lightning_boost import AutoBatchSize, BoostedDataModule, boost_callbacks
-from lightning_boost.batch_size.decision import decide
+from lightning_boost.batch_size.decision import BatchSizeDecision, decide
 from lightning_boost.batch_size.goodput import estimate_noise
 from lightning_boost.batch_size.plan import MIN_STEPS_PER_EPOCH, RunPlan
 from lightning_boost.batch_size.search import Limits, Trial, choose, next_size, noise_of, search
-from lightning_boost.batch_size.watch import LossWatch
+from lightning_boost.batch_size.watch import LossWatch, reference_of
 from lightning_boost.testing import tiny_trainer
 
 GIB = 1024**3
@@ -296,6 +296,8 @@ def test_a_raised_learning_rate_is_warmed_up_from_the_configured_one(tmp_path: P
     assert all(b > a for a, b in zip(rates.during[:8], rates.during[1:9], strict=True))
     assert rates.during[8:] == pytest.approx([scaled] * len(rates.during[8:]))
     assert rates.after == pytest.approx([scaled] * len(rates.after))  # schedulers see the scaled rate
+    reference = reference_of(decision)  # the configured settings' trial took the loss somewhere
+    assert reference is not None and reference[0] >= 2 * 32 and reference[1] > 0
 
 
 def test_a_diverging_loss_is_reported_once_with_the_fix() -> None:
@@ -373,3 +375,18 @@ def test_ddp_ranks_make_their_optimizers_again_for_a_target_global_batch(tmp_pat
     records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     # 4096 samples a rank: 128 batches of 32 an epoch, 64 steps at accumulation 2
     assert records[0] == records[1] == {"total_steps": [256, 128], "global_step": 128}
+
+
+def test_a_loss_above_where_the_configured_settings_took_it_is_reported_once() -> None:
+    worse = LossWatch(window=2, reference=(128, 1.0), batch_size=64)  # 128 samples: the first window
+    verdicts = [worse.add(torch.tensor(value)) for value in (2.0, 1.8, 1.7, 1.7)]
+    assert verdicts[0] is None and verdicts[2:] == [None, None]
+    assert verdicts[1] == (
+        "the training loss averaged 1.9 over its first 2 steps, above the 1 the configured batch size"
+        " and learning rate reached after 128 samples in their trial"
+    )
+    finding = worse.finding(verdicts[1], BatchSizeDecision(128, configured_batch_size=64))
+    assert finding.title.startswith("The tuned run trains worse than the configured settings")
+    assert "max_batch_size=64" in finding.fix
+    fine = LossWatch(window=2, reference=(128, 1.0), batch_size=64)
+    assert [fine.add(torch.tensor(value)) for value in (1.4, 1.2)] == [None, None]

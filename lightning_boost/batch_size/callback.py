@@ -53,7 +53,7 @@ from lightning_boost.batch_size.decision import (
 from lightning_boost.batch_size.goodput import lr_rule, warmup_factor
 from lightning_boost.batch_size.plan import RunPlan
 from lightning_boost.batch_size.search import Limits, Trial, merge
-from lightning_boost.batch_size.watch import LossWatch
+from lightning_boost.batch_size.watch import LossWatch, reference_of
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.report import BoostWarning, Finding
@@ -250,7 +250,9 @@ class AutoBatchSize(BoostCallback):
         if not self._restored:  # a checkpoint's optimizer state already holds the scaled rates
             _scale_learning_rates(trainer, decision.lr_factor)
         changed = decision.batch_size != decision.configured_batch_size or decision.lr_factor != 1.0
-        self._watch = LossWatch() if changed else None
+        self._watch = (
+            LossWatch(reference=reference_of(decision), batch_size=decision.batch_size) if changed else None
+        )
         self._restored = False
 
     @override
@@ -568,7 +570,7 @@ def _measured(trainer: L.Trainer, size: int, run: Callable[[], Trial]) -> Trial:
             f"{f': {error!r}' if error else ' on another rank'}. If `training_step` needs the trainer"
             " (`self.trainer`, `self.optimizers()`), set the batch size by hand instead."
         ) from error
-    return merge(size, per_rank)
+    return dataclasses.replace(merge(size, per_rank), losses=trial.losses)  # this rank's own
 
 
 def _gather(trainer: L.Trainer, trial: Trial, failed: bool) -> tuple[list[Trial], bool]:

@@ -1,4 +1,5 @@
-"""Is the tuned run still training? The training loss, watched in windows, for divergence.
+"""Is the tuned run still training? The training loss, watched in windows, for divergence and
+against where the configured settings took it in their trial.
 
 No Lightning here. A batch size or learning rate that the trials called good can still make the
 run diverge: the loss turns non-finite, or climbs for several windows in a row. `LossWatch` adds
@@ -45,17 +46,49 @@ def loss_verdict(means: Sequence[float], rising: int = RISING, rise: float = RIS
     return None
 
 
-class LossWatch:
-    """Window means of the training loss, kept on its device between reads."""
+def reference_of(decision: BatchSizeDecision) -> tuple[float, float] | None:
+    """``(samples, loss)``: where the configured batch size and learning rate took the training loss
+    in their trial (the mean of its last two steps, after its warm-up and timed steps' samples, per
+    rank); ``None`` without such a trial, under accumulation (the trial steps every batch), or
+    for a loss that is not positive (a ratio would mean nothing).
 
-    def __init__(self, window: int = WINDOW) -> None:
+    Example:
+        >>> from lightning_boost.batch_size.search import Trial
+        >>> d = BatchSizeDecision(128, configured_batch_size=64, trials=(Trial(64, losses=(2.3, 2.1, 1.9)),))
+        >>> reference_of(d)
+        (256, 2.0)
+    """
+    trial = next((t for t in decision.trials if t.size == decision.configured_batch_size), None)
+    if trial is None or len(trial.losses) < 2 or decision.configured_accumulate != 1:
+        return None
+    loss = sum(trial.losses[-2:]) / 2
+    samples = (1 + len(trial.losses)) * trial.size
+    return (samples, loss) if math.isfinite(loss) and loss > 0 else None
+
+
+class LossWatch:
+    """Window means of the training loss, kept on its device between reads.
+
+    Args:
+        window: training batches per window.
+        reference: ``(samples, loss)`` from `reference_of`: once the run has trained that many
+            samples, a window mean more than `RISE` times that loss is a verdict too.
+        batch_size: the run's batch size per rank (to count its samples).
+    """
+
+    def __init__(
+        self, window: int = WINDOW, reference: tuple[float, float] | None = None, batch_size: int = 1
+    ) -> None:
         self.window = window
+        self.reference = reference
+        self.batch_size = batch_size
         self.means: list[float] = []
         self._total: Tensor | None = None
         self._count = 0
 
     def add(self, loss: Tensor) -> str | None:
-        """Add one step's loss; at the end of a window, `loss_verdict` over the means so far."""
+        """Add one step's loss; at the end of a window, `loss_verdict` over the means so far (and
+        the first window past the reference's samples against its loss)."""
         value = loss.detach().float().sum()
         self._total = value if self._total is None else self._total + value
         self._count += 1
@@ -63,7 +96,21 @@ class LossWatch:
             return None
         self.means.append(float(self._total) / self._count)
         self._total, self._count = None, 0
-        return loss_verdict(self.means)
+        return loss_verdict(self.means) or self._above_reference()
+
+    def _above_reference(self) -> str | None:
+        if self.reference is None or len(self.means) * self.window * self.batch_size < self.reference[0]:
+            return None
+        samples, loss = self.reference
+        self.reference = None  # one comparison: the first window past the trial's samples
+        mean = self.means[-1]
+        if mean <= RISE * loss:
+            return None
+        return (
+            f"the training loss averaged {mean:.3g} over its first {len(self.means) * self.window} steps,"
+            f" above the {loss:.3g} the configured batch size and learning rate reached after"
+            f" {samples:,.0f} samples in their trial"
+        )
 
     def finding(self, verdict: str, decision: BatchSizeDecision) -> Finding:
         """The WARN for a tuned run that `verdict` says diverges."""
@@ -71,7 +118,9 @@ class LossWatch:
             "AutoBatchSize",
             "batch size",
             Severity.WARN,
-            f"The tuned run may be diverging: {verdict}",
+            f"The tuned run may be diverging: {verdict}"
+            if "configured batch size" not in verdict
+            else f"The tuned run trains worse than the configured settings: {verdict}",
             detail=(
                 f"Batch size {decision.batch_size} (configured {decision.configured_batch_size}),"
                 f" learning rates x{decision.lr_factor:.3g} ({decision.lr_scaling}). Window means of"
