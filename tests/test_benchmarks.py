@@ -77,3 +77,10 @@ def test_worker_replay_rows_hold_the_targets() -> None:
     assert measured.benchmark == "worker_replay (measured)" and measured.ratio >= 0.95
     assert made_up.benchmark == "worker_replay (made-up)" and made_up.ratio >= 0.95
     assert "3 seeded cold runs" in measured.detail
+
+
+def test_fast_dev_run_benchmark_runs_and_writes_nothing() -> None:
+    from benchmarks import fast_dev_run
+
+    (row,) = fast_dev_run.run(pairs=1)
+    assert row.ratio > 0 and "files written: 0" in row.detail

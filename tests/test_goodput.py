@@ -390,3 +390,14 @@ def test_a_loss_above_where_the_configured_settings_took_it_is_reported_once() -
     assert "max_batch_size=64" in finding.fix
     fine = LossWatch(window=2, reference=(128, 1.0), batch_size=64)
     assert [fine.add(torch.tensor(value)) for value in (1.4, 1.2)] == [None, None]
+
+
+def test_fast_dev_run_measures_no_workers_either(tmp_path: Path) -> None:
+    datamodule = BoostedDataModule(batch_size=64)  # workers tuned: None
+    datamodule.train_dataset, datamodule.val_dataset = classes(7168), classes(1024, seed=1)
+    trainer = L.Trainer(fast_dev_run=True, accelerator="cpu", enable_progress_bar=False,
+                        default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(MLP(), datamodule=datamodule)
+    choices = list(datamodule.worker_tuner.choices.values())
+    assert choices and all(c.source == "short run" and not c.trials for c in choices)
+    assert "`fast_dev_run` runs the fit as a check" in choices[0].reason

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset
 
 from lightning_boost import cache
-from lightning_boost._lightning import hardware_for, preserved_rng
+from lightning_boost._lightning import debugging_mode, hardware_for, preserved_rng
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.report import BoostWarning, Finding
 from lightning_boost.step_probe import StepProbe
@@ -124,6 +124,11 @@ class LoaderTuner:
     ) -> dict[str, Any]:
         """Rank zero: the cached choice, else a measured one; never raises (the others are waiting)."""
         try:
+            checking = debugging_mode(trainer) if trainer is not None else ""
+            if checking:  # nothing a check of a few batches could repay
+                return WorkerChoice(
+                    0, None, f"no workers: `{checking}` runs the fit as a check", source="short run"
+                ).to_dict()
             why_not = cannot_measure(dataset)
             if why_not is not None:
                 return WorkerChoice(0, None, f"not measured: {why_not}", source="unmeasurable").to_dict()
