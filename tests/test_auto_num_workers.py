@@ -125,7 +125,7 @@ def test_state_dict_round_trips_and_resuming_does_not_measure(tmp_path: Path) ->
     )
     again.fit(SeenIndices(), *_loaders(), ckpt_path=checkpoint)
     assert resumed.worker_tuner.choices == callback.worker_tuner.choices  # not measured again
-    restored = [f for f in resumed.findings if f.title.startswith("num_workers=")]
+    restored = [f for f in resumed.findings if f.title.startswith("train loader: num_workers=")]
     assert restored and all(f.detail.startswith("Restored from the checkpoint") for f in restored)
 
 

@@ -253,7 +253,7 @@ def test_a_checkpoint_carries_the_choice(tmp_path: Path) -> None:
     again = tiny_trainer(tmp_path, max_epochs=2, logger=False, enable_checkpointing=False)
     again.fit(SeenIndices(), datamodule=resumed, ckpt_path=checkpoint)
     assert resumed.worker_tuner.choices == datamodule.worker_tuner.choices  # the saved one, trials and all
-    (finding,) = [f for f in resumed.findings if f.title.startswith("num_workers=")]
+    (finding,) = [f for f in resumed.findings if f.title.startswith("train loader: num_workers=")]
     assert (
         finding.detail.startswith("Restored from the checkpoint") and finding.data["source"] == "checkpoint"
     )
@@ -348,7 +348,7 @@ def test_an_iterable_dataset_trains_in_its_own_order_with_the_reasons(tmp_path: 
     titles = [f.title for f in datamodule.findings]
     assert "`shuffle` left to _Stream" in titles
     assert any(
-        f.title == "num_workers=0: not measured" and "IterableDataset" in f.detail
+        f.title.endswith("num_workers=0: not measured") and "IterableDataset" in f.detail
         for f in datamodule.findings
     )
     assert datamodule.train_dataloader().num_workers == 0  # its sharding across workers is its own

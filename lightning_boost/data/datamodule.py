@@ -182,7 +182,14 @@ class BoostedDataMixin(_DataModule):
         if workers is None:
             train = tuning_dataset is self.train_dataset
             samples = workload(trainer, "train", tuning_dataset, self.batch_size) if train else None
-            choice = self.worker_tuner.choose(trainer, tuning_dataset, self.batch_size, settings, samples)
+            choice = self.worker_tuner.choose(
+                trainer,
+                tuning_dataset,
+                self.batch_size,
+                settings,
+                samples,
+                "train" if train else "evaluation",
+            )
             workers, prefetch = choice.num_workers, prefetch or choice.prefetch_factor
         else:
             self.worker_tuner.apply_process_settings(hardware, workers)

@@ -100,7 +100,7 @@ class AutoNumWorkers(BoostCallback):
             return loader
         settings = {name: getattr(loader, name, None) for name in MEASURED_SETTINGS}
         samples = workload(trainer, split, loader.dataset, batch_size)
-        choice = self.worker_tuner.choose(trainer, loader.dataset, batch_size, settings, samples)
+        choice = self.worker_tuner.choose(trainer, loader.dataset, batch_size, settings, samples, split)
         persistent = keep_workers_alive(choice.num_workers, loader.pin_memory, reload_every_n_epochs(trainer))
         return rebuild_loader(
             loader,

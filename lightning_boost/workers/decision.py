@@ -23,9 +23,11 @@ _FIXES = {
 }
 
 
-def choice_findings(source: str, choice: WorkerChoice) -> list[Finding]:
-    """The choice with its evidence, and one finding per candidate that failed."""
-    label = f"num_workers={choice.num_workers}"
+def choice_findings(source: str, choice: WorkerChoice, loader: str = "") -> list[Finding]:
+    """The choice with its evidence, and one finding per candidate that failed; `loader` names
+    the loader it is for (``"train"``, ``"val"``) in each title."""
+    label = f"{loader} loader: " if loader else ""
+    label += f"num_workers={choice.num_workers}"
     if choice.num_workers:
         label += f", prefetch_factor={choice.prefetch_factor}"
     measured = "; ".join(
@@ -37,7 +39,9 @@ def choice_findings(source: str, choice: WorkerChoice) -> list[Finding]:
         "cache": "Reused the cached measurement (`retune=True` measures again).",
         "checkpoint": "Restored from the checkpoint; not measured again.",
         "short run": f"Measured {measured}. Tuning took {choice.seconds:.1f} s; a longer run measures"
-        " worker counts.",
+        " worker counts."
+        if choice.trials
+        else "Nothing measured: a run this short could not repay it.",
     }.get(choice.source, "")
     startups = [trial.startup_s for trial in choice.trials if trial.ok and trial.num_workers]
     if startups and choice.source == "measured":

@@ -79,6 +79,7 @@ class LoaderTuner:
         batch_size: int,
         settings: Mapping[str, Any],
         workload_samples: int | None = None,
+        loader: str = "",
     ) -> WorkerChoice:
         """The worker setting for `dataset` at `batch_size`, the same on every rank.
 
@@ -105,10 +106,10 @@ class LoaderTuner:
             assert result is not None  # rank zero always decides; the others receive it
             choice = WorkerChoice.from_dict(result)
             self.choices[key] = choice
-            self.findings += choice_findings(self.source, choice)
+            self.findings += choice_findings(self.source, choice, loader)
         elif key in self.restored:
             self.restored.discard(key)
-            self.findings += choice_findings(self.source, choice.replace(source="checkpoint"))
+            self.findings += choice_findings(self.source, choice.replace(source="checkpoint"), loader)
         self.apply_process_settings(hardware, choice.num_workers)
         return choice
 
