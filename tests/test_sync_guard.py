@@ -825,3 +825,22 @@ class IntegerMath(BoringModel):
 def test_math_on_python_numbers_is_not_a_sync(tmp_path: Path) -> None:
     guard = fit(IntegerMath(), tmp_path, limit_train_batches=4, limit_val_batches=0)
     assert [f for f in guard.findings if f.severity == Severity.WARN] == []
+
+
+class ReadsInALoop(BoringModel):
+    """Reads each element of a tensor with `.item()` in a Python loop (916x and 4,130x per step in
+    the issue's speech model): the fix is one read before the loop, not "keep it a tensor"."""
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        loss = self._loss(batch)
+        lengths = batch[0][:, 0].abs()
+        self.total = sum(lengths[i].item() for i in range(lengths.shape[0]))  # syncs: looped
+        return loss
+
+
+def test_a_read_in_a_loop_gets_one_read_before_the_loop_as_its_fix(tmp_path: Path) -> None:
+    (finding,) = user_syncs(fit(ReadsInALoop(), tmp_path)).values()
+    assert finding.location == marked_line("looped")
+    assert "x per training step, as in a loop" in finding.fix and "tolist()" in finding.fix
+    (once,) = user_syncs(fit(Item(), tmp_path / "once")).values()  # one read a step: the usual fix
+    assert "as in a loop" not in once.fix

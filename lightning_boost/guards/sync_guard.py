@@ -314,7 +314,7 @@ class SyncGuard(Guard):
                     Severity.INFO if group.framework else Severity.WARN,
                     group.title(steps),
                     group.detail(steps, cpu_run=not self._cuda),
-                    group.fix(),
+                    group.fix(steps),
                     group.location,
                     data=group.to_data(steps),
                 )

@@ -764,6 +764,10 @@ def code_at(frame: Site) -> str:
 # -- group: what the report says ---------------------------------------------------------------
 
 
+#: A user's read made this many times a step or more is a read inside a loop.
+LOOPED = 4
+
+
 @dataclass
 class SyncGroup:
     """The syncs seen at one place: one user line, or one framework cause.
@@ -832,12 +836,21 @@ class SyncGroup:
             text += " This run is on the CPU: on a GPU each would make the host wait."
         return text
 
-    def fix(self) -> str:
+    def fix(self, steps: int | None = None) -> str:
         """The cause's setting; for a library's sync of no known cause, where to look (advice meant
-        for the user's own `.item()` would not fit a line inside a library)."""
+        for the user's own `.item()` would not fit a line inside a library); for the user's read
+        made `LOOPED` times a step or more (over `steps` checked ones), one read before the loop."""
         a = self.attribution
         if a.cause is not None:
             return a.cause.says(self.phase)[1]
+        reads = {"item", "float", "index", "format", "cpu", "to_cpu", "tolist", "numpy"} & set(self.counts)
+        if steps and not self.framework and reads and self.per_step(steps) >= LOOPED:
+            return (
+                f"This line runs {self.per_step(steps):.3g}x per {self.phase} step, as in a loop over a"
+                " tensor's elements: read the tensor to the host once, before the loop (`values ="
+                " tensor.tolist()`, or `.cpu()`), and use the Python values inside it; better still,"
+                " keep the whole computation in tensor ops."
+            )
         if a.library is not None and a.package not in (None, "lightning") and not self.framework:
             return (
                 f"It syncs inside {a.package} (in `{a.library.function}`): look for a {a.package} setting"
