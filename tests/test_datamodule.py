@@ -24,7 +24,9 @@ from lightning_boost.testing import BoringModel, RandomDataset, cpu_only, tiny_t
 #: AutoBatchSize runs here are a few batches long; its run-length rules are tested in test_goodput.
 pytestmark = pytest.mark.usefixtures("long_planned_run")
 
-FAST = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,), skip_short_runs=False)
+#: The trials timed before the fit (the path of evaluation loaders, streams and `online=False`); the
+#: search on the first epoch's own batches is tested in test_online_workers.
+FAST = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,), skip_short_runs=False, online=False)
 
 
 class IndexDataset(Dataset[tuple[Tensor, Tensor]]):
@@ -164,7 +166,7 @@ def test_a_gpu_run_holds_the_loader_to_the_steps_own_rate(
 
     monkeypatch.setattr(tuner, "hardware_for", lambda trainer: EXAMPLES["h100"])
     tuning = WorkerTuning(
-        window_s=0.2, timeout_s=5.0, prefetch_factors=(2,), max_workers=2, skip_short_runs=False
+        window_s=0.2, timeout_s=5.0, prefetch_factors=(2,), max_workers=2, skip_short_runs=False, online=False
     )
     tuned = Indexed(batch_size=8, worker_tuning=tuning, retune=True)
     model = _fit(tmp_path, tuned, epochs=2)
@@ -201,7 +203,9 @@ def test_on_cuda_the_loader_is_held_to_the_steps_rate_in_its_precision(tmp_path:
 def test_failing_workers_are_survived_with_a_fallback(
     tmp_path: Path, dataset: Dataset[Any], cause: str
 ) -> None:
-    tuning = WorkerTuning(window_s=0.2, timeout_s=2.0, prefetch_factors=(2,), skip_short_runs=False)
+    tuning = WorkerTuning(
+        window_s=0.2, timeout_s=2.0, prefetch_factors=(2,), skip_short_runs=False, online=False
+    )
     datamodule = Indexed(dataset, batch_size=8, worker_tuning=tuning)
     model = _fit(tmp_path, datamodule)
     assert len(model.seen) == 8  # the epoch ran, in the main process

@@ -26,7 +26,8 @@ from lightning_boost._validation import Count, Directory, PositiveInt, unknown_c
 from lightning_boost.report import Finding, Severity
 from lightning_boost.workers.loaders import keep_workers_alive
 from lightning_boost.workers.search import WorkerTuning
-from lightning_boost.workers.tuner import LoaderTuner, workload
+from lightning_boost.workers.segments import OnlineSearch, SegmentedDataLoader
+from lightning_boost.workers.tuner import LoaderTuner, epoch_batches, workload
 
 #: Loader arguments the mixin manages itself; the rest of DataLoader's may go in `loader_kwargs`.
 _MANAGED = {"dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn",
@@ -142,10 +143,21 @@ class BoostedDataMixin(_DataModule):
                 " the DataLoader's sampler needs the length of a map-style dataset. Define `__len__`,"
                 " or subclass `torch.utils.data.IterableDataset` if it is a stream."
             )
-        settings = self.loader_settings(self.train_dataset if self.train_dataset is not None else dataset)
-        return DataLoader(
-            dataset, batch_size=self.batch_size, shuffle=shuffle, drop_last=drop_last, **settings
-        )
+        tuning_dataset = self.train_dataset if self.train_dataset is not None else dataset
+        settings, search = self._settings(tuning_dataset, drop_last)
+        batching: dict[str, Any] = {"batch_size": self.batch_size, "shuffle": shuffle, "drop_last": drop_last}
+        if search is not None and split == "train":
+            persist = self.persistent_workers
+            if persist is None:
+                reload = reload_every_n_epochs(self.trainer) if self.trainer is not None else 0
+                persist = keep_workers_alive(1, settings["pin_memory"], reload)
+            return SegmentedDataLoader(
+                dataset, **batching, online=search, persist_after_search=bool(persist), **settings
+            )
+        loader = DataLoader(dataset, **batching, **settings)
+        if search is not None:  # an evaluation loader built while the training loader searches
+            search.follow(loader)
+        return loader
 
     def _stream_order(self, split: str, dataset: IterableDataset[Any], shuffle: bool) -> bool:
         """An IterableDataset orders its own samples: the DataLoader takes no ``shuffle`` for it."""
@@ -168,6 +180,13 @@ class BoostedDataMixin(_DataModule):
         Worker settings are those measured on `tuning_dataset` (the training set when there is
         one, so evaluation loaders reuse the training measurement) unless fixed by hand.
         """
+        return self._settings(tuning_dataset, self.drop_last)[0]
+
+    def _settings(
+        self, tuning_dataset: Dataset[Any], drop_last: bool
+    ) -> tuple[dict[str, Any], OnlineSearch | None]:
+        """`loader_settings`, and the search on the first epoch's own batches when one runs
+        (the settings are then its starting point)."""
         trainer = self.trainer
         hardware = hardware_for(trainer)
         pin = self.pin_memory if self.pin_memory is not None else hardware.is_cuda
@@ -178,17 +197,18 @@ class BoostedDataMixin(_DataModule):
             "worker_init_fn": functools.partial(pl_worker_init_function, rank=rank),
             **self.loader_kwargs,
         }
-        workers, prefetch = self.num_workers, self.prefetch_factor
+        workers, prefetch, search = self.num_workers, self.prefetch_factor, None
         if workers is None:
             train = tuning_dataset is self.train_dataset
             samples = workload(trainer, "train", tuning_dataset, self.batch_size) if train else None
-            choice = self.worker_tuner.choose(
+            choice, search = self.worker_tuner.decide(
                 trainer,
                 tuning_dataset,
                 self.batch_size,
                 settings,
                 samples,
                 "train" if train else "evaluation",
+                epoch_batches(trainer, tuning_dataset, self.batch_size, drop_last) if train else None,
             )
             workers, prefetch = choice.num_workers, prefetch or choice.prefetch_factor
         else:
@@ -201,7 +221,7 @@ class BoostedDataMixin(_DataModule):
             "num_workers": workers,
             "prefetch_factor": prefetch if workers else None,
             "persistent_workers": bool(persistent and workers),
-        }
+        }, search
 
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:

@@ -36,6 +36,9 @@ def choice_findings(source: str, choice: WorkerChoice, loader: str = "") -> list
     )
     detail = {
         "measured": f"Measured {measured}. Tuning took {choice.seconds:.1f} s.",
+        "searched": f"Searched on the first epoch's own training steps, {len(choice.trials)} segment(s):"
+        f" {measured}. Every segment trained the run; the slower settings cost about"
+        f" {choice.seconds:.1f} s against the winner's rate.",
         "cache": "Reused the cached measurement (`retune=True` measures again).",
         "checkpoint": "Restored from the checkpoint; not measured again.",
         "short run": f"Measured {measured}. Tuning took {choice.seconds:.1f} s; a longer run measures"
@@ -44,6 +47,7 @@ def choice_findings(source: str, choice: WorkerChoice, loader: str = "") -> list
         else "Nothing measured: a run this short could not repay it.",
     }.get(choice.source, "")
     startups = [trial.startup_s for trial in choice.trials if trial.ok and trial.num_workers]
+    measured_now = choice.source in ("measured", "searched")
     if startups and choice.source == "measured":
         detail += (
             f" Worker start-up (until one batch per worker arrived): {max(startups):.2f} s at most,"
@@ -51,7 +55,7 @@ def choice_findings(source: str, choice: WorkerChoice, loader: str = "") -> list
         )
     if choice.consumer_samples_per_s and choice.source == "measured":
         detail += f" The training step alone: {choice.consumer_samples_per_s:.0f} samples/s."
-    if choice.skipped and choice.source == "measured":
+    if choice.skipped and measured_now:
         detail += " Not tried: " + "; ".join(choice.skipped) + "."
     if choice.source == "unmeasurable":
         why = choice.reason.removeprefix("not measured: ")
@@ -62,7 +66,7 @@ def choice_findings(source: str, choice: WorkerChoice, loader: str = "") -> list
         ]
     fell_back = choice.reason.startswith("fell back") or choice.source == "error"
     data = {**choice.to_dict(), "cost_s": round(choice.seconds, 3)}
-    plot = worker_plot(choice) if choice.source == "measured" else None
+    plot = worker_plot(choice) if measured_now else None
     if plot is not None:
         data["plot"] = plot
     findings = [
@@ -74,7 +78,7 @@ def choice_findings(source: str, choice: WorkerChoice, loader: str = "") -> list
             detail,
             "Fix the failures below, or set `num_workers` by hand." if fell_back else "",
             data=data,
-            cost=f"{choice.seconds:.1f} s tuning" if choice.source == "measured" else "",
+            cost=f"{choice.seconds:.1f} s tuning" if measured_now else "",
         )
     ]
     for trial in choice.failures:

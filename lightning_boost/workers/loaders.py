@@ -191,6 +191,15 @@ def rebuild_loader(loader: DataLoader[Any], **changes: Any) -> DataLoader[Any]:
         batching = {"batch_size": loader.batch_size, "sampler": loader.sampler, "drop_last": loader.drop_last}
     else:
         batching = {"batch_size": None, "batch_sampler": loader.batch_sampler}
+    kept = loader_options(loader)
+    options = kept | changes
+    if not options["num_workers"]:
+        options.update(prefetch_factor=None, persistent_workers=False, timeout=0)
+    return DataLoader(loader.dataset, **batching, **options)
+
+
+def loader_options(loader: DataLoader[Any]) -> dict[str, Any]:
+    """Every argument of `loader` but its dataset and batching (batch size, sampler, drop_last)."""
     kept = {
         "collate_fn": loader.collate_fn,
         "pin_memory": loader.pin_memory,
@@ -205,7 +214,4 @@ def rebuild_loader(loader: DataLoader[Any], **changes: Any) -> DataLoader[Any]:
     }
     if hasattr(loader, "in_order"):
         kept["in_order"] = loader.in_order
-    options = kept | changes
-    if not options["num_workers"]:
-        options.update(prefetch_factor=None, persistent_workers=False, timeout=0)
-    return DataLoader(loader.dataset, **batching, **options)
+    return kept

@@ -70,6 +70,10 @@ class WorkerTuning:
         skip_short_runs: load in the main process, after one measurement, when the run is too
             short for worker tuning to pay back (`not_worth_measuring`); ``False`` measures anyway
             (to cache the result for a longer run).
+        online: where a training loader's sampler allows it, search on the first epoch's own
+            batches (`lightning_boost.workers.online`: no trial before the fit, every sample
+            trained once); ``False`` times trials of the loader before the fit, as evaluation
+            loaders and streams always are.
 
     Raises:
         TypeError, ValueError: for a value that does not fit its field (a time that is not a
@@ -91,6 +95,7 @@ class WorkerTuning:
     ram_fraction: Fraction = 0.25
     shm_fraction: Fraction = 0.5
     skip_short_runs: bool = True
+    online: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefetch_factors", tuple(self.prefetch_factors))
@@ -154,7 +159,8 @@ class WorkerChoice:
         trials: every trial, in the order measured.
         skipped: candidates left out, each with why (budget, memory, time).
         seconds: time tuning took.
-        source: ``"measured"``, ``"cache"`` or ``"checkpoint"``.
+        source: ``"measured"`` (trials before the fit), ``"searched"`` (on the first epoch's own
+            batches), ``"cache"``, ``"checkpoint"``, ``"short run"``, ...
         consumer_samples_per_s: the training step's own rate the loader was held to, when known.
     """
 

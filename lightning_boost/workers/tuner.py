@@ -32,6 +32,7 @@ from lightning_boost.workers.loaders import (
     measurement_loaders,
 )
 from lightning_boost.workers.model_rates import model_step_rates
+from lightning_boost.workers.online import SegmentPlan, plan_segments, prior_setting, search_online
 from lightning_boost.workers.search import (
     WorkerChoice,
     WorkerTrial,
@@ -47,6 +48,7 @@ from lightning_boost.workers.search import (
     worker_candidates,
     workers_worth_measuring,
 )
+from lightning_boost.workers.segments import OnlineSearch
 
 CACHE_FILE = "workers.json"
 
@@ -67,6 +69,7 @@ class LoaderTuner:
         self.cache_dir = cache_dir
         self.retune = retune
         self.choices: dict[str, WorkerChoice] = {}
+        self.searches: dict[str, OnlineSearch] = {}
         self.findings: list[Finding] = []
         self.restored: set[str] = set()
         self._threads_before: int | None = None
@@ -87,6 +90,22 @@ class LoaderTuner:
         `workload_samples`, what the run will load from it, when known (`run_samples`): a run too
         short for measuring to pay back loads in the main process, and that is not cached.
         """
+        return self.decide(trainer, dataset, batch_size, settings, workload_samples, loader)[0]
+
+    def decide(
+        self,
+        trainer: L.Trainer | None,
+        dataset: Dataset[Any],
+        batch_size: int,
+        settings: Mapping[str, Any],
+        workload_samples: int | None = None,
+        loader: str = "",
+        epoch_batches: int | None = None,
+    ) -> tuple[WorkerChoice, OnlineSearch | None]:
+        """`choose`, or, given the training loader's `epoch_batches` (per rank) and
+        ``WorkerTuning(online=True)``, the prior setting and the search that runs on the first
+        epoch's own batches (`OnlineSearch`). A loader over the same dataset asked for while that
+        search runs (an evaluation loader) gets the prior and the search, to follow its choice."""
         hardware = hardware_for(trainer)
         # the model's step is part of the decision: on a CPU it shares the CPUs with the workers,
         # on a GPU its rate is what the loader must feed
@@ -96,14 +115,25 @@ class LoaderTuner:
             model += f", precision {trainer.precision}"
         parts = fingerprint_parts(hardware, dataset, batch_size, settings, self.tuning, model)
         key = cache.fingerprint(parts)
+        pending = self.searches.get(key)
+        if pending is not None and pending.choice is None:
+            return pending_choice(pending), pending
         choice = self.choices.get(key)
         if choice is None:
             result: dict[str, Any] | None = None
             if trainer is None or trainer.is_global_zero:
-                result = self._decide(hardware, key, dataset, batch_size, settings, trainer, workload_samples)
+                online = (epoch_batches, workload_samples) if self.tuning.online else None
+                result = self._decide(
+                    hardware, key, dataset, batch_size, settings, trainer, workload_samples, online
+                )
             if trainer is not None:
                 result = trainer.strategy.broadcast(result, src=0)
             assert result is not None  # rank zero always decides; the others receive it
+            if "online" in result:
+                search = self._online(trainer, hardware, key, SegmentPlan(**result["online"]), loader)
+                self.searches[key] = search
+                self.configure_segment(hardware, search.prior[0])
+                return pending_choice(search), search
             choice = WorkerChoice.from_dict(result)
             self.choices[key] = choice
             self.findings += choice_findings(self.source, choice, loader)
@@ -111,7 +141,38 @@ class LoaderTuner:
             self.restored.discard(key)
             self.findings += choice_findings(self.source, choice.replace(source="checkpoint"), loader)
         self.apply_process_settings(hardware, choice.num_workers)
-        return choice
+        return choice, None
+
+    def _online(
+        self, trainer: L.Trainer | None, hardware: HardwareInfo, key: str, plan: SegmentPlan, loader: str
+    ) -> OnlineSearch:
+        """The search every rank runs on its own batches, each deciding on rank zero's measurements."""
+        prior = prior_setting(hardware, self.tuning)
+        share = None
+        if trainer is not None and trainer.world_size > 1:
+            strategy = trainer.strategy
+
+            def share(trial: WorkerTrial) -> WorkerTrial:
+                return WorkerTrial(**strategy.broadcast(dataclasses.asdict(trial), src=0))
+
+        def settled(choice: WorkerChoice) -> None:
+            self.choices[key] = choice
+            self.findings += choice_findings(self.source, choice, loader)
+            self.apply_process_settings(hardware, choice.num_workers)
+            searched = len(choice.trials) >= min(plan.max_segments, 2)
+            if searched and (trainer is None or trainer.is_global_zero):
+                path = Path(self.cache_dir or cache.default_cache_dir()) / CACHE_FILE
+                cache.store_entry(path, key, {"choice": choice.to_dict()})
+
+        return OnlineSearch(
+            search_online(hardware, self.tuning, plan, prior),
+            plan,
+            self.tuning,
+            prior,
+            share=share,
+            configure=lambda count: self.configure_segment(hardware, count),
+            settled=settled,
+        )
 
     def _decide(
         self,
@@ -122,8 +183,11 @@ class LoaderTuner:
         settings: Mapping[str, Any],
         trainer: L.Trainer | None,
         workload_samples: int | None,
+        online: tuple[int | None, int | None] | None = None,
     ) -> dict[str, Any]:
-        """Rank zero: the cached choice, else a measured one; never raises (the others are waiting)."""
+        """Rank zero: the cached choice, else the plan of a search on the run's own batches
+        (`online`: the epoch's and the run's batches), else a measured one; never raises (the
+        others are waiting)."""
         try:
             checking = debugging_mode(trainer) if trainer is not None else ""
             if checking:  # nothing a check of a few batches could repay
@@ -138,6 +202,15 @@ class LoaderTuner:
                 cached = self._cached(path, key)
                 if cached is not None:
                     return cached.to_dict()
+            if online is not None and online[0] is not None:
+                epoch_batches, samples = online
+                run_batches = None if samples is None else -(-samples // batch_size)
+                plan = plan_segments(epoch_batches, run_batches, hardware.cpus_per_process)
+                if not plan.why_not:
+                    return {"online": dataclasses.asdict(plan)}
+                workers, factor = prior_setting(hardware, self.tuning)
+                reason = f"{workers} workers, not searched: {plan.why_not}"
+                return WorkerChoice(workers, factor, reason, source="short run").to_dict()
             choice = self._measure(hardware, dataset, batch_size, settings, trainer, workload_samples)
             if choice.source == "measured":  # a short run's shortcut would shortchange a long one
                 cache.store_entry(path, key, {"choice": choice.to_dict()})
@@ -228,6 +301,26 @@ class LoaderTuner:
             return rates, tuning, []
         return rates, dataclasses.replace(tuning, max_workers=cap), [why]
 
+    def configure_segment(self, hardware: HardwareInfo, num_workers: int) -> None:
+        """Before a search segment at `num_workers`: the open-file limit, and on a CPU run the
+        model's threads on the CPUs the workers leave (all it had, with none)."""
+        plan = open_files_plan(hardware, num_workers)
+        if plan is not None and self._files_before is None:
+            self._files_before = (
+                resource.getrlimit(resource.RLIMIT_NOFILE),
+                torch.multiprocessing.get_sharing_strategy(),
+            )
+            apply_open_files_plan(*plan)
+        if hardware.accelerator != "cpu":
+            return
+        if self._threads_before is None:
+            self._threads_before = torch.get_num_threads()
+        before = self._threads_before
+        threads = (
+            min(model_threads(hardware.cpus_per_process, num_workers), before) if num_workers else before
+        )
+        torch.set_num_threads(threads)
+
     def apply_process_settings(self, hardware: HardwareInfo, num_workers: int) -> None:
         """Open-file limit and, on a CPU run, the model's threads beside the workers."""
         plan = open_files_plan(hardware, num_workers)
@@ -288,6 +381,12 @@ def _beside_model(
         f" {model} samples/s; the loader's: {trial.samples_per_s:.0f})"
     )
     return choice.replace(num_workers=trial.num_workers, prefetch_factor=trial.prefetch_factor, reason=reason)
+
+
+def pending_choice(search: OnlineSearch) -> WorkerChoice:
+    """What a loader starts with while `search` runs: its prior setting."""
+    workers, factor = search.prior
+    return WorkerChoice(workers, factor, "searching on the first epoch's own batches", source="online")
 
 
 def device_transfer(trainer: L.Trainer) -> Callable[[Any], Any]:
@@ -351,3 +450,22 @@ def workload(trainer: L.Trainer | None, split: str, dataset: Dataset[Any], batch
         trainer.accumulate_grad_batches,
         trainer.check_val_every_n_epoch,
     )
+
+
+def epoch_batches(
+    trainer: L.Trainer | None, dataset: Dataset[Any], batch_size: int, drop_last: bool
+) -> int | None:
+    """Training batches per epoch on each rank (the distributed sampler's share, Lightning's
+    ``limit_train_batches``); ``None`` without a trainer or a dataset length."""
+    try:
+        length = len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    if trainer is None:
+        return None
+    per_rank = -(-length // max(trainer.world_size, 1))
+    batches = per_rank // batch_size if drop_last else -(-per_rank // batch_size)
+    limit = trainer.limit_train_batches
+    if limit is None:
+        return batches
+    return int(batches * limit) if isinstance(limit, float) else min(batches, int(limit))

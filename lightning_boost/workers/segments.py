@@ -1,0 +1,263 @@
+"""The first epoch cut into segments of its own batches, each loaded at one worker setting.
+
+`SegmentedDataLoader` is a ``DataLoader`` (its length, sampler and arguments are the user's, so
+Lightning treats it as one, distributed sampler included) whose iteration, while an
+`OnlineSearch` is pending, draws the epoch's batches from its own batch sampler in order and
+hands consecutive runs of them to short-lived loaders at the settings the search asks for. Every
+batch the sampler gives is yielded once, in its order: the batches of a segment are taken from
+the sampler before its loader starts, and a segment whose workers fail hands the batches it had
+not delivered to a loader at the last setting that worked. The global RNG is drawn as a plain
+``DataLoader`` draws it (one base seed, then the sampler), so the epoch's order is the one the
+same run without tuning would have seen; each segment's workers get their own seeds.
+
+Once the search has settled, the loader takes the winning setting and iterates as a plain
+``DataLoader`` from then on (persistent workers included).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_boost.workers.loaders import loader_options
+from lightning_boost.workers.online import SegmentPlan, Setting, choose_online
+from lightning_boost.workers.search import (
+    WorkerChoice,
+    WorkerTrial,
+    WorkerTuning,
+    describe_failure,
+    tensor_bytes,
+)
+
+Clock = Callable[[], float]
+
+
+class OnlineSearch:
+    """One pending worker search over the first epoch's batches.
+
+    Args:
+        search: the `search_online` generator (not started).
+        plan: the segment length and count.
+        tuning: the tuning the search runs with (its tolerance decides an early end).
+        prior: the setting the search starts at (loaders built before it settles use it).
+        share: what every rank uses of a trial (rank zero's, broadcast; the identity alone).
+            Called once per segment, at the same batch on every rank.
+        configure: applies a setting's process side before its segment (the model's threads).
+        settled: told the choice once the search ends.
+        clock: the time source.
+    """
+
+    def __init__(
+        self,
+        search: Generator[Setting, WorkerTrial, WorkerChoice],
+        plan: SegmentPlan,
+        tuning: WorkerTuning,
+        prior: Setting,
+        *,
+        share: Callable[[WorkerTrial], WorkerTrial] | None = None,
+        configure: Callable[[int], None] = lambda num_workers: None,
+        settled: Callable[[WorkerChoice], None] = lambda choice: None,
+        clock: Clock = time.perf_counter,
+    ) -> None:
+        self.search = search
+        self.plan = plan
+        self.tuning = tuning
+        self.share = share or (lambda trial: trial)
+        self.configure = configure
+        self.on_settled = settled
+        self.clock = clock
+        self.choice: WorkerChoice | None = None
+        self.prior = prior
+        self.followers: list[DataLoader[Any]] = []
+        self._trials: list[WorkerTrial] = []
+
+    def follow(self, loader: DataLoader[Any]) -> None:
+        """Give `loader` (an evaluation loader built at the prior) the winning setting too."""
+        if self.choice is not None:
+            apply_setting(loader, self.choice)
+        else:
+            self.followers.append(loader)
+
+    def epoch(self, loader: DataLoader[Any]) -> Iterator[Any]:
+        """The epoch of `loader`: segments at the settings the search asks for, then the rest at
+        the winner. Each segment's loader starts while the one before delivers its last batch."""
+        seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+        batches = iter(loader.batch_sampler)  # type: ignore[arg-type]  # after the seed, as DataLoader draws
+        first = next(self.search)
+        setting: Setting | None = first
+        chunk = list(itertools.islice(batches, self.plan.segment_batches))
+        stream = self._start(loader, chunk, first, seed)
+        last_good: Setting = (0, None)
+        try:
+            while setting is not None and chunk:
+                self.configure(setting[0])
+                timing = _Timing(setting, chunk, self.clock)
+                following: tuple[Setting | None, list[list[int]], Iterator[Any]] = (None, [], iter(()))
+                fallback = functools.partial(self._resume, loader, chunk, last_good, seed + 1)
+                for batch in timing.run(stream, fallback):
+                    if timing.arrived == len(chunk):  # the last: decide and start the next before its step
+                        following = self._advance(loader, timing, batches, seed + 2 + len(self._trials))
+                    yield batch
+                if not timing.failed:
+                    last_good = setting
+                setting, chunk, stream = following
+            choice = self._settle([loader])
+            rest = itertools.chain(chunk, batches)  # the epoch's remaining batches, in order
+            yield from self._start(loader, rest, (choice.num_workers, choice.prefetch_factor), seed + 1)
+        finally:
+            if self.choice is None:  # the fit stopped during the search (max_steps, an error)
+                self._settle([loader])
+
+    def _advance(
+        self, loader: DataLoader[Any], timing: _Timing, batches: Iterator[list[int]], seed: int
+    ) -> tuple[Setting | None, list[list[int]], Iterator[Any]]:
+        """The segment's trial to the search; the next segment's setting, batches and loader."""
+        trial = self.share(timing.trial())
+        self._trials.append(trial)
+        try:
+            setting = self.search.send(trial)
+        except StopIteration as stop:
+            self.choice = stop.value
+            return None, [], iter(())
+        chunk = list(itertools.islice(batches, self.plan.segment_batches))
+        return setting, chunk, self._start(loader, chunk, setting, seed) if chunk else iter(())
+
+    def _start(
+        self, loader: DataLoader[Any], batches: Iterable[list[int]], setting: Setting, seed: int
+    ) -> Iterator[Any]:
+        return start_loader(loader, batches, setting, seed, self.tuning.timeout_s)
+
+    def _resume(
+        self, loader: DataLoader[Any], chunk: list[list[int]], setting: Setting, seed: int, done: int
+    ) -> Iterator[Any]:
+        return self._start(loader, chunk[done:], setting, seed)
+
+    def _settle(self, loaders: list[DataLoader[Any]]) -> WorkerChoice:
+        """The choice (what was measured, when the search ended early), applied everywhere."""
+        if self.choice is None:
+            self.search.close()
+            self.choice = choose_online(self._trials, self.tuning)
+        for loader in [*loaders, *self.followers]:
+            apply_setting(loader, self.choice)
+        self.followers.clear()
+        self.configure(self.choice.num_workers)
+        self.on_settled(self.choice)
+        return self.choice
+
+
+class _Timing:
+    """One segment's batches as they arrive: when each came, and whether its workers failed."""
+
+    def __init__(self, setting: Setting, chunk: list[list[int]], clock: Clock) -> None:
+        self.setting = setting
+        self.chunk = chunk
+        self.clock = clock
+        self.started = clock()
+        self.times: list[float] = []
+        self.arrived = 0
+        self.failed = ""
+        self.batch_bytes = 0
+
+    def run(self, stream: Iterator[Any], fallback: Callable[[int], Iterator[Any]]) -> Iterator[Any]:
+        """Yield the segment's batches in order; if its workers fail, the rest from `fallback`
+        (a loader at the last setting that worked), untimed."""
+        while self.arrived < len(self.chunk):
+            try:
+                batch = next(stream)
+            except Exception as err:
+                if self.setting[0] == 0 or self.failed:
+                    raise  # the dataset's own error, not a worker's: the user must see it
+                self.failed = describe_failure(err)
+                stream = fallback(self.arrived)  # the workers of the failed loader shut down with it
+                continue
+            if not self.failed:
+                self.times.append(self.clock())
+            if self.arrived == 0:
+                self.batch_bytes = tensor_bytes(batch)
+            self.arrived += 1
+            yield batch
+
+    def trial(self) -> WorkerTrial:
+        """Samples per second from the first batch's arrival to the last's (the steps between
+        included), or the failure."""
+        workers, factor = self.setting
+        seconds = self.clock() - self.started
+        if self.failed or len(self.times) < 2:
+            error = self.failed or "too few batches to time"
+            return WorkerTrial(workers, factor, 0.0, seconds, self.batch_bytes, error)
+        samples = sum(len(batch) for batch in self.chunk[: len(self.times) - 1])  # the steps timed
+        rate = samples / max(self.times[-1] - self.times[0], 1e-9)
+        return WorkerTrial(
+            workers, factor, rate, seconds, self.batch_bytes, startup_s=self.times[0] - self.started
+        )
+
+
+def start_loader(
+    loader: DataLoader[Any], batches: Iterable[list[int]], setting: Setting, seed: int, timeout_s: float
+) -> Iterator[Any]:
+    """An iterator over `batches` of `loader`'s dataset at `setting`, its workers started now."""
+    workers, factor = setting
+    options = loader_options(loader) | {
+        "num_workers": workers,
+        "prefetch_factor": factor if workers else None,
+        "persistent_workers": False,
+        "timeout": (loader.timeout or timeout_s) if workers else 0,
+        "generator": torch.Generator().manual_seed(seed & ((1 << 63) - 1)),
+    }
+    return iter(DataLoader(loader.dataset, batch_sampler=_Once(batches), **options))
+
+
+class _Once:
+    """A batch sampler over given index lists (iterated once)."""
+
+    def __init__(self, batches: Iterable[list[int]]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+
+def apply_setting(loader: DataLoader[Any], choice: WorkerChoice) -> None:
+    """Give `loader` the chosen worker setting from its next iteration on."""
+    loader.num_workers = choice.num_workers
+    loader.prefetch_factor = choice.prefetch_factor if choice.num_workers else None
+    # DataLoader refuses `persistent_workers` after construction; this loader has no iterator yet
+    object.__setattr__(loader, "persistent_workers", bool(choice.num_workers) and _persists(loader))
+    loader._iterator = None
+
+
+def _persists(loader: DataLoader[Any]) -> bool:
+    return bool(getattr(loader, "persist_after_search", True))
+
+
+class SegmentedDataLoader(DataLoader[Any]):
+    """A ``DataLoader`` whose first epoch searches worker settings on its own batches (`OnlineSearch`).
+
+    Takes every ``DataLoader`` argument, plus `online` (the pending search; ``None``: a plain
+    ``DataLoader``) and `persist_after_search` (keep the winner's workers between epochs).
+    """
+
+    def __init__(
+        self, *args: Any, online: OnlineSearch | None = None, persist_after_search: bool = True, **kwargs: Any
+    ) -> None:
+        super().__init__(*args, **kwargs)
+        self.online = online
+        self.persist_after_search = persist_after_search
+
+    def __iter__(self) -> Any:
+        online = self.online
+        if online is None or online.choice is not None or self.batch_sampler is None:
+            if (
+                online is not None
+                and online.choice is not None
+                and self.num_workers != online.choice.num_workers
+            ):
+                apply_setting(self, online.choice)  # a copy Lightning made before the search settled
+            return super().__iter__()
+        return online.epoch(self)

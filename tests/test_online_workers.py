@@ -1,0 +1,329 @@
+"""Workers searched on the first epoch's own batches (issue 30): the pure search, and real fits that
+check every sample is trained exactly once, in the sampler's order, whatever the search switches."""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
+from typing_extensions import override
+
+from lightning_boost import BoostedDataModule, WorkerTuning
+from lightning_boost.hardware import EXAMPLES
+from lightning_boost.testing import BoringModel, tiny_trainer
+from lightning_boost.workers.online import (
+    SegmentPlan,
+    choose_online,
+    plan_segments,
+    prior_setting,
+    search_online,
+)
+from lightning_boost.workers.search import WorkerChoice, WorkerTrial
+from lightning_boost.workers.segments import OnlineSearch, SegmentedDataLoader
+
+#: At most 2 workers whatever the machine, so the candidates (0, 1, 2) are the same on every CI box.
+TUNING = WorkerTuning(max_workers=2, timeout_s=20.0)
+SAMPLES = 480  # batch 4: 120 batches an epoch, so 10 % of it holds three segments of 4
+
+
+def _run(rate: Any, hardware: Any = None, plan: SegmentPlan | None = None, prior: Any = None) -> Any:
+    plan = plan or SegmentPlan(8, 8)
+    hardware = hardware or EXAMPLES["h100"]
+    search = search_online(hardware, WorkerTuning(), plan, prior or prior_setting(hardware, WorkerTuning()))
+    setting, measured = next(search), []
+    try:
+        while True:
+            measured.append(setting[0])
+            setting = search.send(WorkerTrial(setting[0], setting[1], rate(setting[0]), seconds=1.0))
+    except StopIteration as stop:
+        return measured, stop.value
+
+
+def test_the_search_finds_the_smallest_count_that_feeds_the_step() -> None:
+    measured, choice = _run(lambda n: min(300.0 * n, 2000.0) if n else 250.0)
+    assert choice.num_workers == 8 and choice.source == "searched"
+    assert measured[0] == 15 and len(measured) <= 5  # from the prior (the CPU budget) down
+
+
+def test_the_search_sees_workers_slow_the_training_process() -> None:
+    """The contention a loader timed alone cannot show: past 6 workers the training process loses
+    CPU to them (the H100 demo: the loader alone 17.5k samples/s, training with 15 workers 8.3k)."""
+    rate = lambda n: min(1500.0 * n, 9000.0) * (1 - 0.05 * max(n - 6, 0)) if n else 900.0  # noqa: E731
+    measured, choice = _run(rate)
+    assert choice.num_workers == 6, measured
+    assert rate(choice.num_workers) >= 0.95 * max(rate(n) for n in range(16))
+
+
+def test_a_cpu_run_starts_without_workers_and_measures_each_count() -> None:
+    cpu = EXAMPLES["cpu"].replace(cpus_available=2)
+    measured, choice = _run(lambda n: {0: 430.0, 1: 340.0, 2: 330.0}[n], cpu, prior=(0, None))
+    assert measured == [0, 2, 1] and choice.num_workers == 0
+    measured, choice = _run(lambda n: {0: 280.0, 1: 480.0, 2: 470.0}[n], cpu, prior=(0, None))
+    assert choice.num_workers == 1
+
+
+def test_the_search_stops_at_the_planned_segments() -> None:
+    measured, choice = _run(lambda n: 100.0 * (n + 1), plan=SegmentPlan(8, 2))
+    assert len(measured) == 2 and choice.num_workers in measured
+
+
+@pytest.mark.parametrize(
+    ("epoch", "run", "expected"),
+    [(1000, None, (32, 3)), (128, 256, (4, 3)), (128, 40, None), (None, None, None), (60, None, None)],
+)
+def test_the_plan_takes_a_tenth_of_the_first_epoch(epoch: Any, run: Any, expected: Any) -> None:
+    plan = plan_segments(epoch, run, cpus=2)
+    if expected is None:
+        assert plan.why_not and plan.max_segments == 0
+    else:
+        assert (plan.segment_batches, plan.max_segments) == expected
+        assert plan.segment_batches * plan.max_segments <= 0.1 * min(epoch, run or epoch)
+
+
+def test_a_failed_candidate_is_dropped_and_nothing_ran_falls_back() -> None:
+    trials = [WorkerTrial(0, None, 400.0), WorkerTrial(2, 2, 0.0, error="crashed: killed")]
+    assert choose_online(trials, WorkerTuning()).num_workers == 0
+    choice = choose_online([WorkerTrial(2, 2, 0.0, error="hung: timed out")], WorkerTuning())
+    assert choice.num_workers == 0 and "fell back" in choice.reason
+
+
+class IndexedData(Dataset[tuple[Tensor, int]]):
+    """Sample ``i`` is ``(features, i)``; with `crash_in_workers`, loading in a worker process
+    kills it (a dataset that cannot be loaded in workers), loading in the main process works."""
+
+    def __init__(self, length: int = SAMPLES, crash_in_workers: bool = False) -> None:
+        self.length = length
+        self.crash_in_workers = crash_in_workers
+        self.main_pid = os.getpid()
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        if self.crash_in_workers and os.getpid() != self.main_pid:
+            os._exit(1)
+        return torch.full((8,), float(index % 7)), index
+
+
+class Recorder(BoringModel):
+    """Records the sample indices of each training batch, per epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 2)
+        self.seen: dict[int, list[int]] = {}
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.seen.setdefault(self.current_epoch, []).extend(batch[1].tolist())
+        return self.layer(batch[0]).square().mean()
+
+    @override
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.log("val_loss", self.layer(batch[0]).square().mean())
+
+
+class Data(BoostedDataModule):
+    def __init__(self, dataset: Dataset[Any] | None = None, val: bool = False, **kwargs: Any) -> None:
+        kwargs.setdefault("worker_tuning", TUNING)
+        kwargs.setdefault("batch_size", 4)
+        super().__init__(**kwargs)
+        self.dataset = dataset if dataset is not None else IndexedData()
+        self.val = val
+
+    @override
+    def setup(self, stage: str) -> None:
+        self.train_dataset = self.dataset
+        if self.val:
+            self.val_dataset = IndexedData(16)
+
+
+def _fit(tmp_path: Path, data: BoostedDataModule, seed: int = 0, **options: Any) -> Recorder:
+    defaults = {
+        "limit_train_batches": 1.0,
+        "limit_val_batches": 1.0,
+        "logger": False,
+        "enable_checkpointing": False,
+    }
+    L.seed_everything(seed, verbose=False)
+    model = Recorder()
+    tiny_trainer(tmp_path, **(defaults | options)).fit(model, datamodule=data)
+    return model
+
+
+def _by_hand(tmp_path: Path, length: int = SAMPLES, **options: Any) -> dict[int, list[int]]:
+    """The order a run told its loader settings by hand (no tuning) trains in, per epoch."""
+    data = {key: options.pop(key) for key in ("shuffle", "drop_last", "val") if key in options}
+    return _fit(tmp_path / "by_hand", Data(IndexedData(length), num_workers=0, **data), **options).seen
+
+
+def _searched(data: BoostedDataModule) -> WorkerChoice:
+    (choice,) = data.worker_tuner.choices.values()
+    assert choice.source == "searched", choice
+    return choice
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_each_epoch_trains_the_samplers_batches_in_its_order(
+    tmp_path: Path, shuffle: bool, drop_last: bool
+) -> None:
+    data = Data(IndexedData(SAMPLES + 2), shuffle=shuffle, drop_last=drop_last)
+    model = _fit(tmp_path, data, max_epochs=2)
+    choice = _searched(data)
+    assert len(choice.trials) == 3 and {t.num_workers for t in choice.trials} == {0, 1, 2}
+    expected = _by_hand(tmp_path, SAMPLES + 2, max_epochs=2, shuffle=shuffle, drop_last=drop_last)
+    assert model.seen == expected  # the same samples, once each, in the order of a run not tuned
+
+
+def test_limits_and_max_steps_end_the_search_cleanly(tmp_path: Path) -> None:
+    model = _fit(tmp_path, Data(IndexedData(4000)), limit_train_batches=0.2, max_epochs=2)
+    assert [len(model.seen[e]) for e in (0, 1)] == [800, 800]
+    data = Data(IndexedData(4000))
+    model = _fit(tmp_path, data, max_steps=30, max_epochs=-1)  # ends during the search's segments
+    assert model.seen[0] == _by_hand(tmp_path, 4000, max_steps=30, max_epochs=-1)[0]
+    assert not data.worker_tuner.findings or data.worker_tuner.choices  # settled on what it measured
+
+
+def test_len_and_persistent_workers_after_the_search(tmp_path: Path) -> None:
+    class Loaders(L.Callback):
+        def __init__(self) -> None:
+            self.seen: list[tuple[int, int, bool]] = []
+
+        @override
+        def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            loader = trainer.train_dataloader
+            self.seen.append((len(loader), loader.num_workers, loader.persistent_workers))  # type: ignore[arg-type, union-attr]
+
+    data = Data(IndexedData(SAMPLES, crash_in_workers=False), shuffle=True)
+    callback = Loaders()
+    _fit(tmp_path, data, max_epochs=2, callbacks=[callback])
+    choice = _searched(data)
+    assert [length for length, _, _ in callback.seen] == [SAMPLES // 4] * 2
+    assert all(workers == choice.num_workers for _, workers, _ in callback.seen)
+    assert all(persistent == bool(choice.num_workers) for _, _, persistent in callback.seen)
+
+
+def test_a_crashing_worker_drops_its_candidate_and_loses_no_sample(tmp_path: Path) -> None:
+    data = Data(IndexedData(SAMPLES, crash_in_workers=True), shuffle=False)
+    model = _fit(tmp_path, data, max_epochs=1)
+    choice = _searched(data)
+    assert choice.num_workers == 0
+    assert any("crashed" in trial.error or "exited" in trial.error for trial in choice.trials), choice.trials
+    assert model.seen[0] == list(range(SAMPLES))
+
+
+def test_the_evaluation_loader_follows_and_reloading_reuses_the_choice(tmp_path: Path) -> None:
+    data = Data(val=True)
+    model = _fit(tmp_path, data, max_epochs=2, reload_dataloaders_every_n_epochs=1)
+    choice = _searched(data)
+    assert model.seen == _by_hand(tmp_path, max_epochs=2, reload_dataloaders_every_n_epochs=1, val=True)
+    trainer = data.trainer
+    assert trainer is not None
+    assert trainer.val_dataloaders.num_workers == choice.num_workers  # type: ignore[union-attr]
+
+
+def test_a_warm_cache_starts_at_the_cached_setting(tmp_path: Path) -> None:
+    first = Data()
+    _fit(tmp_path, first, max_epochs=1)
+    second = Data()
+    model = _fit(tmp_path, second, max_epochs=1)
+    (choice,) = second.worker_tuner.choices.values()
+    assert choice.source == "cache" and choice.num_workers == _searched(first).num_workers
+    assert model.seen[0] == _by_hand(tmp_path, max_epochs=1)[0]
+
+
+def test_resuming_reuses_the_checkpointed_choice(tmp_path: Path) -> None:
+    data = Data()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    _fit(tmp_path, data, max_epochs=1, enable_checkpointing=True, callbacks=[checkpoint])
+    trainer_dir = tmp_path / "resumed"
+    L.seed_everything(0, verbose=False)
+    resumed_data = Data(retune=True)  # no cache read: the setting comes from the checkpoint
+    model = Recorder()
+    again = ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)
+    trainer = tiny_trainer(
+        trainer_dir, max_epochs=2, limit_train_batches=1.0, logger=False, callbacks=[again]
+    )
+    with warnings.catch_warnings():  # the run it resumes wrote there: Lightning says so
+        warnings.filterwarnings("ignore", "Checkpoint directory .* exists and is not empty")
+        trainer.fit(model, datamodule=resumed_data, ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
+    (choice,) = resumed_data.worker_tuner.choices.values()
+    assert choice.num_workers == _searched(data).num_workers
+    assert sorted(model.seen[1]) == list(range(SAMPLES))
+
+
+class Stream(IterableDataset[tuple[Tensor, int]]):
+    def __iter__(self) -> Any:
+        return iter([(torch.zeros(8), i) for i in range(SAMPLES)])
+
+
+def test_a_stream_is_not_split(tmp_path: Path) -> None:
+    """An IterableDataset has no sampler to split: it loads as the user set it, unsearched."""
+    data = Data(Stream(), shuffle=False)
+    model = _fit(tmp_path, data, max_epochs=1)
+    assert model.seen[0] == list(range(SAMPLES))
+    assert not data.worker_tuner.searches
+    assert any("not measured" in f.title for f in data.findings)
+
+
+def test_a_short_first_epoch_is_not_searched(tmp_path: Path) -> None:
+    data = Data(IndexedData(64))
+    _fit(tmp_path, data, max_epochs=3)
+    (choice,) = data.worker_tuner.choices.values()
+    assert choice.source == "short run" and "cannot time two settings" in choice.reason
+
+
+def test_the_segment_driver_alone_yields_each_batch_once() -> None:
+    """`OnlineSearch` over a plain loader, no Lightning: the driver's own contract."""
+    dataset = TensorDataset(torch.arange(200))
+    hardware = EXAMPLES["cpu"].replace(cpus_available=2)
+    plan = SegmentPlan(4, 3)
+    settled: list[WorkerChoice] = []
+    search = OnlineSearch(
+        search_online(hardware, TUNING, plan, (0, None)), plan, TUNING, (0, None), settled=settled.append
+    )
+    loader = SegmentedDataLoader(dataset, batch_size=3, shuffle=True, online=search)
+    torch.manual_seed(0)
+    seen = [int(i) for (batch,) in loader for i in batch]
+    torch.manual_seed(0)
+    assert seen == [int(i) for (batch,) in DataLoader(dataset, batch_size=3, shuffle=True) for i in batch]
+    assert len(settled) == 1 and len(settled[0].trials) == 3
+    assert loader.num_workers == settled[0].num_workers
+
+
+class _SaveSeen(L.Callback):
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        assert isinstance(pl_module, Recorder) and isinstance(trainer.datamodule, Data)
+        choices = {k: c.to_dict() for k, c in trainer.datamodule.worker_tuner.choices.items()}
+        payload = {"seen": pl_module.seen, "choices": choices}
+        (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(payload))
+
+
+@pytest.mark.ddp
+def test_two_ranks_search_together_and_each_trains_its_share_once(tmp_path: Path) -> None:
+    data = Data(IndexedData(2 * SAMPLES))
+    options = {"callbacks": [_SaveSeen(tmp_path)], "devices": 2, "strategy": "ddp_spawn", "max_epochs": 2}
+    _fit(tmp_path, data, **options)
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["choices"] == ranks[1]["choices"]  # rank zero's measurements decided for both
+    (choice,) = ranks[0]["choices"].values()
+    assert choice["source"] == "searched" and len(choice["trials"]) >= 2  # one CPU each: 0 and 1 workers
+    for rank, saved in enumerate(ranks):
+        for epoch in (0, 1):
+            sampler = DistributedSampler(range(2 * SAMPLES), num_replicas=2, rank=rank, shuffle=True, seed=0)
+            sampler.set_epoch(epoch)
+            assert saved["seen"][str(epoch)] == list(sampler)
