@@ -106,11 +106,11 @@ def run(samples: int = 32768, batch_size: int = 64) -> list[Row]:
         rates["boosted (warm cache)"] = _fit(warm, root)
     best_n = max(sweep, key=lambda n: sweep[n])
     epoch_seconds = samples / rates["boosted"]
-    boosted_mean = (rates["boosted"] + rates["boosted (warm cache)"]) / 2
     swept = ", ".join(f"{n}: {rate:.0f}" for n, rate in sweep.items())
+    searched = ", ".join(f"{t.num_workers}: {t.samples_per_s:.0f}" for t in choice.trials)
     common = (
         f"{samples} FakeData images, heavy CPU augmentation, SmallCNN, batch {batch_size}, one epoch each; "
-        f"tuned num_workers={choice.num_workers}, prefetch_factor={choice.prefetch_factor}"
+        f"tuned num_workers={choice.num_workers}, prefetch_factor={choice.prefetch_factor} ({choice.source})"
     )
     return [
         Row("data-bound: boosted / plain defaults", rates["boosted"] / rates["plain"],
@@ -118,13 +118,18 @@ def run(samples: int = 32768, batch_size: int = 64) -> list[Row]:
         Row("data-bound: boosted / Lightning's suggested num_workers", rates["boosted"] / rates["suggested"],
             f"samples/s {rates['boosted']:.0f} vs {rates['suggested']:.0f} (num_workers={suggested})",
             COMMAND),
-        Row("data-bound: boosted / best of an exhaustive num_workers sweep (target >= 0.95)",
-            boosted_mean / sweep[best_n],
-            f"boosted samples/s {rates['boosted']:.0f} (cold cache) and {rates['boosted (warm cache)']:.0f} "
-            f"(warm), mean vs the sweep's best; sweep samples/s by num_workers {{{swept}}}", COMMAND),
+        Row("data-bound: cold first epoch, search included / best of an exhaustive sweep (target >= 0.95)",
+            rates["boosted"] / sweep[best_n],
+            f"boosted samples/s {rates['boosted']:.0f} from a cold cache, the search's segments (samples/s by"
+            f" num_workers: {searched}) inside the epoch; sweep by num_workers {{{swept}}}", COMMAND),
+        Row("data-bound: settled setting's epoch (warm cache) / best of the sweep (target >= 0.97)",
+            rates["boosted (warm cache)"] / sweep[best_n],
+            f"samples/s {rates['boosted (warm cache)']:.0f} at the cached num_workers={choice.num_workers}"
+            f" vs the sweep's best {sweep[best_n]:.0f} (num_workers={best_n})", COMMAND),
         Row("data-bound: tuning time / one epoch (target <= 0.10)", choice.seconds / epoch_seconds,
-            f"cold-cache tuning {choice.seconds:.1f} s, epoch {epoch_seconds:.1f} s; "
-            f"warm-cache tuning {warm_seconds:.2f} s (target <= 1 s)", COMMAND),
+            f"cold cache: the search's slower segments cost {choice.seconds:.1f} s against the winner's"
+            f" rate, nothing is timed before the fit; epoch {epoch_seconds:.1f} s; warm-cache tuning"
+            f" {warm_seconds:.2f} s (target <= 1 s)", COMMAND),
     ]  # fmt: skip
 
 

@@ -11,11 +11,16 @@ slower sets the pace), no workers take turns with the step. The data-bound sweep
 end to end, so there the curve itself is the training rate. Each setting the search chooses is
 compared with the best of an exhaustive sweep of the same curve (``ratio``) and with Lightning's
 hint ``num_workers = CPUs per process - 1`` (``vs_hint``).
+The search on the run's own batches (``online``, `lightning_boost.workers.online`) is replayed
+too: each segment measures the training rate itself, and the H100 curves get a contention model
+(`contention`) in which workers past half the CPUs slow the whole pipeline, down to the 0.47x the
+demo trained at with 15 workers (8.3k samples/s where its loader alone gave 17.5k, the step 41.8k).
 Run: ``python -m benchmarks worker_replay``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import random
@@ -24,6 +29,7 @@ from pathlib import Path
 
 from benchmarks.common import Row
 from lightning_boost.hardware import EXAMPLES, MIB, HardwareInfo
+from lightning_boost.workers.online import plan_segments, prior_setting, search_online
 from lightning_boost.workers.search import WorkerChoice, WorkerTrial, WorkerTuning, search_workers
 
 COMMAND = "python -m benchmarks worker_replay"
@@ -50,6 +56,7 @@ class Scenario:
     loader: dict[int, float]
     consumer: float | None = None
     end_to_end: bool = False
+    contended: bool = False
 
     def loader_rate(self, workers: int) -> float:
         counts = sorted(self.loader)
@@ -68,7 +75,8 @@ class Scenario:
             return loader
         if workers == 0:
             return 1 / (1 / loader + 1 / self.consumer)
-        return min(loader, self.consumer)
+        pace = min(loader, self.consumer)
+        return pace * contention(workers, self.hardware.cpus_per_process) if self.contended else pace
 
     @property
     def counts(self) -> range:
@@ -121,6 +129,31 @@ def replay(scenario: Scenario, seed: int, noise: float = NOISE) -> WorkerChoice:
     return search_workers(measure, scenario.hardware, tuning, clock=lambda: 0.0)
 
 
+def contention(workers: int, cpus: int, at_budget: float = 8.3 / 17.5) -> float:
+    """The share of its pace a pipeline keeps beside `workers` workers: 1 up to half the CPUs,
+    then falling linearly to `at_budget` at ``cpus - 1`` workers (the H100 demo's 15)."""
+    half = cpus // 2
+    if workers <= half or cpus - 1 <= half:
+        return 1.0
+    return 1 - (1 - at_budget) * min(1.0, (workers - half) / (cpus - 1 - half))
+
+
+def replay_online(scenario: Scenario, seed: int, noise: float = NOISE) -> WorkerChoice:
+    """One cold search on the run's own batches: each segment measures the training rate."""
+    draws = random.Random(seed)
+    tuning = WorkerTuning()
+    hardware = scenario.hardware
+    plan = plan_segments(10_000, None, hardware.cpus_per_process)
+    search = search_online(hardware, tuning, plan, prior_setting(hardware, tuning))
+    setting = next(search)
+    try:
+        while True:
+            rate = scenario.trains_at(setting[0]) * draws.uniform(1 - noise, 1 + noise)
+            setting = search.send(WorkerTrial(setting[0], setting[1], rate, 1.0, batch_bytes=MIB))
+    except StopIteration as stop:
+        return stop.value
+
+
 def measured_scenarios(path: Path = MEASUREMENTS) -> list[Scenario]:
     """The H100 machine's curves: the data-bound sweep, and the demo's loader with the step's rate
     at each batch size measured (64, 128 and 256 in fp32 as the demo tuned; 256 and 1024 bf16)."""
@@ -161,16 +194,29 @@ def made_up_scenarios() -> list[Scenario]:
     return scenarios
 
 
-def outcomes(scenarios: list[Scenario], seeds: tuple[int, ...] = SEEDS) -> list[Outcome]:
-    return [Outcome(s, tuple(replay(s, seed) for seed in seeds)) for s in scenarios]
+def outcomes(
+    scenarios: list[Scenario], seeds: tuple[int, ...] = SEEDS, online: bool = False
+) -> list[Outcome]:
+    search = replay_online if online else replay
+    return [Outcome(s, tuple(search(s, seed) for seed in seeds)) for s in scenarios]
+
+
+def contended(scenarios: list[Scenario]) -> list[Scenario]:
+    return [dataclasses.replace(s, contended=True, name=f"{s.name}, contention") for s in scenarios]
 
 
 def run() -> list[Row]:
     rows = []
-    for label, scenarios in (("measured", measured_scenarios()), ("made-up", made_up_scenarios())):
-        results = outcomes(scenarios)
+    cases = (
+        ("measured", measured_scenarios(), False),
+        ("made-up", made_up_scenarios(), False),
+        ("online, measured + contention", measured_scenarios() + contended(measured_scenarios()), True),
+        ("online, made-up", made_up_scenarios(), True),
+    )
+    for label, scenarios, online in cases:
+        results = outcomes(scenarios, online=online)
         worst = min(results, key=lambda o: o.ratio)
-        for outcome in results if label == "measured" else ():
+        for outcome in results if label.startswith(("measured", "online, measured")) else ():
             chosen = sorted({c.num_workers for c in outcome.choices})
             print(
                 f"  {outcome.scenario.name}: chose {chosen}, {outcome.ratio:.3f}x the sweep's best,"

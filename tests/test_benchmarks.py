@@ -24,8 +24,8 @@ def test_data_bound_runs_at_tiny_size() -> None:
     from benchmarks import data_bound
 
     rows = data_bound.run(samples=128, batch_size=32)
-    assert [row.benchmark.split(":")[0] for row in rows] == ["data-bound"] * 4
-    assert all(row.ratio > 0 and row.command == data_bound.COMMAND for row in rows)
+    assert [row.benchmark.split(":")[0] for row in rows] == ["data-bound"] * 5
+    assert all(row.ratio >= 0 and row.command == data_bound.COMMAND for row in rows)  # 128 images: no search
     assert "warm-cache tuning" in rows[-1].detail
 
 
@@ -73,9 +73,13 @@ def test_batch_size_benchmark_runs_at_tiny_size() -> None:
 def test_worker_replay_rows_hold_the_targets() -> None:
     from benchmarks import worker_replay
 
-    measured, made_up = worker_replay.run()
+    measured, made_up, online, online_made_up = worker_replay.run()
     assert measured.benchmark == "worker_replay (measured)" and measured.ratio >= 0.95
     assert made_up.benchmark == "worker_replay (made-up)" and made_up.ratio >= 0.95
+    # the search on the run's own batches, under the contention model: what it reaches today (the
+    # worst: one step rate on the H100 curves, and 2 CPUs whose settings differ by the noise itself)
+    assert online.benchmark == "worker_replay (online, measured + contention)" and online.ratio >= 0.94
+    assert online_made_up.ratio >= 0.89
     assert "3 seeded cold runs" in measured.detail
 
 

@@ -32,7 +32,7 @@ from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset
 #: AutoBatchSize runs here are a few batches long; its run-length rules are tested in test_goodput.
 pytestmark = pytest.mark.usefixtures("long_planned_run")
 
-FAST = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,), skip_short_runs=False)
+FAST = WorkerTuning(window_s=0.2, timeout_s=5.0, prefetch_factors=(2,), skip_short_runs=False, online=False)
 
 
 class Data(BoostedDataModule):

@@ -111,7 +111,8 @@ def test_a_compute_bound_model_keeps_its_cpus(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setattr(tuner, "model_step_rates", rates)
     monkeypatch.setattr(tuner.HardwareInfo, "detect", lambda: _two_cpus())
     datamodule = SlowData(
-        batch_size=8, worker_tuning=WorkerTuning(window_s=0.3, max_workers=2, skip_short_runs=False)
+        batch_size=8,
+        worker_tuning=WorkerTuning(window_s=0.3, max_workers=2, skip_short_runs=False, online=False),
     )
     trainer = tiny_trainer(tmp_path, logger=False, enable_checkpointing=False, limit_val_batches=0)
     trainer.fit(BoringModel(), datamodule=datamodule)

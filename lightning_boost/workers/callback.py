@@ -22,11 +22,15 @@ from lightning_boost.workers.loaders import (
     rebuild_loader,
 )
 from lightning_boost.workers.search import WorkerTuning
-from lightning_boost.workers.tuner import LoaderTuner, workload
+from lightning_boost.workers.segments import SegmentedDataLoader
+from lightning_boost.workers.tuner import LoaderTuner, epoch_batches, workload
 
 
 class AutoNumWorkers(BoostCallback):
     """Re-creates the train and val DataLoaders with measured ``num_workers`` and ``prefetch_factor``.
+
+    The training loader is searched on the first epoch's own batches (as `BoostedDataModule`'s:
+    every sample trained once, in the sampler's order); validation loaders are timed before the fit.
 
     For users who do not subclass `BoostedDataModule`: whatever returns the loaders (a datamodule,
     the model's ``*_dataloader()`` hooks, or loaders passed to ``fit``), each plain ``DataLoader``
@@ -100,13 +104,24 @@ class AutoNumWorkers(BoostCallback):
             return loader
         settings = {name: getattr(loader, name, None) for name in MEASURED_SETTINGS}
         samples = workload(trainer, split, loader.dataset, batch_size)
-        choice = self.worker_tuner.choose(trainer, loader.dataset, batch_size, settings, samples, split)
-        persistent = keep_workers_alive(choice.num_workers, loader.pin_memory, reload_every_n_epochs(trainer))
+        batches = (
+            epoch_batches(trainer, loader.dataset, batch_size, loader.drop_last) if split == "train" else None
+        )
+        choice, search = self.worker_tuner.decide(
+            trainer, loader.dataset, batch_size, settings, samples, split, batches
+        )
+        reload = reload_every_n_epochs(trainer)
+        persistent = keep_workers_alive(choice.num_workers, loader.pin_memory, reload)
+        options: dict[str, Any] = {
+            "num_workers": choice.num_workers,
+            "prefetch_factor": choice.prefetch_factor,
+            "persistent_workers": persistent,
+        }
+        if search is None:
+            return rebuild_loader(loader, **options)
+        persist = keep_workers_alive(1, loader.pin_memory, reload)  # for the winner, once it has workers
         return rebuild_loader(
-            loader,
-            num_workers=choice.num_workers,
-            prefetch_factor=choice.prefetch_factor,
-            persistent_workers=persistent,
+            loader, loader_class=SegmentedDataLoader, online=search, persist_after_search=persist, **options
         )
 
     def _cannot(self, split: str, why: str) -> None:

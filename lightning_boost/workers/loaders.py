@@ -174,8 +174,11 @@ def _stable_repr(value: object) -> str | None:
     return re.sub(r" at 0x[0-9a-fA-F]+", "", text)[:2000]
 
 
-def rebuild_loader(loader: DataLoader[Any], **changes: Any) -> DataLoader[Any]:
-    """A new `DataLoader` like `loader` (dataset, sampler, batching and every other setting) with `changes`.
+def rebuild_loader(
+    loader: DataLoader[Any], loader_class: type[DataLoader[Any]] = DataLoader, **changes: Any
+) -> DataLoader[Any]:
+    """A new `loader_class` like `loader` (dataset, sampler, batching and every other setting) with
+    `changes` (which may include `loader_class`'s own arguments).
 
     Raises:
         TypeError: when `cannot_rebuild` says why not (a DataLoader subclass, an IterableDataset, ...).
@@ -195,7 +198,7 @@ def rebuild_loader(loader: DataLoader[Any], **changes: Any) -> DataLoader[Any]:
     options = kept | changes
     if not options["num_workers"]:
         options.update(prefetch_factor=None, persistent_workers=False, timeout=0)
-    return DataLoader(loader.dataset, **batching, **options)
+    return loader_class(loader.dataset, **batching, **options)
 
 
 def loader_options(loader: DataLoader[Any]) -> dict[str, Any]:

@@ -18,7 +18,7 @@ closed or the segments planned run out.
 from __future__ import annotations
 
 import math
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from dataclasses import dataclass
 
 from lightning_boost.hardware import HardwareInfo
@@ -96,8 +96,9 @@ def prior_setting(hardware: HardwareInfo, tuning: WorkerTuning) -> Setting:
 
 def search_online(
     hardware: HardwareInfo, tuning: WorkerTuning, plan: SegmentPlan, prior: Setting
-) -> Generator[Setting, WorkerTrial, WorkerChoice]:
-    """Yield settings to run as segments, be sent each one's trial, return the choice.
+) -> Generator[Setting, WorkerTrial | None, WorkerChoice]:
+    """Yield settings to run as segments, be sent each one's trial, return the choice (sent
+    ``None``, when the run ended the search early, at once, from what was measured).
 
     Example (a scripted run: 16 CPUs, the step takes 2000 samples/s, the loader 300 per worker):
         >>> from lightning_boost.hardware import EXAMPLES
@@ -111,101 +112,129 @@ def search_online(
         ... except StopIteration as stop:
         ...     choice = stop.value
         >>> measured, choice.num_workers
-        ([15, 4, 8, 6], 8)
+        ([15, 7, 11, 3, 9, 5, 8, 6], 7)
     """
     factor = tuning.prefetch_factors[0]
-    trials: dict[int, WorkerTrial] = {}
+    fewest = hardware.accelerator == "cpu"
     order: list[WorkerTrial] = []
     skipped: list[str] = []
     candidates: list[int] = []
     setting: Setting | None = prior
     while setting is not None:
         trial = yield setting
+        if trial is None:
+            break
         order.append(trial)
-        trials[setting[0]] = trial
         if not candidates:  # the first batch's size bounds the workers memory allows
             limit, notes = worker_limit(hardware, trial.batch_bytes, factor, tuning)
-            candidates = worker_candidates(max(limit, prior[0]))
+            candidates = list(range(max(limit, prior[0]) + 1))  # every count: the peak may lie between rungs
             skipped.append(f"more than {limit} workers ({'; '.join(notes)})")
-        count = _next_count(candidates, trials, tuning.tolerance) if len(order) < plan.max_segments else None
+        more = len(order) < plan.max_segments
+        count = _next_count(candidates, order, tuning.tolerance, fewest) if more else None
         setting = None if count is None else (count, factor if count else None)
-    return choose_online(order, tuning, tuple(skipped))
+    return choose_online(order, tuning, tuple(skipped), fewest)
 
 
-def _next_count(candidates: list[int], trials: Mapping[int, WorkerTrial], tolerance: float) -> int | None:
-    """The next count to measure, or ``None`` when the gaps around the best are closed: first
-    the gap below the smallest count within `tolerance` of the fastest (fewer workers may do as
-    well), then the gap above the fastest (the peak may lie between), then the top end."""
-    ran = {count: trial.samples_per_s for count, trial in trials.items() if trial.ok}
+def mean_rates(trials: list[WorkerTrial]) -> dict[int, float]:
+    """Samples/s per worker count, the mean of its segments; a count that failed once is out.
+
+    Example:
+        >>> mean_rates([WorkerTrial(2, 2, 100.0), WorkerTrial(0, None, 50.0), WorkerTrial(2, 2, 120.0)])
+        {2: 110.0, 0: 50.0}
+    """
+    failed = {trial.num_workers for trial in trials if not trial.ok}
+    runs: dict[int, list[float]] = {}
+    for trial in trials:
+        if trial.num_workers not in failed:
+            runs.setdefault(trial.num_workers, []).append(trial.samples_per_s)
+    return {count: sum(rates) / len(rates) for count, rates in runs.items()}
+
+
+def _next_count(
+    candidates: list[int], trials: list[WorkerTrial], tolerance: float, fewest: bool
+) -> int | None:
+    """The next count to measure, or ``None`` when done: the middle of the wider unmeasured gap
+    beside the fastest count (the peak lies there: the curve rises, flattens and may fall where
+    workers take the training process's CPUs); when `fewest` workers are wanted (a CPU run,
+    whose model needs the CPUs), the gap below the smallest count within `tolerance` of the
+    fastest; then, when the two fastest are within `tolerance` of each other, each once more (one
+    segment's noise must not pick the winner)."""
+    ran = mean_rates(trials)
     if not ran:
         return None
-    measured = sorted(i for i, count in enumerate(candidates) if count in trials)
+    measured = sorted(i for i, count in enumerate(candidates) if any(t.num_workers == count for t in trials))
     best = max(ran.values())
-    good = min(i for i, count in enumerate(candidates) if ran.get(count, -1.0) >= (1 - tolerance) * best)
-    below = max((i for i in measured if i < good), default=-1)
-    if good - below > 1:
-        return candidates[(below + good + 1) // 2 if below < 0 else (below + good) // 2]
-    fastest = max(i for i, count in enumerate(candidates) if ran.get(count) == best)
+    fastest = min(i for i, count in enumerate(candidates) if ran.get(count) == best)
+    below = max((i for i in measured if i < fastest), default=-1)
     above = min((i for i in measured if i > fastest), default=len(candidates))
-    if above == len(candidates) and fastest < len(candidates) - 1:
-        return candidates[-1]
-    if above - fastest > 1:
-        return candidates[(fastest + above) // 2]
+    gaps = [(fastest - below, (below + fastest + 1) // 2 if below < 0 else (below + fastest) // 2)]
+    gaps.append(
+        (above - fastest, len(candidates) - 1 if above == len(candidates) else (fastest + above) // 2)
+    )
+    width, middle = max(gaps)
+    if width > 1 and middle not in measured:
+        return candidates[middle]
+    if fewest:
+        good = min(i for i, count in enumerate(candidates) if ran.get(count, -1.0) >= (1 - tolerance) * best)
+        under = max((i for i in measured if i < good), default=-1)
+        if good - under > 1:
+            return candidates[(under + good + 1) // 2 if under < 0 else (under + good) // 2]
+    top = sorted(ran, key=ran.__getitem__, reverse=True)[:2]
+    repeats = len(trials) - len({trial.num_workers for trial in trials})
+    if len(top) == 2 and repeats < 2 and ran[top[1]] >= (1 - tolerance) * ran[top[0]]:
+        times = {count: sum(t.num_workers == count for t in trials) for count in top}
+        again = min(top, key=lambda count: (times[count], top.index(count)))
+        return again if times[again] < 2 else None
     return None
 
 
 def choose_online(
-    trials: list[WorkerTrial], tuning: WorkerTuning, skipped: tuple[str, ...] = ()
+    trials: list[WorkerTrial], tuning: WorkerTuning, skipped: tuple[str, ...] = (), fewest: bool = True
 ) -> WorkerChoice:
-    """The smallest measured setting within `tolerance` of the fastest; the first setting (the
-    prior) when nothing ran.
+    """By each count's mean over its segments: the fewest workers within `tolerance` of the
+    fastest on a CPU run (the model needs the CPUs), the fastest on a GPU run; no workers when
+    nothing ran.
 
     Example:
         >>> trials = [WorkerTrial(0, None, 400.0), WorkerTrial(2, 2, 430.0), WorkerTrial(1, 2, 420.0)]
         >>> choose_online(trials, WorkerTuning()).num_workers
         1
     """
-    ran = [trial for trial in trials if trial.ok]
+    ran = mean_rates(trials)
     if not ran:
         why = "; ".join(f"{trial.label}: {trial.error}" for trial in trials) or "nothing was measured"
         reason = f"fell back to loading in the main process ({why})"
         return WorkerChoice(0, None, reason, tuple(trials), skipped, 0.0, source="searched")
-    best = max(ran, key=lambda trial: trial.samples_per_s)
-    near = [trial for trial in ran if trial.samples_per_s >= (1 - tuning.tolerance) * best.samples_per_s]
-    winner = min(near, key=lambda trial: trial.num_workers)
+    best = max(sorted(ran), key=ran.__getitem__)  # an exact tie: the fewer workers
+    near = [count for count, rate in ran.items() if rate >= (1 - tuning.tolerance) * ran[best]]
+    winner = min(near) if fewest else best
+    label = next(trial.label for trial in trials if trial.num_workers == best)
     where = "on the run's own training steps"
-    if winner is best:
-        reason = f"fastest {where} ({best.samples_per_s:.0f} samples/s)"
+    if winner == best:
+        reason = f"fastest {where} ({ran[best]:.0f} samples/s)"
     else:
         reason = (
             f"fewest workers within {tuning.tolerance:.0%} of the fastest {where}"
-            f" ({best.label}: {best.samples_per_s:.0f} samples/s)"
+            f" ({label}: {ran[best]:.0f} samples/s)"
         )
+    factor = next(trial.prefetch_factor for trial in trials if trial.num_workers == winner)
     return WorkerChoice(
-        winner.num_workers,
-        winner.prefetch_factor,
-        reason,
-        tuple(trials),
-        skipped,
-        search_cost(trials, winner),
-        source="searched",
+        winner, factor, reason, tuple(trials), skipped, search_cost(trials, ran[winner]), source="searched"
     )
 
 
-def search_cost(trials: list[WorkerTrial], winner: WorkerTrial) -> float:
+def search_cost(trials: list[WorkerTrial], winner_rate: float) -> float:
     """Seconds the search's segments took beyond running them at the winner's rate (each segment
-    trains the run anyway: only the slower settings cost time).
+    trains the run anyway: only the slower settings cost time; a failed one costs all of its).
 
     Example:
-        >>> search_cost([WorkerTrial(0, None, 100.0, seconds=2.0), WorkerTrial(2, 2, 200.0, seconds=1.0)],
-        ...             WorkerTrial(2, 2, 200.0))
+        >>> trials = [WorkerTrial(0, None, 100.0, seconds=2.0), WorkerTrial(2, 2, 200.0, seconds=1.0)]
+        >>> search_cost(trials, 200.0)
         1.0
     """
-    if winner.samples_per_s <= 0:
+    if winner_rate <= 0:
         return 0.0
     return sum(
-        trial.seconds * max(0.0, 1 - trial.samples_per_s / winner.samples_per_s)
-        if trial.ok
-        else trial.seconds
+        trial.seconds * max(0.0, 1 - trial.samples_per_s / winner_rate) if trial.ok else trial.seconds
         for trial in trials
     )

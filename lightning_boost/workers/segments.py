@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_boost.workers.loaders import loader_options
-from lightning_boost.workers.online import SegmentPlan, Setting, choose_online
+from lightning_boost.workers.online import SegmentPlan, Setting
 from lightning_boost.workers.search import (
     WorkerChoice,
     WorkerTrial,
@@ -55,7 +55,7 @@ class OnlineSearch:
 
     def __init__(
         self,
-        search: Generator[Setting, WorkerTrial, WorkerChoice],
+        search: Generator[Setting, WorkerTrial | None, WorkerChoice],
         plan: SegmentPlan,
         tuning: WorkerTuning,
         prior: Setting,
@@ -141,8 +141,11 @@ class OnlineSearch:
     def _settle(self, loaders: list[DataLoader[Any]]) -> WorkerChoice:
         """The choice (what was measured, when the search ended early), applied everywhere."""
         if self.choice is None:
-            self.search.close()
-            self.choice = choose_online(self._trials, self.tuning)
+            try:
+                self.search.send(None)  # ends the search: it returns its choice of what was measured
+            except StopIteration as stop:
+                self.choice = stop.value
+            assert self.choice is not None, "search_online returns when sent None"
         for loader in [*loaders, *self.followers]:
             apply_setting(loader, self.choice)
         self.followers.clear()
