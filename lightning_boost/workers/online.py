@@ -20,12 +20,14 @@ from __future__ import annotations
 import math
 from collections.abc import Generator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.workers.search import (
     WorkerChoice,
     WorkerTrial,
     WorkerTuning,
+    model_threads,
     worker_candidates,
     worker_limit,
 )
@@ -36,7 +38,14 @@ SEARCH_SHARE = 0.10
 MIN_SEGMENT_BATCHES = 4
 MAX_SEGMENT_BATCHES = 32
 
-Setting = tuple[int, "int | None"]
+
+class Setting(NamedTuple):
+    """What one segment runs: workers, their prefetch factor, and (a CPU run's probe) the model's
+    threads when they are not the ones that worker count leaves."""
+
+    num_workers: int
+    prefetch_factor: int | None = None
+    threads: int | None = None
 
 
 @dataclass(frozen=True)
@@ -84,14 +93,14 @@ def prior_setting(hardware: HardwareInfo, tuning: WorkerTuning) -> Setting:
 
     Example:
         >>> from lightning_boost.hardware import EXAMPLES
-        >>> prior_setting(EXAMPLES["cpu"], WorkerTuning()), prior_setting(EXAMPLES["h100"], WorkerTuning())
-        ((0, None), (15, 2))
+        >>> [tuple(prior_setting(EXAMPLES[name], WorkerTuning())) for name in ("cpu", "h100")]
+        [(0, None, None), (15, 2, None)]
     """
     if hardware.accelerator == "cpu":
-        return 0, None
+        return Setting(0)
     factor = tuning.prefetch_factors[0]
     limit, _ = worker_limit(hardware, 0, factor, tuning)
-    return (limit, factor) if limit else (0, None)
+    return Setting(limit, factor) if limit else Setting(0)
 
 
 def search_online(
@@ -119,7 +128,7 @@ def search_online(
     order: list[WorkerTrial] = []
     skipped: list[str] = []
     candidates: list[int] = []
-    setting: Setting | None = prior
+    setting: Setting | None = Setting(*prior)
     while setting is not None:
         trial = yield setting
         if trial is None:
@@ -129,10 +138,62 @@ def search_online(
             limit, notes = worker_limit(hardware, trial.batch_bytes, factor, tuning)
             candidates = list(range(max(limit, prior[0]) + 1))  # every count: the peak may lie between rungs
             skipped.append(f"more than {limit} workers ({'; '.join(notes)})")
-        more = len(order) < plan.max_segments
-        count = _next_count(candidates, order, tuning.tolerance, fewest) if more else None
-        setting = None if count is None else (count, factor if count else None)
+        setting = _next_setting(hardware, candidates, order, tuning, plan, skipped)
     return choose_online(order, tuning, tuple(skipped), fewest)
+
+
+def _next_setting(
+    hardware: HardwareInfo,
+    candidates: list[int],
+    order: list[WorkerTrial],
+    tuning: WorkerTuning,
+    plan: SegmentPlan,
+    skipped: list[str],
+) -> Setting | None:
+    """The next segment: on a CPU run, first the model alone at the threads one worker would
+    leave (no worker started: it trains the run at once), and no worker segment at all when that
+    step alone cannot beat loading in the main process; then `_next_count`."""
+    if len(order) >= plan.max_segments or len(candidates) < 2:
+        return None
+    fewest = hardware.accelerator == "cpu"
+    if fewest and order[0].num_workers == 0 and order[0].threads is None:
+        probe = next((trial for trial in order if trial.threads is not None), None)
+        fewer = model_threads(hardware.cpus_per_process, 1)
+        if probe is None and fewer < hardware.cpus_per_process:
+            return Setting(0, None, fewer)
+        why = workers_cannot_win(order[0], probe, tuning.tolerance)
+        if why:
+            skipped.append(why)
+            return None
+    count = _next_count(candidates, order, tuning.tolerance, fewest)
+    factor = tuning.prefetch_factors[0]
+    return None if count is None else Setting(count, factor if count else None)
+
+
+def workers_cannot_win(alone: WorkerTrial, probe: WorkerTrial | None, tolerance: float) -> str:
+    """Why no worker count can beat loading in the main process on a CPU run, or ``""``.
+
+    With workers the run goes at best at the model's own pace on the CPUs they leave (the probe's
+    step time, its wait for data left out); with none, loading and the step take turns (the first
+    segment's whole time). More workers leave the model fewer threads still.
+
+    Example:
+        >>> alone = WorkerTrial(0, None, 500.0, load_share=0.15)  # 64 samples: 0.128 s a batch
+        >>> probe = WorkerTrial(0, None, 360.0, threads=1, load_share=0.1)
+        >>> print(workers_cannot_win(alone, probe, 0.05))
+        any workers: the model's step on the 1 thread(s) one worker leaves (400 samples/s without
+        its data wait) cannot beat loading in the main process (500 samples/s)
+    """
+    if probe is None or not probe.ok or not alone.ok or probe.samples_per_s <= 0:
+        return ""
+    model_alone = probe.samples_per_s / max(1 - probe.load_share, 1e-9)
+    if model_alone > (1 + tolerance) * alone.samples_per_s:
+        return ""
+    return (
+        f"any workers: the model's step on the {probe.threads} thread(s) one worker leaves"
+        f" ({model_alone:.0f} samples/s without\nits data wait) cannot beat loading in the main"
+        f" process ({alone.samples_per_s:.0f} samples/s)"
+    ).replace("\n", " ")
 
 
 def mean_rates(trials: list[WorkerTrial]) -> dict[int, float]:
@@ -142,10 +203,10 @@ def mean_rates(trials: list[WorkerTrial]) -> dict[int, float]:
         >>> mean_rates([WorkerTrial(2, 2, 100.0), WorkerTrial(0, None, 50.0), WorkerTrial(2, 2, 120.0)])
         {2: 110.0, 0: 50.0}
     """
-    failed = {trial.num_workers for trial in trials if not trial.ok}
+    failed = {trial.num_workers for trial in trials if not trial.ok and trial.threads is None}
     runs: dict[int, list[float]] = {}
     for trial in trials:
-        if trial.num_workers not in failed:
+        if trial.num_workers not in failed and trial.threads is None:  # a probe of the model is no setting
             runs.setdefault(trial.num_workers, []).append(trial.samples_per_s)
     return {count: sum(rates) / len(rates) for count, rates in runs.items()}
 
@@ -162,7 +223,11 @@ def _next_count(
     ran = mean_rates(trials)
     if not ran:
         return None
-    measured = sorted(i for i, count in enumerate(candidates) if any(t.num_workers == count for t in trials))
+    measured = sorted(
+        i
+        for i, count in enumerate(candidates)
+        if count in ran or any(t.num_workers == count and not t.ok for t in trials)
+    )
     best = max(ran.values())
     fastest = min(i for i, count in enumerate(candidates) if ran.get(count) == best)
     below = max((i for i in measured if i < fastest), default=-1)
@@ -180,9 +245,10 @@ def _next_count(
         if good - under > 1:
             return candidates[(under + good + 1) // 2 if under < 0 else (under + good) // 2]
     top = sorted(ran, key=ran.__getitem__, reverse=True)[:2]
-    repeats = len(trials) - len({trial.num_workers for trial in trials})
+    settings = [trial.num_workers for trial in trials if trial.threads is None]
+    repeats = len(settings) - len(set(settings))
     if len(top) == 2 and repeats < 2 and ran[top[1]] >= (1 - tolerance) * ran[top[0]]:
-        times = {count: sum(t.num_workers == count for t in trials) for count in top}
+        times = {count: sum(t.num_workers == count and t.threads is None for t in trials) for count in top}
         again = min(top, key=lambda count: (times[count], top.index(count)))
         return again if times[again] < 2 else None
     return None
@@ -208,7 +274,7 @@ def choose_online(
     best = max(sorted(ran), key=ran.__getitem__)  # an exact tie: the fewer workers
     near = [count for count, rate in ran.items() if rate >= (1 - tuning.tolerance) * ran[best]]
     winner = min(near) if fewest else best
-    label = next(trial.label for trial in trials if trial.num_workers == best)
+    label = next(trial.label for trial in trials if trial.num_workers == best and trial.threads is None)
     where = "on the run's own training steps"
     if winner == best:
         reason = f"fastest {where} ({ran[best]:.0f} samples/s)"
@@ -217,7 +283,7 @@ def choose_online(
             f"fewest workers within {tuning.tolerance:.0%} of the fastest {where}"
             f" ({label}: {ran[best]:.0f} samples/s)"
         )
-    factor = next(trial.prefetch_factor for trial in trials if trial.num_workers == winner)
+    factor = next(t.prefetch_factor for t in trials if t.num_workers == winner and t.threads is None)
     return WorkerChoice(
         winner, factor, reason, tuple(trials), skipped, search_cost(trials, ran[winner]), source="searched"
     )

@@ -125,6 +125,9 @@ class WorkerTrial:
         error: why the candidate was dropped (crashed, hung, shared memory); empty when it ran.
         startup_s: seconds until one batch per worker had arrived (start-up, a fixed cost per
             process start: every epoch without ``persistent_workers``).
+        threads: the model's threads, when a segment of the run's own batches set them apart
+            from its worker count (a CPU run's probe of the model at fewer threads).
+        load_share: the share of a segment's time spent waiting for batches (host side).
     """
 
     num_workers: int
@@ -134,6 +137,8 @@ class WorkerTrial:
     batch_bytes: int = 0
     error: str = ""
     startup_s: float = 0.0
+    threads: int | None = None
+    load_share: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -142,6 +147,8 @@ class WorkerTrial:
     @property
     def label(self) -> str:
         """``"2 workers, prefetch 4"``."""
+        if self.threads is not None:
+            return f"{self.num_workers} workers, the model on {self.threads} thread(s)"
         if self.num_workers == 0:
             return "0 workers"
         noun = "worker" if self.num_workers == 1 else "workers"

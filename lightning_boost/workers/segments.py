@@ -48,7 +48,8 @@ class OnlineSearch:
         prior: the setting the search starts at (loaders built before it settles use it).
         share: what every rank uses of a trial (rank zero's, broadcast; the identity alone).
             Called once per segment, at the same batch on every rank.
-        configure: applies a setting's process side before its segment (the model's threads).
+        configure: applies a setting's process side before its segment: ``configure(num_workers,
+            threads)`` sets the model's threads (those the workers leave, or `threads` when given).
         settled: told the choice once the search ends.
         clock: the time source.
     """
@@ -61,7 +62,7 @@ class OnlineSearch:
         prior: Setting,
         *,
         share: Callable[[WorkerTrial], WorkerTrial] | None = None,
-        configure: Callable[[int], None] = lambda num_workers: None,
+        configure: Callable[[int, int | None], None] = lambda num_workers, threads: None,
         settled: Callable[[WorkerChoice], None] = lambda choice: None,
         clock: Clock = time.perf_counter,
     ) -> None:
@@ -73,7 +74,7 @@ class OnlineSearch:
         self.on_settled = settled
         self.clock = clock
         self.choice: WorkerChoice | None = None
-        self.prior = prior
+        self.prior = Setting(*prior)
         self.followers: list[DataLoader[Any]] = []
         self._trials: list[WorkerTrial] = []
 
@@ -89,14 +90,14 @@ class OnlineSearch:
         the winner. Each segment's loader starts while the one before delivers its last batch."""
         seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
         batches = iter(loader.batch_sampler)  # type: ignore[arg-type]  # after the seed, as DataLoader draws
-        first = next(self.search)
+        first = Setting(*next(self.search))
         setting: Setting | None = first
         chunk = list(itertools.islice(batches, self.plan.segment_batches))
         stream = self._start(loader, chunk, first, seed)
-        last_good: Setting = (0, None)
+        last_good = Setting(0)
         try:
             while setting is not None and chunk:
-                self.configure(setting[0])
+                self.configure(setting.num_workers, setting.threads)
                 timing = _Timing(setting, chunk, self.clock)
                 following: tuple[Setting | None, list[list[int]], Iterator[Any]] = (None, [], iter(()))
                 fallback = functools.partial(self._resume, loader, chunk, last_good, seed + 1)
@@ -109,7 +110,9 @@ class OnlineSearch:
                 setting, chunk, stream = following
             choice = self._settle([loader])
             rest = itertools.chain(chunk, batches)  # the epoch's remaining batches, in order
-            yield from self._start(loader, rest, (choice.num_workers, choice.prefetch_factor), seed + 1)
+            yield from self._start(
+                loader, rest, Setting(choice.num_workers, choice.prefetch_factor), seed + 1
+            )
         finally:
             if self.choice is None:  # the fit stopped during the search (max_steps, an error)
                 self._settle([loader])
@@ -121,7 +124,7 @@ class OnlineSearch:
         trial = self.share(timing.trial())
         self._trials.append(trial)
         try:
-            setting = self.search.send(trial)
+            setting = Setting(*self.search.send(trial))
         except StopIteration as stop:
             self.choice = stop.value
             return None, [], iter(())
@@ -149,7 +152,7 @@ class OnlineSearch:
         for loader in [*loaders, *self.followers]:
             apply_setting(loader, self.choice)
         self.followers.clear()
-        self.configure(self.choice.num_workers)
+        self.configure(self.choice.num_workers, None)
         self.on_settled(self.choice)
         return self.choice
 
@@ -163,6 +166,7 @@ class _Timing:
         self.clock = clock
         self.started = clock()
         self.times: list[float] = []
+        self.waited = 0.0  # in `next`, after the first batch: the host's wait for data
         self.arrived = 0
         self.failed = ""
         self.batch_bytes = 0
@@ -171,16 +175,19 @@ class _Timing:
         """Yield the segment's batches in order; if its workers fail, the rest from `fallback`
         (a loader at the last setting that worked), untimed."""
         while self.arrived < len(self.chunk):
+            asked = self.clock()
             try:
                 batch = next(stream)
             except Exception as err:
-                if self.setting[0] == 0 or self.failed:
+                if self.setting.num_workers == 0 or self.failed:
                     raise  # the dataset's own error, not a worker's: the user must see it
                 self.failed = describe_failure(err)
                 stream = fallback(self.arrived)  # the workers of the failed loader shut down with it
                 continue
             if not self.failed:
                 self.times.append(self.clock())
+                if self.arrived:
+                    self.waited += self.times[-1] - asked
             if self.arrived == 0:
                 self.batch_bytes = tensor_bytes(batch)
             self.arrived += 1
@@ -189,15 +196,17 @@ class _Timing:
     def trial(self) -> WorkerTrial:
         """Samples per second from the first batch's arrival to the last's (the steps between
         included), or the failure."""
-        workers, factor = self.setting
+        workers, factor, threads = self.setting
         seconds = self.clock() - self.started
         if self.failed or len(self.times) < 2:
             error = self.failed or "too few batches to time"
-            return WorkerTrial(workers, factor, 0.0, seconds, self.batch_bytes, error)
+            return WorkerTrial(workers, factor, 0.0, seconds, self.batch_bytes, error, threads=threads)
         samples = sum(len(batch) for batch in self.chunk[: len(self.times) - 1])  # the steps timed
-        rate = samples / max(self.times[-1] - self.times[0], 1e-9)
+        span = max(self.times[-1] - self.times[0], 1e-9)
+        startup = self.times[0] - self.started
+        share = min(self.waited / span, 1.0)
         return WorkerTrial(
-            workers, factor, rate, seconds, self.batch_bytes, startup_s=self.times[0] - self.started
+            workers, factor, samples / span, seconds, self.batch_bytes, "", startup, threads, share
         )
 
 
@@ -205,7 +214,7 @@ def start_loader(
     loader: DataLoader[Any], batches: Iterable[list[int]], setting: Setting, seed: int, timeout_s: float
 ) -> Iterator[Any]:
     """An iterator over `batches` of `loader`'s dataset at `setting`, its workers started now."""
-    workers, factor = setting
+    workers, factor = setting.num_workers, setting.prefetch_factor
     options = loader_options(loader) | {
         "num_workers": workers,
         "prefetch_factor": factor if workers else None,

@@ -132,7 +132,7 @@ class LoaderTuner:
             if "online" in result:
                 search = self._online(trainer, hardware, key, SegmentPlan(**result["online"]), loader)
                 self.searches[key] = search
-                self.configure_segment(hardware, search.prior[0])
+                self.configure_segment(hardware, search.prior.num_workers)
                 return pending_choice(search), search
             choice = WorkerChoice.from_dict(result)
             self.choices[key] = choice
@@ -170,7 +170,7 @@ class LoaderTuner:
             self.tuning,
             prior,
             share=share,
-            configure=lambda count: self.configure_segment(hardware, count),
+            configure=lambda count, threads: self.configure_segment(hardware, count, threads),
             settled=settled,
         )
 
@@ -208,7 +208,7 @@ class LoaderTuner:
                 plan = plan_segments(epoch_batches, run_batches, hardware.cpus_per_process)
                 if not plan.why_not:
                     return {"online": dataclasses.asdict(plan)}
-                workers, factor = prior_setting(hardware, self.tuning)
+                workers, factor, _ = prior_setting(hardware, self.tuning)
                 reason = f"{workers} workers, not searched: {plan.why_not}"
                 return WorkerChoice(workers, factor, reason, source="short run").to_dict()
             choice = self._measure(hardware, dataset, batch_size, settings, trainer, workload_samples)
@@ -301,9 +301,9 @@ class LoaderTuner:
             return rates, tuning, []
         return rates, dataclasses.replace(tuning, max_workers=cap), [why]
 
-    def configure_segment(self, hardware: HardwareInfo, num_workers: int) -> None:
+    def configure_segment(self, hardware: HardwareInfo, num_workers: int, threads: int | None = None) -> None:
         """Before a search segment at `num_workers`: the open-file limit, and on a CPU run the
-        model's threads on the CPUs the workers leave (all it had, with none)."""
+        model's threads on the CPUs the workers leave (all it had, with none), or `threads`."""
         plan = open_files_plan(hardware, num_workers)
         if plan is not None and self._files_before is None:
             self._files_before = (
@@ -316,10 +316,12 @@ class LoaderTuner:
         if self._threads_before is None:
             self._threads_before = torch.get_num_threads()
         before = self._threads_before
-        threads = (
-            min(model_threads(hardware.cpus_per_process, num_workers), before) if num_workers else before
-        )
-        torch.set_num_threads(threads)
+        if threads is None:
+            threads = (
+                min(model_threads(hardware.cpus_per_process, num_workers), before) if num_workers else before
+            )
+        if torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
     def apply_process_settings(self, hardware: HardwareInfo, num_workers: int) -> None:
         """Open-file limit and, on a CPU run, the model's threads beside the workers."""
@@ -385,7 +387,7 @@ def _beside_model(
 
 def pending_choice(search: OnlineSearch) -> WorkerChoice:
     """What a loader starts with while `search` runs: its prior setting."""
-    workers, factor = search.prior
+    workers, factor, _ = search.prior
     return WorkerChoice(workers, factor, "searching on the first epoch's own batches", source="online")
 
 
