@@ -22,6 +22,7 @@ from lightning_boost.hardware import EXAMPLES
 from lightning_boost.testing import BoringModel, tiny_trainer
 from lightning_boost.workers.online import (
     SegmentPlan,
+    Setting,
     choose_online,
     plan_segments,
     prior_setting,
@@ -76,6 +77,14 @@ def test_a_cpu_run_probes_the_model_before_starting_any_worker() -> None:
     data_bound = {0: 280.0, 1: 480.0, 2: 470.0, ("threads", 1): 900.0}
     measured, choice = _run(data_bound.__getitem__, cpu, prior=(0, None))
     assert measured == [0, 0, 2, 1, 1, 2] and choice.num_workers == 1  # a near tie: each once more
+
+
+def test_a_cpu_run_that_waits_for_its_data_goes_to_workers_at_once() -> None:
+    cpu = EXAMPLES["cpu"].replace(cpus_available=2)
+    search = search_online(cpu, WorkerTuning(), SegmentPlan(8, 8), Setting(0))
+    assert next(search) == Setting(0)
+    following = search.send(WorkerTrial(0, None, 300.0, seconds=1.0, load_share=0.6))
+    assert following.num_workers == 2 and following.threads is None  # no probe of the model first
 
 
 def test_the_search_stops_at_the_planned_segments() -> None:

@@ -37,6 +37,10 @@ SEARCH_SHARE = 0.10
 #: Batches per segment: the first is the setting's start-up (not timed), the others are timed.
 MIN_SEGMENT_BATCHES = 4
 MAX_SEGMENT_BATCHES = 32
+#: A CPU run whose first segment waited for its data less than this share of its time probes the
+#: model at fewer threads before starting any worker (workers can gain it little); above it, the
+#: loader is the bottleneck and worker counts are measured at once.
+PROBE_BELOW = 0.3
 
 
 class Setting(NamedTuple):
@@ -150,16 +154,18 @@ def _next_setting(
     plan: SegmentPlan,
     skipped: list[str],
 ) -> Setting | None:
-    """The next segment: on a CPU run, first the model alone at the threads one worker would
-    leave (no worker started: it trains the run at once), and no worker segment at all when that
-    step alone cannot beat loading in the main process; then `_next_count`."""
+    """The next segment: on a CPU run whose first segment waited for data less than `PROBE_BELOW`
+    of its time, first the model alone at the threads one worker would leave (no worker started:
+    it trains the run at once), and no worker segment at all when that step alone cannot beat
+    loading in the main process (a run that waits longer for its data goes to workers at once);
+    then `_next_count`."""
     if len(order) >= plan.max_segments or len(candidates) < 2:
         return None
     fewest = hardware.accelerator == "cpu"
     if fewest and order[0].num_workers == 0 and order[0].threads is None:
         probe = next((trial for trial in order if trial.threads is not None), None)
         fewer = model_threads(hardware.cpus_per_process, 1)
-        if probe is None and fewer < hardware.cpus_per_process:
+        if probe is None and fewer < hardware.cpus_per_process and order[0].load_share < PROBE_BELOW:
             return Setting(0, None, fewer)
         why = workers_cannot_win(order[0], probe, tuning.tolerance)
         if why:
