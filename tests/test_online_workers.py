@@ -3,6 +3,7 @@ check every sample is trained exactly once, in the sampler's order, whatever the
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import warnings
@@ -305,9 +306,8 @@ def test_the_segment_driver_alone_yields_each_batch_once() -> None:
     hardware = EXAMPLES["cpu"].replace(cpus_available=2)
     plan = SegmentPlan(4, 3)
     settled: list[WorkerChoice] = []
-    search = OnlineSearch(
-        search_online(hardware, TUNING, plan, (0, None)), plan, TUNING, (0, None), settled=settled.append
-    )
+    start = functools.partial(search_online, hardware, TUNING, plan, Setting(0))
+    search = OnlineSearch(start, plan, TUNING, Setting(0), settled=settled.append)
     loader = SegmentedDataLoader(dataset, batch_size=3, shuffle=True, online=search)
     torch.manual_seed(0)
     seen = [int(i) for (batch,) in loader for i in batch]
@@ -315,6 +315,23 @@ def test_the_segment_driver_alone_yields_each_batch_once() -> None:
     assert seen == [int(i) for (batch,) in DataLoader(dataset, batch_size=3, shuffle=True) for i in batch]
     assert len(settled) == 1 and len(settled[0].trials) == 3
     assert loader.num_workers == settled[0].num_workers
+
+
+def test_an_epoch_dropped_before_its_first_segment_ended_starts_the_search_over() -> None:
+    """A tuner that draws one batch of the training loader and drops it settles nothing."""
+    dataset = TensorDataset(torch.arange(200))
+    hardware = EXAMPLES["cpu"].replace(cpus_available=2)
+    plan = SegmentPlan(4, 3)
+    settled: list[WorkerChoice] = []
+    start = functools.partial(search_online, hardware, TUNING, plan, Setting(0))
+    search = OnlineSearch(start, plan, TUNING, Setting(0), settled=settled.append)
+    loader = SegmentedDataLoader(dataset, batch_size=3, shuffle=False, online=search)
+    peek = iter(loader)
+    next(peek)
+    del peek
+    assert not settled and search.choice is None
+    assert [int(i) for (batch,) in loader for i in batch] == list(range(200))
+    assert len(settled) == 1 and len(settled[0].trials) >= 2
 
 
 class _SaveSeen(L.Callback):

@@ -42,7 +42,8 @@ class OnlineSearch:
     """One pending worker search over the first epoch's batches.
 
     Args:
-        search: the `search_online` generator (not started).
+        search: makes the `search_online` generator (a fresh one if an epoch is dropped before its
+            first segment ended, e.g. by a tuner that drew one batch).
         plan: the segment length and count.
         tuning: the tuning the search runs with (its tolerance decides an early end).
         prior: the setting the search starts at (loaders built before it settles use it).
@@ -56,7 +57,7 @@ class OnlineSearch:
 
     def __init__(
         self,
-        search: Generator[Setting, WorkerTrial | None, WorkerChoice],
+        search: Callable[[], Generator[Setting, WorkerTrial | None, WorkerChoice]],
         plan: SegmentPlan,
         tuning: WorkerTuning,
         prior: Setting,
@@ -66,7 +67,8 @@ class OnlineSearch:
         settled: Callable[[WorkerChoice], None] = lambda choice: None,
         clock: Clock = time.perf_counter,
     ) -> None:
-        self.search = search
+        self.new_search = search
+        self.search = search()
         self.plan = plan
         self.tuning = tuning
         self.share = share or (lambda trial: trial)
@@ -114,7 +116,10 @@ class OnlineSearch:
                 loader, rest, Setting(choice.num_workers, choice.prefetch_factor), seed + 1
             )
         finally:
-            if self.choice is None:  # the fit stopped during the search (max_steps, an error)
+            if self.choice is None and not self._trials:  # dropped before a segment ended: start over
+                self.search.close()
+                self.search = self.new_search()
+            elif self.choice is None:  # the fit stopped during the search (max_steps, an error)
                 self._settle([loader])
 
     def _advance(

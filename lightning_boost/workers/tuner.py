@@ -8,6 +8,7 @@ uses the same value, applies the process settings that go with it and records fi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import resource
 import time
 from collections.abc import Callable, Mapping
@@ -165,7 +166,7 @@ class LoaderTuner:
                 cache.store_entry(path, key, {"choice": choice.to_dict()})
 
         return OnlineSearch(
-            search_online(hardware, self.tuning, plan, prior),
+            functools.partial(search_online, hardware, self.tuning, plan, prior),
             plan,
             self.tuning,
             prior,
