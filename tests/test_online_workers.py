@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import functools
 import json
+import multiprocessing
 import os
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -117,9 +119,12 @@ class IndexedData(Dataset[tuple[Tensor, int]]):
     """Sample ``i`` is ``(features, i)``; with `crash_in_workers`, loading in a worker process
     kills it (a dataset that cannot be loaded in workers), loading in the main process works."""
 
-    def __init__(self, length: int = SAMPLES, crash_in_workers: bool = False) -> None:
+    def __init__(
+        self, length: int = SAMPLES, crash_in_workers: bool = False, hang_in_workers: bool = False
+    ) -> None:
         self.length = length
         self.crash_in_workers = crash_in_workers
+        self.hang_in_workers = hang_in_workers
         self.main_pid = os.getpid()
 
     def __len__(self) -> int:
@@ -128,6 +133,8 @@ class IndexedData(Dataset[tuple[Tensor, int]]):
     def __getitem__(self, index: int) -> tuple[Tensor, int]:
         if self.crash_in_workers and os.getpid() != self.main_pid:
             os._exit(1)
+        if self.hang_in_workers and os.getpid() != self.main_pid:
+            time.sleep(3600)
         return torch.full((8,), float(index % 7)), index
 
 
@@ -237,6 +244,39 @@ def test_a_crashing_worker_drops_its_candidate_and_loses_no_sample(tmp_path: Pat
     assert choice.num_workers == 0
     assert any("crashed" in trial.error or "exited" in trial.error for trial in choice.trials), choice.trials
     assert model.seen[0] == list(range(SAMPLES))
+
+
+def test_a_hanging_worker_drops_its_candidate_and_loses_no_sample(tmp_path: Path) -> None:
+    tuning = WorkerTuning(max_workers=2, timeout_s=1.0)
+    data = Data(IndexedData(SAMPLES, hang_in_workers=True), shuffle=False, worker_tuning=tuning)
+    model = _fit(tmp_path, data, max_epochs=1)
+    choice = _searched(data)
+    assert choice.num_workers == 0 and any("hung" in trial.error for trial in choice.trials), choice.trials
+    assert model.seen[0] == list(range(SAMPLES))
+
+
+class _Interrupt(L.Callback):
+    """Ctrl-C while a segment with workers runs."""
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, idx: int
+    ) -> None:
+        if multiprocessing.active_children():
+            raise KeyboardInterrupt
+
+
+def test_ctrl_c_during_the_search_leaves_no_worker_process(tmp_path: Path) -> None:
+    data = Data(IndexedData(SAMPLES))
+    with pytest.raises(SystemExit):  # Lightning's answer to a KeyboardInterrupt: it exits the process
+        _fit(tmp_path, data, max_epochs=1, callbacks=[_Interrupt()])
+    import gc
+
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not multiprocessing.active_children()
 
 
 def test_the_evaluation_loader_follows_and_reloading_reuses_the_choice(tmp_path: Path) -> None:
