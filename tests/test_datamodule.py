@@ -472,3 +472,25 @@ def test_lightning_cli_saves_the_config_the_run_trained_with(
     assert again.trainer.train_dataloader.batch_size == loader.batch_size
     assert again.trainer.train_dataloader.num_workers == loader.num_workers
     assert again.trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(0.05 * factor)
+
+
+def test_worker_trials_never_load_giant_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch tuned to the whole dataset is timed at `MEASURE_BATCH_CAP` samples a batch (each
+    trial once loaded it whole: 39-68 s a loader); the model's step is timed on one real batch,
+    and the memory budget counts batches of the real size."""
+    from lightning_boost.workers import tuner
+
+    sizes: list[int] = []
+    real = tuner.measurement_loaders
+
+    def recording(dataset: Any, batch_size: int, *args: Any) -> Any:
+        sizes.append(batch_size)
+        return real(dataset, batch_size, *args)
+
+    monkeypatch.setattr(tuner, "measurement_loaders", recording)
+    monkeypatch.setattr(tuner, "MEASURE_BATCH_CAP", 256)
+    data = Indexed(IndexDataset(2048), batch_size=2048)
+    _fit(tmp_path, data)
+    (choice,) = data.worker_tuner.choices.values()
+    assert sizes == [256, 2048]  # the trials' loader, the model step's single batch
+    assert choice.trials[0].batch_bytes == 2048 * (32 * 4 + 8)  # float32 features + an int64 index

@@ -52,6 +52,8 @@ from lightning_boost.workers.search import (
 from lightning_boost.workers.segments import OnlineSearch
 
 CACHE_FILE = "workers.json"
+#: The most samples a batch of a loader trial holds (a larger tuned batch is timed at this size).
+MEASURE_BATCH_CAP = 1024
 
 
 class LoaderTuner:
@@ -242,7 +244,12 @@ class LoaderTuner:
         trainer: L.Trainer | None,
         workload_samples: int | None = None,
     ) -> WorkerChoice:
-        make = measurement_loaders(dataset, batch_size, settings, self.tuning.timeout_s)
+        # loader trials time samples per second, which the batch size barely changes: a batch tuned
+        # to the whole dataset is timed at `MEASURE_BATCH_CAP` samples a batch, not loaded whole
+        # by every trial; the model's step is still timed on one batch of the real size
+        size = min(batch_size, MEASURE_BATCH_CAP)
+        make = measurement_loaders(dataset, size, settings, self.tuning.timeout_s)
+        make_full = measurement_loaders(dataset, batch_size, settings, self.tuning.timeout_s)
         module = trainer.lightning_module if trainer is not None else None
         tuning, consume, started = self.tuning, None, time.perf_counter()
         rates: dict[int, float] = {}
@@ -252,9 +259,10 @@ class LoaderTuner:
 
         def measure(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
             window = tuning.window_s
-            return measure_loader(
-                make, num_workers, prefetch_factor, batch_size=batch_size, window_s=window, consume=consume
-            )
+            trial = measure_loader(
+                make, num_workers, prefetch_factor, batch_size=size, window_s=window, consume=consume
+            )  # the memory budget is for batches of the real size
+            return dataclasses.replace(trial, batch_bytes=trial.batch_bytes * batch_size // size)
 
         with preserved_rng():
             first = measure(0, None)  # before timing the model: a short run may need nothing more
@@ -262,11 +270,11 @@ class LoaderTuner:
         if worth and trainer is not None and module is not None:
             if consume is None:  # a CPU run: the model's step first, so hopeless counts are not timed
                 rates, tuning, skipped = self._model_first(
-                    module, make, batch_size, hardware.cpus_per_process
+                    module, make_full, batch_size, hardware.cpus_per_process
                 )
             elif tuning.target_samples_per_s is None:
                 with preserved_rng():
-                    rate = consumer_rate(trainer, module, consume(next(iter(make(0, None)))), batch_size)
+                    rate = consumer_rate(trainer, module, consume(next(iter(make_full(0, None)))), batch_size)
                 tuning = dataclasses.replace(tuning, target_samples_per_s=rate)
 
         def measure_once(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
