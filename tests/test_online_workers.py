@@ -340,15 +340,26 @@ def test_a_short_first_epoch_is_not_searched(tmp_path: Path) -> None:
     assert choice.source == "short run" and "cannot time two settings" in choice.reason
 
 
-def test_the_segment_driver_alone_yields_each_batch_once() -> None:
-    """`OnlineSearch` over a plain loader, no Lightning: the driver's own contract."""
+def _driver(shuffle: bool) -> tuple[Dataset[Any], SegmentedDataLoader, OnlineSearch, list[WorkerChoice]]:
+    """A `SegmentedDataLoader` over 200 indices, batch 3, with a pending search of three segments
+    on a 2-CPU machine, and the list its settled choice lands in."""
     dataset = TensorDataset(torch.arange(200))
     hardware = EXAMPLES["cpu"].replace(cpus_available=2)
     plan = SegmentPlan(4, 3)
     settled: list[WorkerChoice] = []
     start = functools.partial(search_online, hardware, TUNING, plan, Setting(0))
     search = OnlineSearch(start, plan, TUNING, Setting(0), settled=settled.append)
-    loader = SegmentedDataLoader(dataset, batch_size=3, shuffle=True, online=search)
+    return (
+        dataset,
+        SegmentedDataLoader(dataset, batch_size=3, shuffle=shuffle, online=search),
+        search,
+        settled,
+    )
+
+
+def test_the_segment_driver_alone_yields_each_batch_once() -> None:
+    """`OnlineSearch` over a plain loader, no Lightning: the driver's own contract."""
+    dataset, loader, _, settled = _driver(shuffle=True)
     torch.manual_seed(0)
     seen = [int(i) for (batch,) in loader for i in batch]
     torch.manual_seed(0)
@@ -359,13 +370,7 @@ def test_the_segment_driver_alone_yields_each_batch_once() -> None:
 
 def test_an_epoch_dropped_before_its_first_segment_ended_starts_the_search_over() -> None:
     """A tuner that draws one batch of the training loader and drops it settles nothing."""
-    dataset = TensorDataset(torch.arange(200))
-    hardware = EXAMPLES["cpu"].replace(cpus_available=2)
-    plan = SegmentPlan(4, 3)
-    settled: list[WorkerChoice] = []
-    start = functools.partial(search_online, hardware, TUNING, plan, Setting(0))
-    search = OnlineSearch(start, plan, TUNING, Setting(0), settled=settled.append)
-    loader = SegmentedDataLoader(dataset, batch_size=3, shuffle=False, online=search)
+    _, loader, search, settled = _driver(shuffle=False)
     peek = iter(loader)
     next(peek)
     del peek

@@ -4,15 +4,17 @@ No Lightning and no clock here. The first epoch of a run starts at a prior setti
 into segments of its own batches; each segment runs one setting and is timed end to end (the
 wait for each batch plus the step that follows, host side), so what is measured is the real
 training with the workers competing with the training process, not the loader alone. The
-search (`search_online`) is a generator: it yields the next ``(num_workers, prefetch_factor)``
-to run, is sent the segment's `WorkerTrial`, and returns the `WorkerChoice`. The driver that
-runs the segments is `lightning_boost.workers.segments`.
+search (`search_online`) is a generator: it yields the next `Setting` to run, is sent the
+segment's `WorkerTrial`, and returns the `WorkerChoice`. The driver that runs the segments is
+`lightning_boost.workers.segments`.
 
-The search assumes a throughput curve that rises, flattens, and may fall again where workers
-take CPUs from the training process. It keeps the smallest count within `tolerance` of the
-fastest measured: it measures the far end of the candidates from the prior, then bisects the
-gap below the smallest near-best count and the gap above the fastest, until both gaps are
-closed or the segments planned run out.
+On a CPU run that waits little for its data, the second segment trains the model alone at the
+threads one worker would leave; when that cannot beat loading in the main process, no worker is
+started (`workers_cannot_win`). Otherwise the search assumes a throughput curve that rises,
+flattens, and may fall again where workers take CPUs from the training process: it bisects the
+unmeasured gaps beside the fastest count (`_next_count`) until they close or the planned segments
+run out, and keeps the fewest workers within `tolerance` of the fastest on a CPU run, the fastest
+on a GPU run (`choose_online`).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def plan_segments(epoch_batches: int | None, run_batches: int | None, cpus: int)
     when that is shorter, split among the settings a search of `cpus` candidates measures.
 
     Example:
-        >>> plan_segments(128, 256, cpus=2)  # the demo: 12 batches for 0, 2 and 1 workers
+        >>> plan_segments(128, 256, cpus=2)  # the demo: 12 batches, three segments of 4
         SegmentPlan(segment_batches=4, max_segments=3, why_not='')
         >>> plan_segments(20, 40, cpus=2).why_not
         'the first epoch has 20 batches: 10% of it cannot time two settings of 4 batches'
@@ -197,9 +199,9 @@ def workers_cannot_win(alone: WorkerTrial, probe: WorkerTrial | None, tolerance:
         return ""
     return (
         f"any workers: the model's step on the {probe.threads} thread(s) one worker leaves"
-        f" ({model_alone:.0f} samples/s without\nits data wait) cannot beat loading in the main"
+        f" ({model_alone:.0f} samples/s without its data wait) cannot beat loading in the main"
         f" process ({alone.samples_per_s:.0f} samples/s)"
-    ).replace("\n", " ")
+    )
 
 
 def mean_rates(trials: list[WorkerTrial]) -> dict[int, float]:

@@ -45,7 +45,7 @@ class OnlineSearch:
         search: makes the `search_online` generator (a fresh one if an epoch is dropped before its
             first segment ended, e.g. by a tuner that drew one batch).
         plan: the segment length and count.
-        tuning: the tuning the search runs with (its tolerance decides an early end).
+        tuning: the tuning the search runs with (its `timeout_s` bounds a worker's batch).
         prior: the setting the search starts at (loaders built before it settles use it).
         share: what every rank uses of a trial (rank zero's, broadcast; the identity alone).
             Called once per segment, at the same batch on every rank.
@@ -91,21 +91,22 @@ class OnlineSearch:
         """The epoch of `loader`: segments at the settings the search asks for, then the rest at
         the winner. Each segment's loader starts while the one before delivers its last batch."""
         seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+        seeds = itertools.count(seed)  # each loader started gets its own workers' base seed
         batches = iter(loader.batch_sampler)  # type: ignore[arg-type]  # after the seed, as DataLoader draws
         first = Setting(*next(self.search))
         setting: Setting | None = first
         chunk = list(itertools.islice(batches, self.plan.segment_batches))
-        stream = self._start(loader, chunk, first, seed)
+        stream = self._start(loader, chunk, first, next(seeds))
         last_good = Setting(0)
         try:
             while setting is not None and chunk:
                 self.configure(setting.num_workers, setting.threads)
                 timing = _Timing(setting, chunk, self.clock)
                 following: tuple[Setting | None, list[list[int]], Iterator[Any]] = (None, [], iter(()))
-                fallback = functools.partial(self._resume, loader, chunk, last_good, seed + 1)
+                fallback = functools.partial(self._resume, loader, chunk, last_good, next(seeds))
                 for batch in timing.run(stream, fallback):
                     if timing.arrived == len(chunk):  # the last: decide and start the next before its step
-                        following = self._advance(loader, timing, batches, seed + 2 + len(self._trials))
+                        following = self._advance(loader, timing, batches, next(seeds))
                     yield batch
                 if not timing.failed:
                     last_good = setting
@@ -113,7 +114,7 @@ class OnlineSearch:
             choice = self._settle([loader])
             rest = itertools.chain(chunk, batches)  # the epoch's remaining batches, in order
             yield from self._start(
-                loader, rest, Setting(choice.num_workers, choice.prefetch_factor), seed + 1
+                loader, rest, Setting(choice.num_workers, choice.prefetch_factor), next(seeds)
             )
         finally:
             if self.choice is None and not self._trials:  # dropped before a segment ended: start over

@@ -78,23 +78,6 @@ class LoaderTuner:
         self._threads_before: int | None = None
         self._files_before: tuple[tuple[int, int], str] | None = None
 
-    def choose(
-        self,
-        trainer: L.Trainer | None,
-        dataset: Dataset[Any],
-        batch_size: int,
-        settings: Mapping[str, Any],
-        workload_samples: int | None = None,
-        loader: str = "",
-    ) -> WorkerChoice:
-        """The worker setting for `dataset` at `batch_size`, the same on every rank.
-
-        `settings` are the real loader's other arguments (collate function, pinning, ...);
-        `workload_samples`, what the run will load from it, when known (`run_samples`): a run too
-        short for measuring to pay back loads in the main process, and that is not cached.
-        """
-        return self.decide(trainer, dataset, batch_size, settings, workload_samples, loader)[0]
-
     def decide(
         self,
         trainer: L.Trainer | None,
@@ -105,10 +88,16 @@ class LoaderTuner:
         loader: str = "",
         epoch_batches: int | None = None,
     ) -> tuple[WorkerChoice, OnlineSearch | None]:
-        """`choose`, or, given the training loader's `epoch_batches` (per rank) and
-        ``WorkerTuning(online=True)``, the prior setting and the search that runs on the first
-        epoch's own batches (`OnlineSearch`). A loader over the same dataset asked for while that
-        search runs (an evaluation loader) gets the prior and the search, to follow its choice."""
+        """The worker setting for `dataset` at `batch_size`, the same on every rank, and the
+        search that decides it on the first epoch's own batches when one runs (else ``None``).
+
+        `settings` are the real loader's other arguments (collate function, pinning, ...);
+        `workload_samples`, what the run will load from it, when known (`run_samples`): a run too
+        short for measuring to pay back loads in the main process, and that is not cached. Given
+        the training loader's `epoch_batches` (per rank) and ``WorkerTuning(online=True)``, the
+        setting is the search's prior (`OnlineSearch`); a loader over the same dataset asked for
+        while that search runs (an evaluation loader) gets the prior and the search, to follow it.
+        """
         hardware = hardware_for(trainer)
         # the model's step is part of the decision: on a CPU it shares the CPUs with the workers,
         # on a GPU its rate is what the loader must feed
