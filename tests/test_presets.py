@@ -1,5 +1,6 @@
 import inspect
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -304,6 +305,27 @@ def test_speed_flags_set_for_the_run_and_put_back(
         torch.use_deterministic_algorithms(False)
     assert record.seen == ("high", benchmark_seen)
     assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark) == before
+
+
+EXIT_SCRIPT = """
+import atexit, os, torch.distributed as dist
+from lightning_boost.presets.strategies import destroy_process_group_at_exit
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))  # runs last (LIFO)
+dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"], rank=0, world_size=1)
+destroy_process_group_at_exit()
+destroy_process_group_at_exit()  # a second strategy in the same process registers nothing more
+"""
+
+
+@pytest.mark.ddp
+def test_gloo_group_destroyed_before_interpreter_shutdown(tmp_path: Path) -> None:
+    """A gloo group left to interpreter shutdown can abort a finished run (SIGABRT after fit)."""
+    env = {**os.environ, "STORE": str(tmp_path / "store")}
+    result = subprocess.run(
+        [sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=60, env=env, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "initialized at exit: False"
 
 
 @pytest.mark.ddp

@@ -7,6 +7,7 @@ on either namespace's strategies: here on ``lightning.pytorch``'s, and in
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib
 import sys
@@ -55,6 +56,28 @@ def apply_speed_flags(tf32: bool, cudnn_benchmark: bool) -> dict[str, Any]:
 def restore_speed_flags(saved: dict[str, Any]) -> None:
     torch.set_float32_matmul_precision(saved["matmul"])
     torch.backends.cudnn.benchmark = saved["benchmark"]
+
+
+def destroy_process_group_at_exit() -> None:
+    """Have the process group destroyed while the interpreter is still whole.
+
+    Lightning registers this for NCCL only. A gloo group left to interpreter shutdown can abort
+    the process after a finished fit ("terminate called without an active exception": its worker
+    threads outlive the objects they hold), which turns a successful run's exit status into
+    SIGABRT. Registered once per process; a no-op when the group is already gone.
+    """
+    global _exit_hook_registered
+    if not _exit_hook_registered:
+        atexit.register(_destroy_process_group)
+        _exit_hook_registered = True
+
+
+_exit_hook_registered = False
+
+
+def _destroy_process_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _compared_by_pytorch_lightning() -> bool:
@@ -111,6 +134,8 @@ class PresetStrategy(_Strategy):
         if self._saved_flags is None:
             self._saved_flags = apply_speed_flags(self.plan.tf32, self.plan.cudnn_benchmark)
         super().setup_environment()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            destroy_process_group_at_exit()
 
     @override
     def teardown(self) -> None:
