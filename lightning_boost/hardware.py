@@ -42,6 +42,8 @@ class HardwareInfo:
         device_memory_bytes: total memory per device.
         supports_bf16: the device computes in bfloat16 at full speed (CUDA capability >= 8.0).
         supports_tf32: TensorFloat-32 matmuls are available (CUDA capability >= 8.0).
+        cpu_supports_bf16: the CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX), so
+            bf16 autocast can speed up a CPU run (for some models; see `auto_precision`).
         cpus_available: CPUs this process may run on (affinity and cgroup quota).
         cpu_count: CPUs in the machine (``os.cpu_count()``), for reference only.
         ram_total_bytes: physical memory, ``None`` where unknown.
@@ -74,6 +76,7 @@ class HardwareInfo:
     device_memory_bytes: tuple[_Bytes, ...] = ()
     supports_bf16: bool = False
     supports_tf32: bool = False
+    cpu_supports_bf16: bool = False
     cpus_available: PositiveInt = 1
     cpu_count: PositiveInt = 1
     ram_total_bytes: _Bytes | None = None
@@ -183,6 +186,7 @@ class HardwareInfo:
             device_memory_bytes=tuple(d[2] for d in devices),
             supports_bf16=ampere,
             supports_tf32=ampere,
+            cpu_supports_bf16=_cpu_bf16(),
             cpus_available=available_cpus(),
             cpu_count=os.cpu_count() or 1,
             ram_total_bytes=ram_total,
@@ -343,6 +347,17 @@ def _open_files_limits() -> tuple[int | None, int | None]:
     return (None if soft == infinite else soft), (None if hard == infinite else hard)
 
 
+def _cpu_bf16() -> bool:
+    """The CPU has AVX512-BF16 or AMX tiles (torch's own checks, private: ``False`` without them)."""
+    import torch
+
+    checks = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    try:
+        return any(getattr(torch.cpu, name, lambda: False)() for name in checks)
+    except Exception:  # a private check that changed: no bf16 claimed
+        return False
+
+
 def _disk_size(path: str) -> int | None:
     try:
         return shutil.disk_usage(path).total
@@ -412,6 +427,20 @@ EXAMPLES: dict[str, HardwareInfo] = {
         ram_total_bytes=32 * GIB,
         ram_available_bytes=28 * GIB,
         shm_bytes=16 * GIB,
+        open_files_limit=65536,
+        open_files_hard_limit=65536,
+        torch_version="2.14.1",
+        nccl_available=False,
+        cpu_only_build=True,
+    ),
+    "cpu-bf16": HardwareInfo(  # a Xeon Sapphire Rapids or EPYC Zen 4 box: bf16 dot products
+        accelerator="cpu",
+        cpu_supports_bf16=True,
+        cpus_available=16,
+        cpu_count=16,
+        ram_total_bytes=64 * GIB,
+        ram_available_bytes=56 * GIB,
+        shm_bytes=32 * GIB,
         open_files_limit=65536,
         open_files_hard_limit=65536,
         torch_version="2.14.1",

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.plugins.precision import MixedPrecision
 from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 from typing_extensions import Unpack
 
@@ -28,6 +29,7 @@ from lightning_boost import data
 from lightning_boost._validation import Count, validated
 from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.hardware import HardwareInfo
+from lightning_boost.presets.autocast import MeasuredAutocastMixin
 from lightning_boost.presets.plans import PresetName, PresetOverrides, PresetPlan, plan_preset
 from lightning_boost.presets.strategies import (
     PresetDDP,
@@ -50,22 +52,29 @@ class BoostedDataModule(BoostedDataMixin, pl.LightningDataModule):  # type: igno
     __doc__ = data.BoostedDataModule.__doc__
 
 
+class MeasuredAutocast(MeasuredAutocastMixin, MixedPrecision):  # type: ignore[misc]
+    """`MeasuredAutocastMixin` on ``pytorch_lightning``'s `MixedPrecision`."""
+
+
 class PresetDDPStrategy(PresetDDP, DDPStrategy):  # type: ignore[misc]
     """`DDPStrategy` built by `preset("fast-ddp")`; ``.plan`` and ``.findings`` say what it chose."""
 
     namespace = "pytorch_lightning"
+    measured_autocast = MeasuredAutocast
 
 
 class PresetFSDPStrategy(PresetFSDP, FSDPStrategy):  # type: ignore[misc]
     """`FSDPStrategy` built by `preset("fsdp")`: sharding, size-based wrapping, mixed precision."""
 
     namespace = "pytorch_lightning"
+    measured_autocast = MeasuredAutocast
 
 
 class PresetSingleDeviceStrategy(PresetSingleDevice, SingleDeviceStrategy):  # type: ignore[misc]
     """`SingleDeviceStrategy` built by `preset("auto")` on one device, with its precision."""
 
     namespace = "pytorch_lightning"
+    measured_autocast = MeasuredAutocast
 
 
 KINDS: Mapping[str, Callable[[PresetPlan], PresetStrategy]] = {

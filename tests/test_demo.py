@@ -29,7 +29,7 @@ def test_demo_trains_plain_then_boosted_and_writes_the_report(tmp_path: Path) ->
     tuned = written["tuned"]
     assert boosted.settings["batch size"] == f"{tuned['batch_size']} x 1 accumulated"
     assert tuned["batch_size"] <= 32 and tuned["num_workers"] == boosted.settings["num_workers"]
-    assert float(boosted.settings["learning rate"]) == pytest.approx(0.05 * tuned["lr_factor"])
+    assert float(boosted.settings["learning rate (peak)"]) == pytest.approx(0.05 * tuned["lr_factor"])
     assert {f["source"] for f in written["findings"]} >= {"AutoBatchSize", "FakeCIFAR", "SyncGuard"}
     assert Path(str(boosted.report)).is_relative_to(tmp_path / "boosted")
 

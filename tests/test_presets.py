@@ -43,6 +43,8 @@ DECISIONS = [
     ("cpu", "auto", PresetSingleDeviceStrategy, "32-true", None, False, False),
     ("cpu", "fast-ddp", PresetDDPStrategy, "32-true", None, False, False),
     ("cpu", "fast-ddp-multinode", PresetDDPStrategy, "32-true", None, False, False),
+    ("cpu-bf16", "auto", PresetSingleDeviceStrategy, "bf16-mixed", None, False, False),
+    ("cpu-bf16", "fast-ddp", PresetDDPStrategy, "bf16-mixed", None, False, False),
     ("t4", "auto", PresetSingleDeviceStrategy, "16-mixed", None, False, True),
     ("t4", "fast-ddp", PresetDDPStrategy, "16-mixed", None, False, True),
     ("v100", "fast-ddp-multinode", PresetDDPStrategy, "16-mixed", "fp16", False, True),
@@ -75,6 +77,7 @@ def test_preset_decisions(
     assert type(strategy) is kind
     plan = strategy.plan
     assert (plan.precision, plan.tf32, plan.cudnn_benchmark) == (precision, tf32, bench)
+    assert plan.measure_autocast == (hw == "cpu-bf16")  # a CPU's bf16 is measured on the run's steps
     plugin = strategy.precision_plugin
     if precision == "32-true":
         assert type(plugin) is Precision
@@ -254,7 +257,9 @@ def test_lightning_own_names_are_left_alone() -> None:
 def test_trainer_precision_flag_reads_the_users_choice(tmp_path: Path) -> None:
     assert trainer_precision_flag(tiny_trainer(tmp_path)) == "32-true"
     assert trainer_precision_flag(tiny_trainer(tmp_path, precision="bf16-mixed")) == "bf16-mixed"
-    trainer = tiny_trainer(tmp_path, strategy=preset("auto"), precision="bf16-mixed")
+    trainer = tiny_trainer(
+        tmp_path, strategy=preset("auto", hardware=EXAMPLES["cpu"]), precision="bf16-mixed"
+    )
     assert trainer.precision == "32-true"  # Lightning takes the strategy's plugin ...
     assert trainer_precision_flag(trainer) == "bf16-mixed"  # ... and the user's flag is still here
 
@@ -262,7 +267,9 @@ def test_trainer_precision_flag_reads_the_users_choice(tmp_path: Path) -> None:
 def test_conflicting_trainer_precision_is_an_error(tmp_path: Path) -> None:
     model = BoringModel()
     before = model.layer.weight.detach().clone()
-    trainer = tiny_trainer(tmp_path, strategy=preset("auto"), precision="bf16-mixed")
+    trainer = tiny_trainer(
+        tmp_path, strategy=preset("auto", hardware=EXAMPLES["cpu"]), precision="bf16-mixed"
+    )
     with pytest.raises(
         ValueError,
         match=r"precision='bf16-mixed'\) conflicts with preset\('auto'\).*"
@@ -355,7 +362,7 @@ def test_fast_ddp_two_cpu_processes(tmp_path: Path) -> None:
     promised = plan_preset("fast-ddp", HardwareInfo.detect())
     for live in ranks:
         assert live["strategy"] == "PresetDDPStrategy" and live["world_size"] == 2
-        assert live["precision"] == promised.precision == "32-true"
+        assert live["precision"] == promised.precision  # 6 steps: too few to settle a CPU's bf16
         assert live["backend"] == "gloo" and promised.options["process_group_backend"] is None
         assert live["bucket_bytes_cap"] == promised.options["bucket_cap_mb"] * 1024 * 1024
         flags = ("find_unused_parameters", "gradient_as_bucket_view", "static_graph", "batched_grad_copy")

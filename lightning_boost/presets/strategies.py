@@ -19,6 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDevice
 from typing_extensions import override
 
 from lightning_boost._lightning import trainer_precision_flag, wrong_namespace
+from lightning_boost.presets.autocast import MeasuredAutocast, MeasuredAutocastMixin
 from lightning_boost.presets.plans import PresetPlan
 from lightning_boost.report import Finding
 
@@ -110,6 +111,8 @@ class PresetStrategy(_Strategy):
 
     #: Where the precision plugins come from: the namespace of the strategy class mixed in.
     namespace = "lightning.pytorch"
+    #: The namespace's `MeasuredAutocastMixin` plugin, for a CPU's measured bf16 autocast.
+    measured_autocast: type[MeasuredAutocastMixin] = MeasuredAutocast
     plan: PresetPlan
     findings: list[Finding]
     _saved_flags: dict[str, Any] | None = None
@@ -136,6 +139,14 @@ class PresetStrategy(_Strategy):
         super().setup_environment()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             destroy_process_group_at_exit()
+        plugin = self.precision_plugin
+        if isinstance(plugin, MeasuredAutocastMixin):  # every rank keeps rank zero's choice
+            plugin.owner = self
+
+    def _preset_precision(self, plan: PresetPlan) -> Any:
+        if plan.measure_autocast:
+            return self.measured_autocast()
+        return precision_plugin(plan, self.namespace)
 
     @override
     def teardown(self) -> None:
@@ -152,7 +163,7 @@ class PresetDDP(PresetStrategy):
         options = dict(plan.options)
         hook = _comm_hook(options.pop("comm_hook"))
         super().__init__(  # type: ignore[call-arg]
-            precision_plugin=precision_plugin(plan, self.namespace),
+            precision_plugin=self._preset_precision(plan),
             ddp_comm_hook=hook,
             **options,
         )
@@ -181,7 +192,7 @@ class PresetSingleDevice(PresetStrategy):
 
     def __init__(self, plan: PresetPlan) -> None:
         device = plan.options["device"]
-        super().__init__(device=device, precision_plugin=precision_plugin(plan, self.namespace))  # type: ignore[call-arg]
+        super().__init__(device=device, precision_plugin=self._preset_precision(plan))  # type: ignore[call-arg]
         self.plan, self.findings = plan, list(plan.findings)
 
 

@@ -1,0 +1,195 @@
+"""A CPU's bf16 autocast, kept only where the run's own first steps are faster with it.
+
+Which setting is faster is made certain here by a model whose step sleeps under one of them (a
+real Lightning fit, real autocast: only the cost is planted), since this machine's own timing is
+noise at these sizes. `EXAMPLES["cpu-bf16"]` stands for a CPU with bf16 dot products: the plan
+must not depend on the machine the tests run on.
+"""
+
+import time
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_boost import BoostReport, preset
+from lightning_boost.hardware import EXAMPLES
+from lightning_boost.precision import (
+    AUTOCAST_PAIRS,
+    AUTOCAST_WARMUP,
+    AutocastChoice,
+    auto_precision,
+    autocast_setting,
+    decide_autocast,
+)
+from lightning_boost.presets.autocast import MeasuredAutocast
+from lightning_boost.report import Report
+from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
+
+CPU_BF16 = EXAMPLES["cpu-bf16"]
+
+
+def timed(fp32: float, bf16: float, pairs: int) -> list[float]:
+    """Step times as a trial would record them when fp32 steps take `fp32` and bf16 ones `bf16`."""
+    steps = AUTOCAST_WARMUP + 2 * pairs
+    return [bf16 if autocast_setting(step) else fp32 for step in range(steps)]
+
+
+def test_schedule_warms_up_each_setting_then_alternates_pair_order() -> None:
+    settings = [autocast_setting(step) for step in range(AUTOCAST_WARMUP + 8)]
+    assert settings[:AUTOCAST_WARMUP] == [False, True]
+    pairs = [tuple(settings[i : i + 2]) for i in range(AUTOCAST_WARMUP, len(settings), 2)]
+    assert pairs == [(False, True), (True, False)] * 2  # each pair one of each, order alternating
+
+
+@pytest.mark.parametrize(("fp32", "bf16", "keep_bf16"), [(0.10, 0.08, True), (0.10, 0.14, False)])
+def test_a_clear_difference_is_decided_after_the_fewest_pairs(
+    fp32: float, bf16: float, keep_bf16: bool
+) -> None:
+    least = AUTOCAST_PAIRS[0]
+    assert decide_autocast(timed(fp32, bf16, least - 1)) is None
+    choice = decide_autocast(timed(fp32, bf16, least))
+    assert choice == AutocastChoice(keep_bf16, round(fp32 / bf16, 3), least)
+
+
+def test_a_gain_inside_the_margin_keeps_fp32() -> None:
+    choice = decide_autocast(timed(0.100, 0.098, AUTOCAST_PAIRS[1]))  # 2% faster: not worth the numerics
+    assert choice is not None and not choice.bf16 and choice.pairs == AUTOCAST_PAIRS[1]
+
+
+def test_a_slowing_machine_favours_neither_setting() -> None:
+    """Equal steps on a machine slowing 5% a step: a pair's later step is always slower, so a
+    fixed order would credit one setting; the alternating order cancels it."""
+    seconds = [0.1 * 1.05**step for step in range(AUTOCAST_WARMUP + 2 * AUTOCAST_PAIRS[1])]
+    for steps in range(len(seconds)):
+        choice = decide_autocast(seconds[:steps])
+        assert choice is None or not choice.bf16
+    final = decide_autocast(seconds)
+    assert final is not None and not final.bf16 and final.pairs == AUTOCAST_PAIRS[1]
+
+
+def test_only_a_cpu_with_bf16_dot_products_is_measured() -> None:
+    assert auto_precision(CPU_BF16) == "bf16-mixed" and auto_precision(EXAMPLES["cpu"]) == "32-true"
+    assert preset("auto", hardware=CPU_BF16).plan.measure_autocast
+    assert not preset("auto", hardware=EXAMPLES["cpu"]).plan.measure_autocast
+    by_hand = preset("auto", hardware=CPU_BF16, precision="bf16-mixed")
+    assert not by_hand.plan.measure_autocast and not isinstance(by_hand.precision_plugin, MeasuredAutocast)
+    assert not preset("auto", hardware=EXAMPLES["h100"]).plan.measure_autocast  # CUDA: bf16 by capability
+
+
+class SlowUnder(BoringModel):
+    """`BoringModel` whose step sleeps under one setting (``"bf16"`` or ``"fp32"``), and records
+    whether autocast was on in each training step and the dtype its weights and loss had."""
+
+    def __init__(self, slow: str, manual: bool = False) -> None:
+        super().__init__()
+        self.slow, self.autocast_seen, self.dtypes = slow, [], set()
+        self.automatic_optimization = not manual
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        autocast = torch.is_autocast_enabled("cpu")
+        self.autocast_seen.append(autocast)
+        if autocast == (self.slow == "bf16"):
+            time.sleep(0.02)
+        loss = super().training_step(batch, batch_idx)
+        self.dtypes |= {self.layer.weight.dtype, self(batch[0]).dtype}
+        if not self.automatic_optimization:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            self.manual_backward(loss)
+            optimizer.step()
+        return loss
+
+
+def fit(tmp_path: Path, model: SlowUnder, steps: int = 24) -> tuple[L.Trainer, MeasuredAutocast]:
+    strategy = preset("auto", hardware=CPU_BF16)
+    trainer = tiny_trainer(
+        tmp_path,
+        strategy=strategy,
+        limit_train_batches=steps,
+        callbacks=[BoostReport(console=False)],
+        enable_checkpointing=False,
+    )
+    trainer.fit(model, datamodule=BoringDataModule(length=steps * 8))
+    plugin = trainer.precision_plugin
+    assert isinstance(plugin, MeasuredAutocast)
+    return trainer, plugin
+
+
+def report_of(trainer: L.Trainer) -> Report:
+    (callback,) = [c for c in trainer.callbacks if isinstance(c, BoostReport)]
+    assert callback.report is not None
+    return callback.report
+
+
+@pytest.mark.parametrize(("slow", "keep_bf16"), [("fp32", True), ("bf16", False)])
+def test_the_faster_setting_is_kept_for_the_rest_of_the_run(
+    tmp_path: Path, slow: str, keep_bf16: bool
+) -> None:
+    model = SlowUnder(slow)
+    trainer, plugin = fit(tmp_path, model)
+    choice = plugin.choice
+    assert choice is not None and choice.bf16 is keep_bf16 and choice.pairs == AUTOCAST_PAIRS[0]
+    trial = len(plugin.seconds)
+    assert trial == AUTOCAST_WARMUP + 2 * AUTOCAST_PAIRS[0]  # timed on the run's own steps
+    assert model.autocast_seen[:trial] == [autocast_setting(step) for step in range(trial)]
+    assert model.autocast_seen[trial:] == [keep_bf16] * (24 - trial)
+    assert trainer.precision == ("bf16-mixed" if keep_bf16 else "32-true")
+    assert torch.float32 in model.dtypes and (torch.bfloat16 in model.dtypes)  # fp32 weights, bf16 outputs
+    assert trainer.global_step == 24
+    report = report_of(trainer)
+    (finding,) = [f for f in report.findings if "autocast_bf16" in f.data]
+    assert finding.data == {"autocast_bf16": keep_bf16, "speedup": choice.speedup, "steps": trial}
+    assert report.tuned["precision"] == trainer.precision
+
+
+def test_the_decision_lasts_for_the_next_fit(tmp_path: Path) -> None:
+    model = SlowUnder("bf16")
+    trainer, plugin = fit(tmp_path, model)
+    model.autocast_seen.clear()
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(model, datamodule=BoringDataModule(length=24 * 8))
+    assert model.autocast_seen == [False] * 24 and len(plugin.seconds) == 8  # not measured again
+
+
+def test_manual_optimization_stays_fp32_with_a_finding(tmp_path: Path) -> None:
+    model = SlowUnder("fp32", manual=True)
+    trainer, plugin = fit(tmp_path, model, steps=6)
+    assert plugin.choice == AutocastChoice(False, None, 0, "manual optimization")
+    assert model.autocast_seen == [False] * 6 and trainer.precision == "32-true"
+    report = report_of(trainer)
+    (finding,) = [f for f in report.findings if "autocast_bf16" in f.data]
+    assert "manual optimization" in finding.detail
+
+
+class SlowOnRankOne(SlowUnder):
+    """bf16 is slow on rank 1 only: left to itself, rank 1 would keep fp32."""
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.slow = "bf16" if self.global_rank == 1 else "fp32"
+        loss = super().training_step(batch, batch_idx)
+        if batch_idx == 15:
+            self.log(
+                "autocast_at_end", float(torch.is_autocast_enabled("cpu")), reduce_fx="min", sync_dist=True
+            )
+            self.log(
+                "autocast_at_end_max",
+                float(torch.is_autocast_enabled("cpu")),
+                reduce_fx="max",
+                sync_dist=True,
+            )
+        return loss
+
+
+@pytest.mark.ddp
+def test_every_rank_keeps_rank_zeros_choice(tmp_path: Path) -> None:
+    strategy = preset("fast-ddp", hardware=CPU_BF16, start_method="spawn")
+    trainer = tiny_trainer(tmp_path, devices=2, strategy=strategy, limit_train_batches=16, logger=False)
+    trainer.fit(SlowOnRankOne("fp32"), datamodule=BoringDataModule(length=16 * 8 * 2))
+    metrics = trainer.callback_metrics
+    assert float(metrics["autocast_at_end"]) == float(metrics["autocast_at_end_max"]) == 1.0
