@@ -137,7 +137,7 @@ class Data(BoostedDataModule):
 
 def _fit(
     workload: Workload, root: Path, seed: int, boosted: bool, cache: Path
-) -> tuple[Throughput, AutoBatchSize | None]:
+) -> tuple[Throughput, AutoBatchSize | None, str]:
     clock = Throughput()
     tuner = AutoBatchSize(cache_dir=cache) if boosted else None
     callbacks: list[L.Callback] = [clock]
@@ -161,7 +161,7 @@ def _fit(
     else:
         train = DataLoader(workload.train(), batch_size=64, shuffle=True)
         trainer.fit(workload.model(), train, DataLoader(workload.val(), batch_size=64))
-    return clock, tuner
+    return clock, tuner, str(trainer.precision)
 
 
 def _reach(clock: Throughput, target: float) -> float | None:
@@ -173,9 +173,9 @@ def run() -> list[Row]:
     for workload in WORKLOADS:
         with tempfile.TemporaryDirectory() as folder:
             root = Path(folder)
-            plain, _ = _fit(workload, root / "plain", 0, False, root / "cache")
-            again, _ = _fit(workload, root / "again", 1, False, root / "cache")
-            boosted, tuner = _fit(workload, root / "boosted", 0, True, root / "cache")
+            plain, _, _ = _fit(workload, root / "plain", 0, False, root / "cache")
+            again, _, _ = _fit(workload, root / "again", 1, False, root / "cache")
+            boosted, tuner, precision = _fit(workload, root / "boosted", 0, True, root / "cache")
         target = plain.curve[-1][1]
         noise = abs(again.curve[-1][1] - target)
         plain_s, boosted_s = _reach(plain, target), _reach(boosted, target)
@@ -190,7 +190,8 @@ def run() -> list[Row]:
                 f" {noise:.2g}), boosted {boosted.curve[-1][1]:.4g}; plain's final reached at {plain_s:.1f} s"
                 f" plain, {reached} boosted (tuning {boosted.before_training_s:.1f} s); batch"
                 f" {decision.batch_size}, lr x{decision.lr_factor:.2f}"
-                f" ({decision.kept or decision.stopped}).",
+                f" ({decision.kept or decision.stopped}); precision {precision} (measured on the first"
+                " steps where the CPU has bf16 dot products).",
                 COMMAND,
             )
         )

@@ -28,6 +28,7 @@ _EXPORTS = {
     "BoostedDataModule": "lightning_boost.data",
     "HardwareInfo": "lightning_boost.hardware",
     "auto_precision": "lightning_boost.precision",
+    "Preset": "lightning_boost.presets",
     "preset": "lightning_boost.presets",
     "presets": "lightning_boost.presets",
     "BoostWarning": "lightning_boost.report",
@@ -46,6 +47,7 @@ __all__ = [
     "Finding",
     "HardwareInfo",
     "LossLoggingGuard",
+    "Preset",
     "Report",
     "RetainedGraphError",
     "Severity",
@@ -97,6 +99,6 @@ if TYPE_CHECKING:  # the names as type checkers and IDEs see them
     from lightning_boost.data import BoostedDataModule
     from lightning_boost.hardware import HardwareInfo
     from lightning_boost.precision import auto_precision
-    from lightning_boost.presets import preset, presets
+    from lightning_boost.presets import Preset, preset, presets
     from lightning_boost.report import BoostWarning, Finding, Report, Severity
     from lightning_boost.workers.search import WorkerTuning

@@ -22,13 +22,14 @@ from collections.abc import Callable, Mapping
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.plugins.precision import MixedPrecision
-from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+from pytorch_lightning.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
 from typing_extensions import Unpack
 
 from lightning_boost import data
 from lightning_boost._validation import Count, validated
 from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.hardware import HardwareInfo
+from lightning_boost.presets import api
 from lightning_boost.presets.autocast import MeasuredAutocastMixin
 from lightning_boost.presets.plans import PresetName, PresetOverrides, PresetPlan, plan_preset
 from lightning_boost.presets.strategies import (
@@ -41,6 +42,7 @@ from lightning_boost.presets.strategies import (
 
 __all__ = [
     "BoostedDataModule",
+    "Preset",
     "PresetDDPStrategy",
     "PresetFSDPStrategy",
     "PresetSingleDeviceStrategy",
@@ -101,3 +103,14 @@ def preset(
         ('lightning_boost.pytorch_lightning', True)
     """
     return build(plan_preset(name, hardware or HardwareInfo.detect(), model, **overrides), KINDS)
+
+
+class Preset(Strategy):
+    """`lightning_boost.Preset` for ``pytorch_lightning``'s LightningCLI: builds this module's
+    ``preset(name, **overrides)`` from a config's ``class_path`` and ``init_args``."""
+
+    __new__ = api.Preset.__new__  # type: ignore[assignment]
+    build_preset = staticmethod(preset)
+
+
+Preset.__abstractmethods__ = frozenset()  # never built itself; jsonargparse refuses abstract classes

@@ -109,3 +109,4 @@ def test_cli_turns_the_callbacks_on_from_yaml(tmp_path: Path) -> None:
     sources = {f["source"] for f in report["findings"]}
     assert {"StepTimeMonitor", "LossLoggingGuard"} <= sources
     assert report["tuned"]["num_workers"] == 0 and report["tuned"]["batch_size"] == 64
+    assert report["tuned"]["strategy"] == "PresetSingleDeviceStrategy"  # `Preset` from the YAML

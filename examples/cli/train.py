@@ -3,8 +3,9 @@
     python examples/cli/train.py fit --config examples/cli/config.yaml
     python examples/cli/train.py fit --config examples/cli/config.yaml --trainer.max_epochs 3
 
-The callbacks (the guards, the step-time monitor, the report) and the `BoostedDataModule`'s
-settings live in ``config.yaml``; every argument can be overridden on the command line, and
+The preset (``lightning_boost.Preset``, which builds ``preset("auto")``), the callbacks (the
+guards, the step-time monitor, the report) and the `BoostedDataModule`'s settings live in
+``config.yaml``; every argument can be overridden on the command line, and
 ``fit --print_config`` shows the whole resolved configuration.
 """
 

@@ -25,10 +25,12 @@ _EXPORTS = {
     "PresetOverrides": "lightning_boost.presets.plans",
     "PresetPlan": "lightning_boost.presets.plans",
     "plan_preset": "lightning_boost.presets.plans",
+    "Preset": "lightning_boost.presets.api",
     "preset": "lightning_boost.presets.api",
     "presets": "lightning_boost.presets.api",
 }
 __all__ = [
+    "Preset",
     "PresetDDPStrategy",
     "PresetFSDPStrategy",
     "PresetName",
@@ -46,7 +48,7 @@ __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, __all__)
 
 
 if TYPE_CHECKING:
-    from lightning_boost.presets.api import preset, presets
+    from lightning_boost.presets.api import Preset, preset, presets
     from lightning_boost.presets.plans import PresetName, PresetOverrides, PresetPlan, plan_preset
     from lightning_boost.presets.strategies import (
         PresetDDPStrategy,

@@ -7,6 +7,8 @@ See `presets()` for the names and the README's preset table for what each sets a
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from lightning.pytorch.strategies import Strategy, StrategyRegistry
 from typing_extensions import Unpack
@@ -19,7 +21,7 @@ from lightning_boost.presets.strategies import (
     build,
 )
 
-__all__ = ["preset", "presets"]
+__all__ = ["Preset", "preset", "presets"]
 
 
 @validated
@@ -54,6 +56,65 @@ def preset(
     """
     plan = plan_preset(name, hardware or HardwareInfo.detect(), model, **overrides)
     return build(plan)
+
+
+class Preset(Strategy):
+    """`preset` as a class, for configuration files: LightningCLI (jsonargparse) builds a
+    strategy from a ``class_path`` and its ``init_args``, and a preset's own class depends on the
+    machine, so this one stands for it. Building it returns ``preset(name, **overrides)``, the
+    preset's own strategy (`PresetDDPStrategy`, ...), not a `Preset`. Arguments left at ``None``
+    are the preset's choice; see `preset` for each.
+
+    In a LightningCLI config::
+
+        trainer:
+          strategy:
+            class_path: lightning_boost.Preset
+            init_args:
+              name: fast-ddp
+              static_graph: true
+
+    and in code, ``LightningCLI(..., trainer_defaults={"strategy": lazy_instance(Preset)})`` (a
+    strategy instance cannot be a CLI default: jsonargparse needs the class and its arguments).
+
+    Example:
+        >>> from lightning.pytorch.strategies import SingleDeviceStrategy
+        >>> isinstance(Preset("auto", precision="32-true"), SingleDeviceStrategy)
+        True
+    """
+
+    def __new__(  # the signature jsonargparse reads
+        cls,
+        name: PresetName = "auto",
+        precision: str | None = None,
+        tf32: bool | None = None,
+        cudnn_benchmark: bool | None = None,
+        find_unused_parameters: bool | None = None,
+        gradient_as_bucket_view: bool | None = None,
+        bucket_cap_mb: float | None = None,
+        static_graph: bool | None = None,
+        batched_grad_copy: bool | None = None,
+        process_group_backend: str | None = None,
+        start_method: str | None = None,
+        comm_hook: str | None = None,
+        sharding_strategy: str | None = None,
+        min_num_params: int | None = None,
+        state_dict_type: str | None = None,
+        cpu_offload: bool | None = None,
+        limit_all_gathers: bool | None = None,
+        use_orig_params: bool | None = None,
+    ) -> Any:
+        """The preset's own strategy (its class is not `Preset`, so no ``__init__`` runs)."""
+        if "build_preset" not in cls.__dict__:  # jsonargparse's `lazy_instance` subclass: a placeholder
+            return super().__new__(cls)
+        given = {key: value for key, value in locals().items() if key not in ("cls", "name", "__class__")}
+        return cls.build_preset(name, **{key: value for key, value in given.items() if value is not None})
+
+    #: The namespace's `preset` function.
+    build_preset = staticmethod(preset)
+
+
+Preset.__abstractmethods__ = frozenset()  # never built itself; jsonargparse refuses abstract classes
 
 
 def presets() -> dict[str, str]:

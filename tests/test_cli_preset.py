@@ -1,0 +1,90 @@
+"""`Preset`: a preset in a LightningCLI config, on the command line and in `trainer_defaults`.
+
+A strategy *instance* cannot be a LightningCLI default (jsonargparse needs a class and its
+arguments), and a preset's own class depends on the machine; `Preset` is the class a config names.
+"""
+
+import sys
+from pathlib import Path
+
+import pytest
+import pytorch_lightning as pl
+from jsonargparse import lazy_instance
+from lightning.pytorch.cli import LightningCLI
+from pytorch_lightning.cli import LightningCLI as PlLightningCLI
+
+from lightning_boost import Preset
+from lightning_boost import pytorch_lightning as pl_boost
+from lightning_boost.presets import PresetDDPStrategy, PresetSingleDeviceStrategy
+from lightning_boost.testing import BoringDataModule, BoringModel
+
+
+@pytest.fixture(autouse=True)
+def _no_pytest_argv(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys, "argv", ["train.py"])  # LightningCLI warns when both it and `args` are set
+    # LightningCLI 2.6.6 itself calls a jsonargparse API that jsonargparse 4.53 deprecates.
+    monkeypatch.setenv("JSONARGPARSE_DEPRECATION_WARNINGS", "off")
+
+
+def test_building_a_preset_returns_the_presets_own_strategy() -> None:
+    strategy = Preset("auto", precision="32-true")
+    assert type(strategy) is PresetSingleDeviceStrategy and strategy.plan.precision == "32-true"
+    ddp = Preset(name="fast-ddp", static_graph=True, bucket_cap_mb=50)
+    assert type(ddp) is PresetDDPStrategy
+    assert ddp.plan.options["static_graph"] is True and ddp.plan.options["bucket_cap_mb"] == 50
+    with pytest.raises(ValueError, match="Did you mean 'fast-ddp'"):
+        Preset("fast-dd")
+
+
+def cli(tmp_path: Path, args: list[str], **kwargs: object) -> LightningCLI:
+    return LightningCLI(
+        BoringModel,
+        BoringDataModule,
+        run=False,
+        seed_everything_default=0,
+        args=[f"--trainer.default_root_dir={tmp_path}", *args],
+        **kwargs,  # type: ignore[arg-type]
+    )
+
+
+def test_a_config_file_names_the_preset(tmp_path: Path) -> None:
+    config = tmp_path / "config.yaml"
+    config.write_text(
+        "trainer:\n"
+        "  accelerator: cpu\n"
+        "  strategy:\n"
+        "    class_path: lightning_boost.Preset\n"
+        "    init_args:\n"
+        "      name: fast-ddp\n"
+        "      precision: 32-true\n"
+        "      static_graph: true\n"
+    )
+    strategy = cli(tmp_path, ["--config", str(config)]).trainer.strategy
+    assert type(strategy) is PresetDDPStrategy
+    assert strategy.plan.precision == "32-true" and strategy.plan.options["static_graph"] is True
+
+
+def test_trainer_defaults_take_a_lazy_preset_and_the_command_line_overrides_it(tmp_path: Path) -> None:
+    defaults = {"strategy": lazy_instance(Preset, name="auto"), "accelerator": "cpu"}
+    strategy = cli(tmp_path, [], trainer_defaults=defaults).trainer.strategy
+    assert type(strategy) is PresetSingleDeviceStrategy
+    overridden = cli(tmp_path, ["--trainer.strategy.precision=32-true"], trainer_defaults=defaults)
+    assert overridden.trainer.strategy.plan.precision == "32-true"
+    by_class_path = cli(tmp_path, ["--trainer.strategy.class_path=lightning_boost.Preset"])
+    assert type(by_class_path.trainer.strategy) is PresetSingleDeviceStrategy
+
+
+def test_a_misspelt_preset_name_fails_at_parse_time(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        cli(tmp_path, ["--trainer.strategy.class_path=lightning_boost.Preset", "--trainer.strategy.name=ddp"])
+
+
+class _PlModel(BoringModel, pl.LightningModule):  # type: ignore[misc]
+    pass
+
+
+def test_pytorch_lightning_cli_takes_its_own_namespaces_preset(tmp_path: Path) -> None:
+    args = [f"--trainer.default_root_dir={tmp_path}", "--trainer.accelerator=cpu"]
+    args += ["--trainer.strategy.class_path=lightning_boost.pytorch_lightning.Preset"]
+    result = PlLightningCLI(pl.LightningModule, run=False, args=args, seed_everything_default=0)
+    assert type(result.trainer.strategy) is pl_boost.PresetSingleDeviceStrategy
