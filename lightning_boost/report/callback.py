@@ -80,6 +80,7 @@ class BoostReport(L.Callback):
         self.report: Report | None = None
         self.paths: list[Path] = []
         self.tuned_config: Path | None = None
+        self._repeat: str | None = None
         self._user_hparams: dict[str, Any] = {}
         self._undo_hold: Callable[[], None] | None = None
 
@@ -91,10 +92,7 @@ class BoostReport(L.Callback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.is_global_zero and self.files is not False:
-            from lightning_boost.report.tuned_config import write_tuned_config
-
-            self.tuned_config = write_tuned_config(trainer, tuned_values(trainer))
+        self._write_tuned_config(trainer)  # now, so a run that fails still leaves one
         if self.log_hyperparams and trainer.is_global_zero:
             tuned = {HPARAM_PREFIX + key: value for key, value in tuned_values(trainer).items()}
             for logger in trainer.loggers:
@@ -110,9 +108,24 @@ class BoostReport(L.Callback):
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._write_tuned_config(trainer)  # again: workers and precision settle during training
         self._build(trainer)
         if self.console and trainer.is_global_zero and self.report is not None:
-            _print(self.report, self.paths[0] if self.paths else None, _console(trainer), self.tuned_config)
+            _print(self.report, self.paths[0] if self.paths else None, _console(trainer), self._repeat)
+
+    def _write_tuned_config(self, trainer: L.Trainer) -> None:
+        """``config.tuned.yaml`` under LightningCLI, and the line that says how to repeat the run."""
+        if not trainer.is_global_zero or self.files is False:
+            return
+        from lightning_boost.report.tuned_config import NotWritten, repeat_command, write_tuned_config
+
+        try:
+            self.tuned_config = write_tuned_config(trainer, tuned_values(trainer))
+        except NotWritten as why:
+            self.tuned_config, self._repeat = None, str(why)
+            return
+        if self.tuned_config is not None:
+            self._repeat = f"Repeat this run as it trained: {repeat_command(trainer, self.tuned_config)}"
 
     @override
     def on_exception(
@@ -230,9 +243,9 @@ def _console(trainer: L.Trainer) -> Any:
     return progress.console if progress is not None else make_console()
 
 
-def _print(report: Report, path: Path | None, console: Any, tuned_config: Path | None) -> None:
+def _print(report: Report, path: Path | None, console: Any, repeat: str | None) -> None:
     report.print_to(console)
     if path is not None:
         console.print(f"Report files: {path.parent}/boost_report.{{json,md}}", soft_wrap=True)
-    if tuned_config is not None:
-        console.print(f"Repeat this run as it trained: fit --config {tuned_config}", soft_wrap=True)
+    if repeat is not None:
+        console.print(repeat, soft_wrap=True)

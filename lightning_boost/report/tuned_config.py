@@ -64,15 +64,36 @@ def tuned_changes(
             changes[key] = value
     callbacks = flat.get("trainer.callbacks")
     if isinstance(callbacks, list):
-        kept = [c for c in callbacks if str(getattr(c, "class_path", "")).rpartition(".")[2] not in TUNERS]
+        kept = [c for c in callbacks if _class_name(c) not in TUNERS]
         if len(kept) != len(callbacks):
             changes["trainer.callbacks"] = kept
     return changes
 
 
+def _class_name(entry: Any) -> str:
+    """A callback entry's class name: a config's ``class_path`` or an instance's class."""
+    class_path = getattr(entry, "class_path", None)
+    if class_path is None and isinstance(entry, Mapping):
+        class_path = entry.get("class_path")
+    return str(class_path).rpartition(".")[2] if class_path is not None else type(entry).__name__
+
+
+class NotWritten(Exception):
+    """Why ``config.tuned.yaml`` cannot repeat the run: the message says what to change."""
+
+
+def repeat_command(trainer: L.Trainer, path: Path) -> str:
+    """How to repeat the run from `path`: ``fit --config PATH`` for a LightningCLI run with
+    subcommands, ``--config PATH`` for one built with ``run=False`` (which takes no subcommand)."""
+    saver: Any = _saver(trainer)
+    last = str(getattr(getattr(saver, "parser", None), "prog", "")).rpartition(" ")[2]
+    subcommand = f"{last} " if last in ("fit", "validate", "test", "predict") else ""
+    return f"{subcommand}--config {path}"
+
+
 def write_tuned_config(trainer: L.Trainer, tuned: Mapping[str, Any]) -> Path | None:
     """Write ``config.tuned.yaml`` beside the config LightningCLI saved; ``None`` without one."""
-    saver: Any = next((c for c in callbacks_of(trainer) if is_lightning(c, "SaveConfigCallback")), None)
+    saver: Any = _saver(trainer)
     if saver is None or not getattr(saver, "save_to_log_dir", True) or trainer.log_dir is None:
         return None
     config = copy.deepcopy(saver.config)
@@ -88,9 +109,22 @@ def write_tuned_config(trainer: L.Trainer, tuned: Mapping[str, Any]) -> Path | N
     )
     for key, value in changes.items():
         config[key] = value
+    instances = [
+        type(c).__name__ for c in config.get("trainer.callbacks") or [] if _class_name(c) == type(c).__name__
+    ]
+    if instances:
+        raise NotWritten(
+            f"config.tuned.yaml not written: trainer.callbacks holds instances ({', '.join(instances)}),"
+            " which a config file cannot hold. Give them as `class_path` entries in the config, or as"
+            " LightningCLI(trainer_defaults={'callbacks': [...]}), which the config does not carry."
+        )
     path = Path(trainer.log_dir, TUNED_CONFIG)
     saver.parser.save(config, path, skip_none=False, skip_check=True, overwrite=True)
     return path
+
+
+def _saver(trainer: L.Trainer) -> Any:
+    return next((c for c in callbacks_of(trainer) if is_lightning(c, "SaveConfigCallback")), None)
 
 
 def is_boosted(trainer: L.Trainer) -> bool:

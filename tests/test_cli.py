@@ -1,4 +1,4 @@
-"""`Preset`: a preset in a LightningCLI config, on the command line and in `trainer_defaults`.
+"""LightningCLI: a preset in a config (`Preset`), and the tuned config the report writes.
 
 A strategy *instance* cannot be a LightningCLI default (jsonargparse needs a class and its
 arguments), and a preset's own class depends on the machine; `Preset` is the class a config names.
@@ -6,17 +6,20 @@ arguments), and a preset's own class depends on the machine; `Preset` is the cla
 
 import sys
 from pathlib import Path
+from typing import Any
 
+import lightning as L
 import pytest
 import pytorch_lightning as pl
-from jsonargparse import lazy_instance
-from lightning.pytorch.cli import LightningCLI
+from jsonargparse import Namespace, lazy_instance
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from pytorch_lightning.cli import LightningCLI as PlLightningCLI
 
-from lightning_boost import Preset
+from lightning_boost import AutoBatchSize, Preset, StepTimeMonitor
 from lightning_boost import pytorch_lightning as pl_boost
 from lightning_boost.presets import PresetDDPStrategy, PresetSingleDeviceStrategy
-from lightning_boost.testing import BoringDataModule, BoringModel
+from lightning_boost.report.tuned_config import NotWritten, tuned_changes, write_tuned_config
+from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
 
 
 @pytest.fixture(autouse=True)
@@ -88,3 +91,56 @@ def test_pytorch_lightning_cli_takes_its_own_namespaces_preset(tmp_path: Path) -
     args += ["--trainer.strategy.class_path=lightning_boost.pytorch_lightning.Preset"]
     result = PlLightningCLI(pl.LightningModule, run=False, args=args, seed_everything_default=0)
     assert type(result.trainer.strategy) is pl_boost.PresetSingleDeviceStrategy
+
+
+def cli_run(root: Path, callbacks: list[Any], run: bool = True) -> LightningCLI:
+    """A LightningCLI fit of `BoringModel`, with `callbacks` in its `args`."""
+    trainer = {
+        "accelerator": "cpu", "max_epochs": 1, "default_root_dir": str(root), "enable_progress_bar": False,
+        "enable_checkpointing": False, "enable_model_summary": False, "log_every_n_steps": 1,
+        "callbacks": callbacks,
+    }  # fmt: skip
+    args: dict[str, Any] = {"seed_everything": 0, "trainer": trainer}
+    if not run:
+        made = LightningCLI(BoringModel, BoringDataModule, run=False, args=args)
+        made.trainer.fit(made.model, datamodule=made.datamodule)
+        return made
+    return LightningCLI(BoringModel, BoringDataModule, args={"fit": args})
+
+
+def test_a_cli_built_with_run_false_is_told_to_repeat_without_a_subcommand(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cli_run(tmp_path, [{"class_path": "lightning_boost.BoostReport"}], run=False)
+    (tuned,) = tmp_path.rglob("config.tuned.yaml")
+    assert f"Repeat this run as it trained: --config {tuned}\n" in capsys.readouterr().out
+    again = LightningCLI(BoringModel, BoringDataModule, run=False, args=["--config", str(tuned)])
+    again.trainer.fit(again.model, datamodule=again.datamodule)  # the line works as printed
+    assert again.trainer.state.finished
+
+
+def test_with_subcommands_the_line_says_fit(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cli_run(tmp_path, [{"class_path": "lightning_boost.BoostReport"}])
+    (tuned,) = tmp_path.rglob("config.tuned.yaml")
+    assert f"Repeat this run as it trained: fit --config {tuned}\n" in capsys.readouterr().out
+
+
+def test_tuner_instances_are_left_out_of_the_tuned_config() -> None:
+    kept = Namespace(class_path="lightning_boost.BoostReport")
+    flat = {
+        "trainer.callbacks": [AutoBatchSize(), kept, Namespace(class_path="lightning_boost.AutoNumWorkers")]
+    }
+    assert tuned_changes(flat) == {"trainer.callbacks": [kept]}
+
+
+def test_other_instances_get_no_tuned_config_and_a_reason(tmp_path: Path) -> None:
+    """jsonargparse 4.53 refuses instances in a parsed config, but a program may build the
+    config itself: the tuned config is then not written, and the report's last line says why."""
+    parser = LightningArgumentParser()
+    parser.add_lightning_class_args(L.Trainer, "trainer")
+    config = parser.parse_object({"trainer": {"max_epochs": 1}})
+    config["trainer.callbacks"] = [StepTimeMonitor(), AutoBatchSize()]
+    saver = SaveConfigCallback(parser, config)
+    trainer = tiny_trainer(tmp_path, callbacks=[saver])
+    with pytest.raises(NotWritten, match=r"holds instances \(StepTimeMonitor\).*class_path"):
+        write_tuned_config(trainer, {})
