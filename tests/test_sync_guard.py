@@ -174,6 +174,20 @@ class AllClose(OneSync):
         self.value = torch.allclose(batch[0], batch[0] + 1e-9)  # syncs: allclose
 
 
+class SliceBound(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        offset = (batch[1][0, 0] > 0).long()  # a scalar on the device
+        self.value = batch[0][offset : offset + 2]  # syncs: slice_bound
+
+
+class CtcLengths(OneSync):
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        log_probs = batch[0][:, :5].unsqueeze(0).expand(6, -1, -1).log_softmax(2)  # (T, N, C)
+        targets = torch.ones(len(batch[0]), 3, dtype=torch.long, device=self.device)
+        lengths = torch.full((len(batch[0]),), 6, dtype=torch.long, device=self.device)
+        self.value = F.ctc_loss(log_probs, targets, lengths, lengths // 2)  # syncs: ctc_lengths
+
+
 class Synchronize(OneSync):
     def sync(self, loss: Tensor, batch: Any) -> None:
         torch.cuda.synchronize()  # syncs: synchronize
@@ -204,6 +218,8 @@ PATTERN_MODULES = [
     (OneHot, "one_hot", "one_hot"),
     (Equal, "equal", "equal"),
     (AllClose, "allclose", "equal"),
+    (SliceBound, "slice_bound", "slice_bound"),
+    (CtcLengths, "ctc_lengths", "ctc_lengths"),
     (Synchronize, "synchronize", "synchronize"),
     (EmptyCache, "empty_cache", "empty_cache"),
 ]
@@ -240,6 +256,12 @@ class NotOnAGpu(OneSync):
         self.filled = batch[0].masked_fill(batch[0] < 0, 0)
         self.host = loss.detach().to("cpu", non_blocking=True)
         self.count = len(batch[0])
+        host = torch.tensor(2)  # made on the host: a GPU run slices by it without a sync
+        self.sliced = batch[0][host : host + 1]
+        log_probs = batch[0][:, :5].unsqueeze(0).expand(6, -1, -1).log_softmax(2)
+        targets = torch.ones(len(batch[0]), 3, dtype=torch.long, device=self.device)
+        on_host = torch.full((len(batch[0]),), 6, dtype=torch.long)  # lengths the GPU run keeps on the host
+        self.ctc = F.ctc_loss(log_probs, targets, on_host, on_host // 2)
 
 
 def test_calls_that_do_not_sync_on_a_gpu_are_not_reported(tmp_path: Path) -> None:

@@ -47,6 +47,12 @@ mask = x > 2
         (T.__getitem__, (x, (mask,)), None, "mask_index"),
         (T.__getitem__, (x, labels), None, None),
         (T.__getitem__, (x, slice(0, 2)), None, None),
+        (T.__getitem__, (x, slice(labels[0], labels[0] + 2)), None, "slice_bound"),
+        (T.__getitem__, (x, (Ellipsis, slice(None, None, labels[0]))), None, "slice_bound"),
+        (T.__setitem__, (x, slice(labels[0], None), 0.0), None, "slice_bound"),
+        (F.ctc_loss, (x, labels, labels, labels), None, "ctc_lengths"),
+        (F.ctc_loss, (x, labels, [3], [2]), None, None),  # lengths as Python lists: on the host
+        (F.ctc_loss, (x, labels), {"input_lengths": [3], "target_lengths": labels}, "ctc_lengths"),
         (T.__setitem__, (x, mask, 0.0), None, "mask_assign"),
         (T.index_put_, (x, (mask,), torch.tensor(0.0)), None, "mask_assign"),
         (torch.masked_select, (x, mask), None, "masked_select"),

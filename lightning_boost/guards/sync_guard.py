@@ -77,7 +77,8 @@ class SyncGuard(Guard):
     """Finds every host-device sync in the training and validation steps and names the line.
 
     ``.item()``, ``float(loss)``, ``print(loss)``, ``if loss > x:``, ``.cpu()``/``.tolist()``,
-    ``x[mask]``, ``nonzero``, ``unique``, ``one_hot`` without ``num_classes``, ``torch.equal``,
+    ``x[mask]``, ``x[t:t + n]`` with tensor bounds, ``nonzero``, ``unique``, ``one_hot`` without
+    ``num_classes``, ``ctc_loss`` with lengths on the device, ``torch.equal``,
     ``torch.cuda.synchronize()`` and ``empty_cache()`` make the CPU wait for the GPU, which then
     starves. During checked steps (from ``on_train_batch_start`` to the next one, so the step,
     its backward, optimizer step and Lightning's work around them; the same for validation

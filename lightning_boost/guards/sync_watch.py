@@ -29,7 +29,7 @@ import torch
 from torch.optim import Optimizer
 from torch.overrides import TorchFunctionMode
 
-from lightning_boost.guards.syncs import classify, host_copy, made_on_host
+from lightning_boost.guards.syncs import classify, host_copy, made_on_host, subject
 
 #: ``(pattern, frame of the call)``; may raise to stop at the sync (error mode).
 OnSync = Callable[[str, FrameType | None], None]
@@ -75,7 +75,7 @@ class _Mode(TorchFunctionMode):
             return func(*args, **kwargs)
         watch = self.watch
         pattern = classify(func, args, kwargs, watch.cuda)
-        if pattern is not None and watch.on_host(args[0]):
+        if pattern is not None and watch.on_host(subject(pattern, args, kwargs)):
             pattern = None  # a read of a tensor the GPU run keeps on the host: no sync
         if pattern is None:
             pattern = host_copy(func, args, kwargs, watch.cuda, watch.on_host)

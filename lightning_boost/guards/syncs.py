@@ -114,6 +114,19 @@ PATTERNS: dict[str, Pattern] = {
         ),
         Pattern("mask_index", "Boolean-mask indexing (`x[mask]`) has a data-dependent size", _FIXED_SHAPE),
         Pattern(
+            "slice_bound",
+            "A tensor as a slice bound (`x[t:t + n]`) is read as a Python int, which waits for the GPU",
+            "Keep offsets and sizes as Python ints: read them all at once before the loop"
+            " (`offsets = lengths.cumsum(0).tolist()`), or keep them on the host in the batch.",
+        ),
+        Pattern(
+            "ctc_lengths",
+            "`F.ctc_loss` reads `input_lengths`/`target_lengths` on the host: lengths on the GPU are"
+            " copied back and waited for",
+            "Keep the lengths on the host: Python lists (or CPU tensors) from the `collate_fn`, left off"
+            " the device (Lightning moves tensors only; or override `transfer_batch_to_device`).",
+        ),
+        Pattern(
             "mask_assign",
             "Assigning through a boolean mask (`x[mask] = v`) finds the indices with a hidden `nonzero`",
             "`x.masked_fill_(mask, v)` or `x = torch.where(mask, v, x)`: no sync.",
@@ -220,12 +233,46 @@ def _to(args: Sequence[Any], kwargs: dict[str, Any], cuda: bool) -> str | None:
     return "to_cpu" if torch.device(device).type == "cpu" else None
 
 
+def slice_bound(index: object) -> Tensor | None:
+    """The first tensor used as a slice's start, stop or step in `index`, else ``None``."""
+    parts = index if isinstance(index, tuple) else (index,)
+    bounds = (b for part in parts if isinstance(part, slice) for b in (part.start, part.stop, part.step))
+    return next((b for b in bounds if isinstance(b, Tensor)), None)
+
+
 def _getitem(args: Sequence[Any], kwargs: dict[str, Any], cuda: bool) -> str | None:
-    return "mask_index" if len(args) > 1 and _on_device(args[0], cuda) and _is_mask(args[1]) else None
+    if len(args) < 2:
+        return None
+    if _on_device(args[0], cuda) and _is_mask(args[1]):
+        return "mask_index"
+    return "slice_bound" if _on_device(slice_bound(args[1]), cuda) else None
 
 
 def _setitem(args: Sequence[Any], kwargs: dict[str, Any], cuda: bool) -> str | None:
-    return "mask_assign" if len(args) > 1 and _on_device(args[0], cuda) and _is_mask(args[1]) else None
+    if len(args) < 2:
+        return None
+    if _on_device(args[0], cuda) and _is_mask(args[1]):
+        return "mask_assign"
+    return "slice_bound" if _on_device(slice_bound(args[1]), cuda) else None
+
+
+def ctc_lengths(args: Sequence[Any], kwargs: dict[str, Any]) -> list[object]:
+    """`ctc_loss`'s ``input_lengths`` and ``target_lengths``, by position or keyword."""
+    names = ("input_lengths", "target_lengths")
+    return [args[2 + i] if len(args) > 2 + i else kwargs.get(name) for i, name in enumerate(names)]
+
+
+def _ctc(args: Sequence[Any], kwargs: dict[str, Any], cuda: bool) -> str | None:
+    return "ctc_lengths" if any(_on_device(t, cuda) for t in ctc_lengths(args, kwargs)) else None
+
+
+def subject(pattern: str, args: Sequence[Any], kwargs: dict[str, Any]) -> object:
+    """The tensor whose place decides whether `pattern` syncs: a GPU run's host tensors never do."""
+    if pattern == "slice_bound":
+        return slice_bound(args[1])
+    if pattern == "ctc_lengths":
+        return next((t for t in ctc_lengths(args, kwargs) if isinstance(t, Tensor)), None)
+    return args[0] if args else None
 
 
 def _where(args: Sequence[Any], kwargs: dict[str, Any], cuda: bool) -> str | None:
@@ -284,6 +331,7 @@ def _rules() -> dict[Callable[..., Any], Rule]:
     rules[torch.where] = _where
     rules[T.index_put_] = rules[T.index_put] = lambda args, kwargs, cuda: _setitem(args, kwargs, cuda)
     rules[F.one_hot] = _one_hot
+    rules[F.ctc_loss] = rules[torch.ctc_loss] = _ctc
     return rules
 
 
