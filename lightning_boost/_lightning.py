@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import copy
 import functools
 from collections.abc import Callable, Iterator
@@ -308,3 +309,26 @@ def debugging_mode(trainer: L.Trainer) -> str:
     if getattr(trainer, "fast_dev_run", False):
         return "fast_dev_run"
     return "overfit_batches" if getattr(trainer, "overfit_batches", 0) else ""
+
+
+def destroy_process_group_at_exit() -> None:
+    """Have the process group, when there is one, destroyed while the interpreter is still whole.
+
+    Lightning registers this for NCCL only. A gloo group left to interpreter shutdown can abort
+    the process after a finished fit ("terminate called without an active exception": its worker
+    threads outlive the objects they hold), which turns a successful run's exit status into
+    SIGABRT. Registered once per process; a no-op when the group is already gone.
+    """
+    global _exit_hook_registered
+    initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if initialized and not _exit_hook_registered:
+        atexit.register(_destroy_process_group)
+        _exit_hook_registered = True
+
+
+_exit_hook_registered = False
+
+
+def _destroy_process_group() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

@@ -316,7 +316,7 @@ def test_speed_flags_set_for_the_run_and_put_back(
 
 EXIT_SCRIPT = """
 import atexit, os, torch.distributed as dist
-from lightning_boost.presets.strategies import destroy_process_group_at_exit
+from lightning_boost._lightning import destroy_process_group_at_exit
 atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))  # runs last (LIFO)
 dist.init_process_group("gloo", init_method="file://" + os.environ["STORE"], rank=0, world_size=1)
 destroy_process_group_at_exit()

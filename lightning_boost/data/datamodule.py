@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from typing_extensions import override
 
 from lightning_boost._lightning import (
+    destroy_process_group_at_exit,
     from_pytorch_lightning,
     hardware_for,
     overrides,
@@ -188,6 +189,7 @@ class BoostedDataMixin(_DataModule):
         """`loader_settings`, and the search on the first epoch's own batches when one runs
         (the settings are then its starting point)."""
         trainer = self.trainer
+        destroy_process_group_at_exit()  # a DDP run with the pack ends without gloo's exit abort
         hardware = hardware_for(trainer)
         pin = self.pin_memory if self.pin_memory is not None else hardware.is_cuda
         rank = trainer.global_rank if trainer is not None else 0

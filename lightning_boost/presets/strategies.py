@@ -7,7 +7,6 @@ on either namespace's strategies: here on ``lightning.pytorch``'s, and in
 
 from __future__ import annotations
 
-import atexit
 import functools
 import importlib
 import sys
@@ -18,7 +17,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
 from typing_extensions import override
 
-from lightning_boost._lightning import trainer_precision_flag, wrong_namespace
+from lightning_boost._lightning import destroy_process_group_at_exit, trainer_precision_flag, wrong_namespace
 from lightning_boost.presets.autocast import MeasuredAutocast, MeasuredAutocastMixin
 from lightning_boost.presets.plans import PresetPlan
 from lightning_boost.report import Finding
@@ -57,28 +56,6 @@ def apply_speed_flags(tf32: bool, cudnn_benchmark: bool) -> dict[str, Any]:
 def restore_speed_flags(saved: dict[str, Any]) -> None:
     torch.set_float32_matmul_precision(saved["matmul"])
     torch.backends.cudnn.benchmark = saved["benchmark"]
-
-
-def destroy_process_group_at_exit() -> None:
-    """Have the process group destroyed while the interpreter is still whole.
-
-    Lightning registers this for NCCL only. A gloo group left to interpreter shutdown can abort
-    the process after a finished fit ("terminate called without an active exception": its worker
-    threads outlive the objects they hold), which turns a successful run's exit status into
-    SIGABRT. Registered once per process; a no-op when the group is already gone.
-    """
-    global _exit_hook_registered
-    if not _exit_hook_registered:
-        atexit.register(_destroy_process_group)
-        _exit_hook_registered = True
-
-
-_exit_hook_registered = False
-
-
-def _destroy_process_group() -> None:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
 
 
 def _compared_by_pytorch_lightning() -> bool:
@@ -137,8 +114,7 @@ class PresetStrategy(_Strategy):
         if self._saved_flags is None:
             self._saved_flags = apply_speed_flags(self.plan.tf32, self.plan.cudnn_benchmark)
         super().setup_environment()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            destroy_process_group_at_exit()
+        destroy_process_group_at_exit()
         plugin = self.precision_plugin
         if isinstance(plugin, MeasuredAutocastMixin):  # every rank keeps rank zero's choice
             plugin.owner = self

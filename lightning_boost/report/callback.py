@@ -16,6 +16,7 @@ from lightning_boost._lightning import (
     callbacks_of,
     datamodule_of,
     debugging_mode,
+    destroy_process_group_at_exit,
     hold_hyperparameters,
     is_lightning,
     user_hyperparameters,
@@ -86,6 +87,7 @@ class BoostReport(L.Callback):
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        destroy_process_group_at_exit()  # a DDP run with the pack ends without gloo's exit abort
         if self.log_hyperparams and trainer.loggers:
             self._user_hparams = user_hyperparameters(trainer)
             self._undo_hold = hold_hyperparameters(trainer)
