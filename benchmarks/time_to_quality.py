@@ -190,8 +190,8 @@ def run() -> list[Row]:
                 f" {noise:.2g}), boosted {boosted.curve[-1][1]:.4g}; plain's final reached at {plain_s:.1f} s"
                 f" plain, {reached} boosted (tuning {boosted.before_training_s:.1f} s); batch"
                 f" {decision.batch_size}, lr x{decision.lr_factor:.2f}"
-                f" ({decision.kept or decision.stopped}); precision {precision} (measured on the first"
-                " steps where the CPU has bf16 dot products).",
+                f" ({decision.kept or decision.stopped}); precision {precision} (timed on a copy before"
+                " training where the CPU has bf16 dot products).",
                 COMMAND,
             )
         )

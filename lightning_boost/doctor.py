@@ -89,7 +89,7 @@ def check_devices(hw: HardwareInfo) -> list[Finding]:
     if not hw.is_cuda:
         why = (
             "this CPU has bf16 dot products (AVX512-BF16 or AMX): preset('auto') times bf16 autocast"
-            " against fp32 on the run's first steps and keeps the faster."
+            " against fp32 on a copy of the model before training and keeps the faster."
             if precision == "bf16-mixed"
             else "no CUDA device and no bf16 dot products on this CPU: mixed precision would slow training."
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -20,6 +21,20 @@ AUTOCAST_PAIRS = (3, 8)
 #: Untimed steps first: one fp32, one bf16 (oneDNN builds its bf16 kernels on first use).
 AUTOCAST_WARMUP = 2
 
+#: The trial's time: at least this many seconds, or this share of the planned run when longer.
+AUTOCAST_BUDGET = (3.0, 0.02)
+
+
+def autocast_budget(step_s: float, run_steps: float) -> float:
+    """Seconds the trial may take, given a step's seconds and the steps the run plans.
+
+    Example:
+        >>> autocast_budget(0.1, 256), autocast_budget(2.0, 10_000)
+        (3.0, 400.0)
+    """
+    floor, share = AUTOCAST_BUDGET
+    return max(floor, share * step_s * run_steps) if math.isfinite(run_steps) else floor
+
 
 @validated
 def auto_precision(hardware: HardwareInfo) -> str:
@@ -28,9 +43,9 @@ def auto_precision(hardware: HardwareInfo) -> str:
     - CUDA with bf16 (capability >= 8.0: A100, H100, RTX 30xx and newer): ``"bf16-mixed"``,
       same range as fp32 so no loss scaling is needed and no fp16 overflow NaNs.
     - Older CUDA (T4, V100): ``"16-mixed"``, with Lightning's gradient scaler.
-    - A CPU with bf16 dot products (AVX512-BF16, AMX): ``"bf16-mixed"``, kept only where the run's
-      own first steps are faster with it (`decide_autocast`): a convolutional network often trains
-      1.2x faster, a small MLP 1.4x slower.
+    - A CPU with bf16 dot products (AVX512-BF16, AMX): ``"bf16-mixed"``, kept only where the
+      model's training step is faster with it (`decide_autocast`, timed on a copy before
+      training): a convolutional network often trains 1.2x faster, a small MLP 1.4x slower.
     - Other CPUs and MPS: ``"32-true"``.
 
     Example:
@@ -76,12 +91,13 @@ def autocast_setting(step: int) -> bool:
     return (pair % 2 == 1) != bool(second)
 
 
-def decide_autocast(seconds: Sequence[float]) -> AutocastChoice | None:
+def decide_autocast(seconds: Sequence[float], final: bool = False) -> AutocastChoice | None:
     """The choice once the trial steps timed so far settle it (``seconds[k]``: step `k`'s time,
     run as `autocast_setting` says), else ``None``. Each pair compares adjacent steps, so a
     machine that slows down for a while hits both settings alike; bf16 is kept when the median
     pair is `AUTOCAST_MIN_GAIN` faster with it. The search stops after `AUTOCAST_PAIRS`'s first
-    number when every pair points the same way, else after its second.
+    number when every pair points the same way, else after its second; `final` (the trial's time
+    is spent) decides on the pairs there are, and keeps fp32 when there is none.
 
     Example:
         >>> decide_autocast([0.2, 0.3, 0.10, 0.08, 0.08, 0.10, 0.10, 0.08])
@@ -95,10 +111,10 @@ def decide_autocast(seconds: Sequence[float]) -> AutocastChoice | None:
         fp32, bf16 = (b, a) if autocast_setting(first) else (a, b)
         ratios.append(fp32 / bf16 if bf16 > 0 else 1.0)
     least, most = AUTOCAST_PAIRS
-    if len(ratios) < least:
-        return None
+    if final and not ratios:
+        return AutocastChoice(False, None, 0, "steps too slow to time both within the trial's time")
     agree = all(r >= 1 + AUTOCAST_MIN_GAIN for r in ratios) or all(r < 1 for r in ratios)
-    if not agree and len(ratios) < most:
+    if not final and (len(ratios) < least or (not agree and len(ratios) < most)):
         return None
     speedup = statistics.median(ratios)
     return AutocastChoice(speedup >= 1 + AUTOCAST_MIN_GAIN, round(speedup, 3), len(ratios))

@@ -164,6 +164,20 @@ class StepProbe:
             torch.set_num_threads(before)
         return rates
 
+    def time_steps(
+        self, batch: Any, contexts: Iterable[Callable[[], AbstractContextManager[Any]]]
+    ) -> Iterator[float]:
+        """Training steps of one copy at `batch`, each under the next of `contexts` (instead of
+        `train_context`): yields each step's seconds, the device synced, so the caller compares
+        contexts step by step and stops when it has seen enough."""
+        clone, optimizers = self._copies()
+        clone.train()
+        for context in contexts:
+            start = time.perf_counter()
+            self._train_step(clone, optimizers, batch, None, context=context)
+            _synchronize(self.device)
+            yield time.perf_counter() - start
+
     def validate(self, batch: Any, size: int) -> Trial:
         """One ``validation_step`` without gradients at `batch`: does it fit."""
         return self._trial(size, lambda clone, optimizers, peak: self._validation_step(clone, batch, peak))
@@ -252,10 +266,11 @@ class StepProbe:
         peak: _Peak | None,
         grads: list[Tensor] | None = None,
         losses: list[Tensor] | None = None,
+        context: Callable[[], AbstractContextManager[Any]] | None = None,
     ) -> None:
         with torch.enable_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # `self.log` on a copy without a trainer warns and returns
-            with self.train_context():
+            with (context or self.train_context)():
                 output = call_step(clone, "training_step", batch)
             loss = output.get("loss") if isinstance(output, Mapping) else output
             if not isinstance(loss, Tensor):

@@ -1,4 +1,4 @@
-"""A CPU's bf16 autocast, kept only where the run's own first steps are faster with it.
+"""A CPU's bf16 autocast, kept only where the model's training step is faster with it.
 
 Which setting is faster is made certain here by a model whose step sleeps under one of them (a
 real Lightning fit, real autocast: only the cost is planted), since this machine's own timing is
@@ -127,24 +127,38 @@ def report_of(trainer: L.Trainer) -> Report:
 
 
 @pytest.mark.parametrize(("slow", "keep_bf16"), [("fp32", True), ("bf16", False)])
-def test_the_faster_setting_is_kept_for_the_rest_of_the_run(
+def test_the_faster_setting_is_kept_for_every_step_of_the_run(
     tmp_path: Path, slow: str, keep_bf16: bool
 ) -> None:
     model = SlowUnder(slow)
     trainer, plugin = fit(tmp_path, model)
     choice = plugin.choice
     assert choice is not None and choice.bf16 is keep_bf16 and choice.pairs == AUTOCAST_PAIRS[0]
-    trial = len(plugin.seconds)
-    assert trial == AUTOCAST_WARMUP + 2 * AUTOCAST_PAIRS[0]  # timed on the run's own steps
-    assert model.autocast_seen[:trial] == [autocast_setting(step) for step in range(trial)]
-    assert model.autocast_seen[trial:] == [keep_bf16] * (24 - trial)
+    assert len(plugin.seconds) == AUTOCAST_WARMUP + 2 * AUTOCAST_PAIRS[0]  # timed on a copy, before
+    assert model.autocast_seen == [keep_bf16] * 24  # every step of the run at the chosen setting
     assert trainer.precision == ("bf16-mixed" if keep_bf16 else "32-true")
-    assert torch.float32 in model.dtypes and (torch.bfloat16 in model.dtypes)  # fp32 weights, bf16 outputs
+    assert model.dtypes == ({torch.float32, torch.bfloat16} if keep_bf16 else {torch.float32})  # fp32 weights
     assert trainer.global_step == 24
     report = report_of(trainer)
     (finding,) = [f for f in report.findings if "autocast_bf16" in f.data]
-    assert finding.data == {"autocast_bf16": keep_bf16, "speedup": choice.speedup, "steps": trial}
+    assert finding.data == {"autocast_bf16": keep_bf16, "speedup": choice.speedup, "steps": 8}
     assert report.tuned["precision"] == trainer.precision
+
+
+def test_when_fp32_is_kept_the_run_trains_plain_lightnings_model(tmp_path: Path) -> None:
+    """The trial runs on a copy, with the run's RNG put back: the weights end bit for bit where
+    plain Lightning's do."""
+    torch.manual_seed(0)
+    measured = SlowUnder("bf16")
+    fit(tmp_path / "measured", measured)
+    torch.manual_seed(0)
+    plain = SlowUnder("bf16")
+    trainer = tiny_trainer(tmp_path / "plain", limit_train_batches=24, enable_checkpointing=False)
+    trainer.fit(plain, datamodule=BoringDataModule(length=24 * 8))
+    assert (
+        torch.equal(measured.layer.weight, plain.layer.weight)
+        and measured.layer.weight.dtype == torch.float32
+    )
 
 
 def test_the_decision_lasts_for_the_next_fit(tmp_path: Path) -> None:

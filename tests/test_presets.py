@@ -362,7 +362,7 @@ def test_fast_ddp_two_cpu_processes(tmp_path: Path) -> None:
     promised = plan_preset("fast-ddp", HardwareInfo.detect())
     for live in ranks:
         assert live["strategy"] == "PresetDDPStrategy" and live["world_size"] == 2
-        assert live["precision"] == promised.precision  # 6 steps: too few to settle a CPU's bf16
+        assert live["precision"] in (promised.precision, "32-true")  # a CPU's measured bf16 may keep fp32
         assert live["backend"] == "gloo" and promised.options["process_group_backend"] is None
         assert live["bucket_bytes_cap"] == promised.options["bucket_cap_mb"] * 1024 * 1024
         flags = ("find_unused_parameters", "gradient_as_bucket_view", "static_graph", "batched_grad_copy")

@@ -1,28 +1,32 @@
-"""bf16 autocast on a CPU, kept only where the run's own training steps are faster with it.
+"""bf16 autocast on a CPU, kept only where the model's own training step is faster with it.
 
 A CPU with bf16 dot products (AVX512-BF16, AMX) trains a convolutional network about 1.2x faster
 under bf16 autocast, and a small MLP about 1.4x slower (the casts cost more than the matmuls
-gain). Weights, gradients and optimizer state stay fp32 either way, so the two can alternate
-step by step: the first training steps alternate (`autocast_setting`), each timed on the host
-from the start of the optimizer step to its end (forward, backward and update; a CPU step is
-synchronous, and data loading is outside it), and `decide_autocast` keeps the faster. No step is
-thrown away. Every rank keeps rank zero's decision. Manual optimization is not measured: its
-forward runs outside the optimizer step, so it stays in fp32, with a finding.
+gain). So before the first training step, a copy of the model trains on one of the run's own
+batches, alternating fp32 and bf16 autocast step by step (`autocast_setting`; weights, optimizer
+and RNG of the run untouched), and `decide_autocast` keeps the faster. The run's own steps all
+run at the chosen setting: when fp32 is kept, the run trains exactly the model plain Lightning
+trains. Every rank keeps rank zero's decision. Manual optimization is not measured (its step
+needs the trainer): it stays in fp32, with a finding.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_boost.precision import AutocastChoice, autocast_setting, decide_autocast
+from lightning_boost._lightning import preserved_rng
+from lightning_boost.precision import AutocastChoice, autocast_budget, autocast_setting, decide_autocast
 from lightning_boost.report import Finding, Severity
+from lightning_boost.step_probe import StepProbe, first_batch
 
 if TYPE_CHECKING:  # the mixin is typed as the plugin it is mixed into
     _Plugin = MixedPrecision
@@ -31,8 +35,9 @@ else:
 
 
 class MeasuredAutocastMixin(_Plugin):
-    """``MixedPrecision("bf16-mixed", "cpu")`` that keeps bf16 autocast only if the run's first
-    training steps are faster with it; ``precision`` then reads ``"32-true"`` if they were not.
+    """``MixedPrecision("bf16-mixed", "cpu")`` that keeps bf16 autocast only if the model's
+    training step is faster with it (`measure`, before the first step); ``precision`` reads
+    ``"32-true"`` when it was not.
 
     ``choice`` holds the decision once made. ``owner``, the preset strategy (set when it sets up),
     broadcasts rank zero's decision to every rank and receives the finding.
@@ -40,7 +45,7 @@ class MeasuredAutocastMixin(_Plugin):
 
     def __init__(self) -> None:
         super().__init__("bf16-mixed", "cpu")
-        self.autocast = False  # fp32 until a trial step says otherwise
+        self.autocast = False  # fp32 until the trial says otherwise
         self.seconds: list[float] = []
         self.choice: AutocastChoice | None = None
         self.owner: Any = None
@@ -56,23 +61,37 @@ class MeasuredAutocastMixin(_Plugin):
         with context:
             yield
 
-    @override
-    def optimizer_step(  # type: ignore[override]
-        self, optimizer: Any, model: Any, closure: Callable[[], Any], **kwargs: Any
-    ) -> Any:
+    def measure(self, trainer: Any) -> None:
+        """Decide before the first training step, on a copy of the model and one of the run's batches."""
         if self.choice is not None:
-            return super().optimizer_step(optimizer, model, closure, **kwargs)
-        if not getattr(model, "automatic_optimization", True):
+            return
+        module = trainer.lightning_module
+        if not module.automatic_optimization:
             self._settle(AutocastChoice(False, None, 0, "manual optimization"))
-            return super().optimizer_step(optimizer, model, closure, **kwargs)
-        self.autocast = autocast_setting(len(self.seconds))
-        start = time.perf_counter()
-        result = super().optimizer_step(optimizer, model, closure, **kwargs)
-        self.seconds.append(time.perf_counter() - start)
-        choice = decide_autocast(self.seconds)
-        if choice is not None:
-            self._settle(choice)
-        return result
+            return
+        with preserved_rng():
+            try:
+                choice = self._trial(module, trainer)
+            except Exception as error:  # the run's own step says so itself, if it is real
+                choice = AutocastChoice(False, None, 0, f"the step failed on a copy of the model ({error!r})")
+        self._settle(choice)
+
+    def _trial(self, module: Any, trainer: Any) -> AutocastChoice:
+        batch = one_batch(trainer)
+        if batch is None:
+            return AutocastChoice(False, None, 0, "no training batch to time the step on")
+        probe = StepProbe(module, trainer.optimizers, 1, contextlib.nullcontext, contextlib.nullcontext)
+        settings = (autocast_setting(step) for step in itertools.count())
+        contexts = (self.autocast_context_manager if bf16 else contextlib.nullcontext for bf16 in settings)
+        start, budget = time.perf_counter(), None
+        for seconds in probe.time_steps(batch, contexts):
+            self.seconds.append(seconds)
+            if budget is None:
+                budget = autocast_budget(seconds, trainer.estimated_stepping_batches)
+            choice = decide_autocast(self.seconds, final=time.perf_counter() - start > budget)
+            if choice is not None:
+                return choice
+        raise AssertionError("unreachable: the contexts never end")  # pragma: no cover
 
     def _settle(self, choice: AutocastChoice) -> None:
         bf16 = choice.bf16 if self.owner is None else bool(self.owner.broadcast(choice.bf16, src=0))
@@ -97,18 +116,32 @@ def autocast_finding(choice: AutocastChoice, steps: int) -> Finding:
     data: dict[str, Any] = {"autocast_bf16": choice.bf16, "speedup": choice.speedup, "steps": steps}
     keep_fp32 = "preset('auto', precision='32-true')"
     if choice.why_not:
-        detail = f"not measured under {choice.why_not}: its forward runs outside the optimizer step"
+        detail = f"not measured: {choice.why_not}"
         fix = "preset('auto', precision='bf16-mixed') uses bf16 autocast unmeasured"
         return Finding(
             "preset", "precision and strategy", Severity.INFO, "fp32 kept on this CPU", detail, fix, data=data
         )
     detail = (
-        f"the first {steps} training steps alternated bf16 autocast and fp32 (one warm-up each, then"
-        f" {choice.pairs} timed pairs; median fp32/bf16 step time {choice.speedup:.2f}, kept above"
-        " 1.05); weights, gradients and optimizer state are fp32 either way"
+        f"before training, {steps} steps of a copy of the model on one of the run's batches alternated"
+        f" bf16 autocast and fp32 (one warm-up each, then {choice.pairs} timed pairs; median fp32/bf16"
+        " step time"
+        f" {choice.speedup:.2f}, kept above 1.05); weights, gradients and optimizer state are fp32"
+        " either way"
     )
     if choice.bf16:
         title = f"bf16 autocast kept on this CPU: its steps ran {choice.speedup:.2f}x as fast as fp32"
         return Finding("preset", "precision and strategy", Severity.INFO, title, detail, keep_fp32, data=data)
     title = f"fp32 kept on this CPU: bf16 autocast steps ran {choice.speedup:.2f}x as fast"
     return Finding("preset", "precision and strategy", Severity.INFO, title, detail, data=data)
+
+
+def one_batch(trainer: Any) -> Any:
+    """The first batch of the run's training set, collated and moved as the run's are (the
+    module's batch-transfer hooks included); ``None`` without a DataLoader with a batch size."""
+    loader = trainer.train_dataloader
+    if isinstance(loader, (list, tuple)) and loader:
+        loader = loader[0]
+    if not isinstance(loader, DataLoader) or not loader.batch_size:
+        return None
+    batch = first_batch(loader.dataset, loader.collate_fn, loader.batch_size)
+    return trainer.lightning_module._apply_batch_transfer_handler(batch)

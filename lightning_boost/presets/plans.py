@@ -121,8 +121,8 @@ class PresetPlan:
         tf32: allow TF32 matmuls while the strategy is set up.
         cudnn_benchmark: let cuDNN pick the fastest kernels while the strategy is set up.
         findings: what was chosen and why.
-        measure_autocast: a CPU's ``"bf16-mixed"`` chosen by the preset: the run's first steps
-            time bf16 autocast against fp32 and keep the faster (`presets.autocast`).
+        measure_autocast: a CPU's ``"bf16-mixed"`` chosen by the preset: a copy of the model times
+            bf16 autocast against fp32 before training, and the faster is kept (`presets.autocast`).
     """
 
     name: str
@@ -301,9 +301,9 @@ def _precision_finding(hw: HardwareInfo, precision: str, chose_by_hand: bool) ->
     title = f"precision {precision!r}"
     if not chose_by_hand and hw.accelerator == "cpu" and precision == "bf16-mixed":
         detail = (
-            "this CPU has bf16 dot products (AVX512-BF16 or AMX): the first training steps alternate"
-            " bf16 autocast and fp32, and the faster is kept (a convolutional network is often faster"
-            " in bf16, a small MLP in fp32)"
+            "this CPU has bf16 dot products (AVX512-BF16 or AMX): before training, a copy of the model"
+            " times bf16 autocast against fp32 on one of the run's batches, and the faster is kept (a"
+            " convolutional network is often faster in bf16, a small MLP in fp32)"
         )
         return _finding(Severity.INFO, f"{title}, measured", detail, precision=precision)
     if not chose_by_hand:

@@ -119,6 +119,14 @@ class PresetStrategy(_Strategy):
         if isinstance(plugin, MeasuredAutocastMixin):  # every rank keeps rank zero's choice
             plugin.owner = self
 
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        plugin = self.precision_plugin
+        module = self.lightning_module
+        if isinstance(plugin, MeasuredAutocastMixin) and module is not None:
+            plugin.measure(module.trainer)
+
     def _preset_precision(self, plan: PresetPlan) -> Any:
         if plan.measure_autocast:
             return self.measured_autocast()
