@@ -414,6 +414,42 @@ def test_a_loader_that_ignores_the_attribute_is_an_error_before_any_measurement(
     assert callback.result == {}  # found at the start of fit, before a single trial
 
 
+class TemplateData(L.LightningDataModule):
+    """The most-used project template's shape: the loaders read a per-device size that `setup()`
+    derives from the `batch_size` hyperparameter (which is what `AutoBatchSize` finds first)."""
+
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters(logger=False)
+        self.batch_size_per_device = batch_size
+        self.data_train: RandomDataset | None = None
+
+    @override
+    def setup(self, stage: str) -> None:
+        self.batch_size_per_device = self.hparams["batch_size"] // self.trainer.world_size
+        if self.data_train is None:
+            self.data_train = RandomDataset(32, 256)
+
+    @override
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(self.data_train, batch_size=self.batch_size_per_device, shuffle=True)
+
+    @override
+    def val_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(RandomDataset(32, 64), batch_size=self.batch_size_per_device)
+
+
+def test_a_templates_per_device_size_derived_in_setup_is_found_and_tuned(tmp_path: Path) -> None:
+    datamodule = TemplateData(batch_size=8)
+    callback = AutoBatchSize(max_batch_size=32, **FAST)
+    trainer, _ = fit(tmp_path, callback, datamodule=datamodule)
+    assert callback.attr_name == "batch_size_per_device"
+    assert trainer.train_dataloader.batch_size == callback.result["batch_size"] != 8  # it trained tuned
+    (adopted,) = [f for f in callback.findings if f.data.get("attr_name") == "batch_size_per_device"]
+    assert "does not read `batch_size`" in adopted.detail and adopted.data["configured_attr"] == "batch_size"
+    assert datamodule.batch_size_per_device == 8 and datamodule.hparams["batch_size"] == 8  # put back
+
+
 def test_an_attr_name_a_boosted_datamodule_does_not_read_is_an_error(tmp_path: Path) -> None:
     model = BoringModel()
     model.bs = 16  # the model has it, but the datamodule's loaders read `batch_size`

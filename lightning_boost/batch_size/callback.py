@@ -56,7 +56,7 @@ from lightning_boost.batch_size.search import Limits, Trial, merge
 from lightning_boost.batch_size.watch import LossWatch, reference_of
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
-from lightning_boost.report import BoostWarning, Finding
+from lightning_boost.report import BoostWarning, Finding, Severity
 from lightning_boost.step_probe import StepProbe, first_batch, is_oom, sample_batches
 from lightning_boost.workers.loaders import (
     describe_dataset,
@@ -318,7 +318,12 @@ class AutoBatchSize(BoostCallback):
         why = plan.keep_reason(configured, target=self.target_global_batch_size is not None)
         if why:
             return kept(configured, trainer.accumulate_grad_batches, limits, why)
-        _check_loader_reads(trainer, pl_module, self.attr_name, configured)
+        read = _attribute_the_loader_reads(trainer, pl_module, self.attr_name, configured)
+        if read != self.attr_name:  # a template's per-device size, derived from ours in `setup()`
+            self.findings.append(_adopted_finding(self.attr_name, read))
+            self.attr_name = read
+            self._configured = configured = int(lightning_getattr(pl_module, read))  # type: ignore[arg-type]
+            return self._tune(trainer, pl_module, configured)
         path = Path(self.cache_dir or cache.default_cache_dir()) / CACHE_FILE
         key = cache.fingerprint(self._cache_parts(trainer, pl_module, train_data[0], configured))
         cached = self._cached(trainer, path, key)
@@ -453,33 +458,74 @@ def _check_has_batch_size(pl_module: L.LightningModule, name: str) -> None:
         )
 
 
-def _check_loader_reads(trainer: L.Trainer, pl_module: L.LightningModule, name: str, configured: int) -> None:
-    """Raise before any measurement when the training loader does not take its batch size from `name`."""
+def _attribute_the_loader_reads(
+    trainer: L.Trainer, pl_module: L.LightningModule, name: str, configured: int
+) -> str:
+    """`name` when the training loader takes its batch size from it; else the datamodule's one int
+    attribute it does read (a template's ``batch_size_per_device``, which ``setup()`` derives from
+    ``batch_size``), found by setting each candidate and rebuilding the loader. Raises before any
+    measurement when there is none."""
     datamodule = datamodule_of(trainer)
     if isinstance(datamodule, BoostedDataMixin) and (
         type(datamodule).train_dataloader is BoostedDataMixin.train_dataloader
     ):
         if name == "batch_size":
-            return
+            return name
         built: int | None = datamodule.batch_size
     else:
-        lightning_setattr(pl_module, name, configured + 1)
-        try:
-            loader = user_dataloaders(trainer, "train")
-        finally:
-            lightning_setattr(pl_module, name, configured)
-        if isinstance(loader, (list, tuple)) and loader:
-            loader = loader[0]
-        if not isinstance(loader, DataLoader):
-            return  # `_split_data` says what is wrong with it
-        built = loader_batch_size(loader)
-        if built == configured + 1:
-            return
+        built = _built_with(trainer, pl_module, name, configured + 1)
+        if built in (configured + 1, None):
+            return name  # read; or not a DataLoader, which `_split_data` explains
+        derived = _derived_attribute(trainer, datamodule, name, built)
+        if derived is not None:
+            return derived
     raise ValueError(
         f"`attr_name` is {name!r}, but the training DataLoader does not read it: with `{name}` set to"
         f" {configured + 1} it was built with batch_size={built}, so a tuned size would never reach"
         f" training. Build the loader with `batch_size=self.{name}` in `train_dataloader()`, or pass"
         " `attr_name=` the attribute it reads."
+    )
+
+
+def _built_with(trainer: L.Trainer, owner: Any, name: str, value: int) -> int | None:
+    """The training loader's batch size when built with `owner`'s `name` set to `value` (put back)."""
+    before = lightning_getattr(owner, name) if isinstance(owner, L.LightningModule) else getattr(owner, name)
+    setter = lightning_setattr if isinstance(owner, L.LightningModule) else setattr
+    setter(owner, name, value)
+    try:
+        loader = user_dataloaders(trainer, "train")
+    finally:
+        setter(owner, name, before)
+    if isinstance(loader, (list, tuple)) and loader:
+        loader = loader[0]
+    return loader_batch_size(loader) if isinstance(loader, DataLoader) else None
+
+
+def _derived_attribute(trainer: L.Trainer, datamodule: Any, name: str, built: int | None) -> str | None:
+    """The one public int attribute of `datamodule` equal to the loader's batch size that the
+    rebuilt loader follows when it changes, else ``None``."""
+    if datamodule is None or built is None:
+        return None
+    candidates = [
+        key
+        for key, value in vars(datamodule).items()
+        if type(value) is int and value == built and key != name and not key.startswith("_")
+    ]
+    read = [key for key in candidates if _built_with(trainer, datamodule, key, built + 1) == built + 1]
+    return read[0] if len(read) == 1 else None
+
+
+def _adopted_finding(name: str, read: str) -> Finding:
+    return Finding(
+        "AutoBatchSize",
+        "batch size",
+        Severity.INFO,
+        f"Tuned `{read}`, the attribute the training DataLoader reads",
+        f"The loader does not read `{name}`: `setup()` derives `{read}` from it (a per-device size,"
+        f" as project templates do), so the tuned size is set on `{read}`; `{name}` keeps the"
+        " configured value.",
+        f"AutoBatchSize(attr_name={read!r}) says so up front.",
+        data={"attr_name": read, "configured_attr": name},
     )
 
 
