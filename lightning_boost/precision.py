@@ -22,7 +22,7 @@ AUTOCAST_PAIRS = (3, 8)
 AUTOCAST_WARMUP = 2
 
 #: The trial's time: at least this many seconds, or this share of the planned run when longer.
-AUTOCAST_BUDGET = (3.0, 0.02)
+AUTOCAST_BUDGET = (1.0, 0.02)
 
 
 def autocast_budget(step_s: float, run_steps: float) -> float:
@@ -30,7 +30,7 @@ def autocast_budget(step_s: float, run_steps: float) -> float:
 
     Example:
         >>> autocast_budget(0.1, 256), autocast_budget(2.0, 10_000)
-        (3.0, 400.0)
+        (1.0, 400.0)
     """
     floor, share = AUTOCAST_BUDGET
     return max(floor, share * step_s * run_steps) if math.isfinite(run_steps) else floor
