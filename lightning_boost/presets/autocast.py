@@ -84,13 +84,14 @@ class MeasuredAutocastMixin(_Plugin):
         settings = (autocast_setting(step) for step in itertools.count())
         contexts = (self.autocast_context_manager if bf16 else contextlib.nullcontext for bf16 in settings)
         start, budget = time.perf_counter(), None
-        for seconds in probe.time_steps(batch, contexts):
-            self.seconds.append(seconds)
-            if budget is None:
-                budget = autocast_budget(seconds, trainer.estimated_stepping_batches)
-            choice = decide_autocast(self.seconds, final=time.perf_counter() - start > budget)
-            if choice is not None:
-                return choice
+        with contextlib.closing(probe.time_steps(batch, contexts)) as steps:  # frees the copy on return
+            for seconds in steps:
+                self.seconds.append(seconds)
+                if budget is None:
+                    budget = autocast_budget(seconds, trainer.estimated_stepping_batches)
+                choice = decide_autocast(self.seconds, final=time.perf_counter() - start > budget)
+                if choice is not None:
+                    return choice
         raise AssertionError("unreachable: the contexts never end")  # pragma: no cover
 
     def _settle(self, choice: AutocastChoice) -> None:
