@@ -17,7 +17,7 @@ import math
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -166,7 +166,7 @@ class StepProbe:
 
     def time_steps(
         self, batch: Any, contexts: Iterable[Callable[[], AbstractContextManager[Any]]]
-    ) -> Iterator[float]:
+    ) -> Generator[float, None, None]:
         """Training steps of one copy at `batch`, each under the next of `contexts` (instead of
         `train_context`): yields each step's seconds, the device synced, so the caller compares
         contexts step by step and stops when it has seen enough."""
