@@ -94,7 +94,7 @@ class SlowUnder(BoringModel):
         autocast = torch.is_autocast_enabled("cpu")
         self.autocast_seen.append(autocast)
         if autocast == (self.slow == "bf16"):
-            time.sleep(0.02)
+            time.sleep(0.05)  # dwarfs the step even on a loaded machine
         loss = super().training_step(batch, batch_idx)
         self.dtypes |= {self.layer.weight.dtype, self(batch[0]).dtype}
         if not self.automatic_optimization:
@@ -133,15 +133,19 @@ def test_the_faster_setting_is_kept_for_every_step_of_the_run(
     model = SlowUnder(slow)
     trainer, plugin = fit(tmp_path, model)
     choice = plugin.choice
-    assert choice is not None and choice.bf16 is keep_bf16 and choice.pairs == AUTOCAST_PAIRS[0]
-    assert len(plugin.seconds) == AUTOCAST_WARMUP + 2 * AUTOCAST_PAIRS[0]  # timed on a copy, before
+    assert choice is not None and choice.bf16 is keep_bf16 and choice.pairs >= 1  # 3 on a quiet machine
+    assert len(plugin.seconds) == AUTOCAST_WARMUP + 2 * choice.pairs  # timed on a copy, before
     assert model.autocast_seen == [keep_bf16] * 24  # every step of the run at the chosen setting
     assert trainer.precision == ("bf16-mixed" if keep_bf16 else "32-true")
     assert model.dtypes == ({torch.float32, torch.bfloat16} if keep_bf16 else {torch.float32})  # fp32 weights
     assert trainer.global_step == 24
     report = report_of(trainer)
     (finding,) = [f for f in report.findings if "autocast_bf16" in f.data]
-    assert finding.data == {"autocast_bf16": keep_bf16, "speedup": choice.speedup, "steps": 8}
+    assert finding.data == {
+        "autocast_bf16": keep_bf16,
+        "speedup": choice.speedup,
+        "steps": len(plugin.seconds),
+    }
     assert report.tuned["precision"] == trainer.precision
 
 
@@ -164,10 +168,11 @@ def test_when_fp32_is_kept_the_run_trains_plain_lightnings_model(tmp_path: Path)
 def test_the_decision_lasts_for_the_next_fit(tmp_path: Path) -> None:
     model = SlowUnder("bf16")
     trainer, plugin = fit(tmp_path, model)
+    measured = len(plugin.seconds)
     model.autocast_seen.clear()
     trainer.fit_loop.max_epochs = 2
     trainer.fit(model, datamodule=BoringDataModule(length=24 * 8))
-    assert model.autocast_seen == [False] * 24 and len(plugin.seconds) == 8  # not measured again
+    assert model.autocast_seen == [False] * 24 and len(plugin.seconds) == measured  # not measured again
 
 
 def test_manual_optimization_stays_fp32_with_a_finding(tmp_path: Path) -> None:

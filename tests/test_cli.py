@@ -144,3 +144,21 @@ def test_other_instances_get_no_tuned_config_and_a_reason(tmp_path: Path) -> Non
     trainer = tiny_trainer(tmp_path, callbacks=[saver])
     with pytest.raises(NotWritten, match=r"holds instances \(StepTimeMonitor\).*class_path"):
         write_tuned_config(trainer, {})
+
+
+def test_the_readmes_lightning_cli_config_runs(tmp_path: Path) -> None:
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = readme.split("With LightningCLI, the same in the config", 1)[1].split("```yaml\n", 1)[1]
+    config = tmp_path / "config.yaml"
+    config.write_text(block.split("```", 1)[0])
+    args = ["--config", str(config), f"--trainer.default_root_dir={tmp_path}", "--trainer.max_epochs=1"]
+    args += [
+        "--trainer.accelerator=cpu",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.log_every_n_steps=1",
+    ]
+    made = LightningCLI(BoringModel, BoringDataModule, run=False, args=args, seed_everything_default=0)
+    made.trainer.fit(made.model, datamodule=made.datamodule)
+    assert type(made.trainer.strategy) is PresetSingleDeviceStrategy and made.trainer.state.finished
+    names = {type(c).__name__ for c in made.trainer.callbacks}
+    assert {"AutoBatchSize", "SyncGuard", "LossLoggingGuard", "StepTimeMonitor", "BoostReport"} <= names

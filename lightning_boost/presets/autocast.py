@@ -37,7 +37,7 @@ else:
 class MeasuredAutocastMixin(_Plugin):
     """``MixedPrecision("bf16-mixed", "cpu")`` that keeps bf16 autocast only if the model's
     training step is faster with it (`measure`, before the first step); ``precision`` reads
-    ``"32-true"`` when it was not.
+    ``"32-true"`` until then, and after when it was not.
 
     ``choice`` holds the decision once made. ``owner``, the preset strategy (set when it sets up),
     broadcasts rank zero's decision to every rank and receives the finding.
@@ -45,7 +45,8 @@ class MeasuredAutocastMixin(_Plugin):
 
     def __init__(self) -> None:
         super().__init__("bf16-mixed", "cpu")
-        self.autocast = False  # fp32 until the trial says otherwise
+        self.autocast = False  # fp32 until the trial says otherwise, and `precision` says so:
+        self.precision = "32-true"  # Lightning's model summary warns about any "-mixed" string
         self.seconds: list[float] = []
         self.choice: AutocastChoice | None = None
         self.owner: Any = None
