@@ -418,35 +418,28 @@ def _cuda_box(
     return HardwareInfo(**fields)  # type: ignore[arg-type]
 
 
+def _cpu_box(cpus: int, ram_gib: int, **extra: object) -> HardwareInfo:
+    fields: dict[str, object] = dict(
+        accelerator="cpu",
+        cpus_available=cpus,
+        cpu_count=cpus,
+        ram_total_bytes=ram_gib * GIB,
+        ram_available_bytes=ram_gib * 7 // 8 * GIB,
+        shm_bytes=ram_gib // 2 * GIB,
+        open_files_limit=65536,
+        open_files_hard_limit=65536,
+        torch_version="2.14.1",
+        nccl_available=False,
+        cpu_only_build=True,
+    )
+    fields.update(extra)
+    return HardwareInfo(**fields)  # type: ignore[arg-type]
+
+
 #: Named made-up machines, for tests and for trying a decision without the hardware.
 EXAMPLES: dict[str, HardwareInfo] = {
-    "cpu": HardwareInfo(
-        accelerator="cpu",
-        cpus_available=8,
-        cpu_count=8,
-        ram_total_bytes=32 * GIB,
-        ram_available_bytes=28 * GIB,
-        shm_bytes=16 * GIB,
-        open_files_limit=65536,
-        open_files_hard_limit=65536,
-        torch_version="2.14.1",
-        nccl_available=False,
-        cpu_only_build=True,
-    ),
-    "cpu-bf16": HardwareInfo(  # a Xeon Sapphire Rapids or EPYC Zen 4 box: bf16 dot products
-        accelerator="cpu",
-        cpu_supports_bf16=True,
-        cpus_available=16,
-        cpu_count=16,
-        ram_total_bytes=64 * GIB,
-        ram_available_bytes=56 * GIB,
-        shm_bytes=32 * GIB,
-        open_files_limit=65536,
-        open_files_hard_limit=65536,
-        torch_version="2.14.1",
-        nccl_available=False,
-        cpu_only_build=True,
-    ),
+    "cpu": _cpu_box(8, 32),
+    "cpu-bf16": _cpu_box(16, 64, cpu_supports_bf16=True),  # Sapphire Rapids or Zen 4: bf16 dot products
     "t4": _cuda_box("Tesla T4", (7, 5), 15_637_086_208, 1, 4),
     "v100": _cuda_box("Tesla V100-SXM2-16GB", (7, 0), 16_935_682_048, 1, 8),
     "a100x8": _cuda_box("NVIDIA A100-SXM4-80GB", (8, 0), 85_097_971_712, 8, 96),
