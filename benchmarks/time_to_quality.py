@@ -33,7 +33,14 @@ from typing_extensions import override
 
 from benchmarks.common import Row
 from lightning_boost import AutoBatchSize, BoostedDataModule, boost_callbacks, preset
-from lightning_boost.demo import ClassImages, Throughput, ValidatedCNN, eval_transform, train_transform
+from lightning_boost.demo import (
+    ClassImages,
+    Throughput,
+    ValidatedCNN,
+    eval_transform,
+    precision_text,
+    train_transform,
+)
 from lightning_boost.hardware import HardwareInfo
 
 COMMAND = "python -m benchmarks time_to_quality"
@@ -161,7 +168,7 @@ def _fit(
     else:
         train = DataLoader(workload.train(), batch_size=64, shuffle=True)
         trainer.fit(workload.model(), train, DataLoader(workload.val(), batch_size=64))
-    return clock, tuner, str(trainer.precision)
+    return clock, tuner, precision_text(trainer)
 
 
 def _reach(clock: Throughput, target: float) -> float | None:
@@ -190,8 +197,7 @@ def run() -> list[Row]:
                 f" {noise:.2g}), boosted {boosted.curve[-1][1]:.4g}; plain's final reached at {plain_s:.1f} s"
                 f" plain, {reached} boosted (tuning {boosted.before_training_s:.1f} s); batch"
                 f" {decision.batch_size}, lr x{decision.lr_factor:.2f}"
-                f" ({decision.kept or decision.stopped}); precision {precision} (timed on a copy before"
-                " training where the CPU has bf16 dot products).",
+                f" ({decision.kept or decision.stopped}); precision {precision}.",
                 COMMAND,
             )
         )

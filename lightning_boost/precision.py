@@ -45,7 +45,8 @@ def auto_precision(hardware: HardwareInfo) -> str:
     - Older CUDA (T4, V100): ``"16-mixed"``, with Lightning's gradient scaler.
     - A CPU with bf16 dot products (AVX512-BF16, AMX): ``"bf16-mixed"``, kept only where the
       model's training step is faster with it (`decide_autocast`, timed on a copy before
-      training): a convolutional network often trains 1.2x faster, a small MLP 1.4x slower.
+      training): in `benchmarks/RESULTS.md` a ResNet-18 step ran 1.26x as fast, a 32-128-10
+      MLP's 0.74x.
     - Other CPUs and MPS: ``"32-true"``.
 
     Example:

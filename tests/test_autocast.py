@@ -16,6 +16,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_boost import BoostReport, preset
+from lightning_boost.demo import precision_text
 from lightning_boost.hardware import EXAMPLES
 from lightning_boost.precision import (
     AUTOCAST_PAIRS,
@@ -147,6 +148,7 @@ def test_the_faster_setting_is_kept_for_every_step_of_the_run(
         "steps": len(plugin.seconds),
     }
     assert report.tuned["precision"] == trainer.precision
+    assert precision_text(trainer).endswith(f"(bf16 step measured {choice.speedup:.2f}x as fast as fp32)")
 
 
 def test_when_fp32_is_kept_the_run_trains_plain_lightnings_model(tmp_path: Path) -> None:

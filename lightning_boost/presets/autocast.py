@@ -1,13 +1,14 @@
 """bf16 autocast on a CPU, kept only where the model's own training step is faster with it.
 
-A CPU with bf16 dot products (AVX512-BF16, AMX) trains a convolutional network about 1.2x faster
-under bf16 autocast, and a small MLP about 1.4x slower (the casts cost more than the matmuls
-gain). So before the first training step, a copy of the model trains on one of the run's own
-batches, alternating fp32 and bf16 autocast step by step (`autocast_setting`; weights, optimizer
-and RNG of the run untouched), and `decide_autocast` keeps the faster. The run's own steps all
-run at the chosen setting: when fp32 is kept, the run trains exactly the model plain Lightning
-trains. Every rank keeps rank zero's decision. Manual optimization is not measured (its step
-needs the trainer): it stays in fp32, with a finding.
+A CPU with bf16 dot products (AVX512-BF16, AMX) runs a convolutional network's step faster under
+bf16 autocast and a small MLP's slower, the casts costing more than its matmuls gain (ResNet-18
+1.26x, a 32-128-10 MLP 0.74x: `benchmarks/RESULTS.md`). So before the first training step, a
+copy of the model trains on one of the run's own batches, alternating fp32 and bf16 autocast
+step by step (`autocast_setting`; weights, optimizer and RNG of the run untouched), and
+`decide_autocast` keeps the faster. The run's own steps all run at the chosen setting: when fp32
+is kept, the run trains exactly the model plain Lightning trains. Every rank keeps rank zero's
+decision. Manual optimization is not measured (its step needs the trainer): it stays in fp32,
+with a finding.
 """
 
 from __future__ import annotations
