@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 import warnings
 from pathlib import Path
@@ -24,7 +25,7 @@ from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lightning_boost import AutoBatchSize, BoostedDataModule, BoostWarning
+from lightning_boost import AutoBatchSize, BoostedDataModule, BoostWarning, Severity
 from lightning_boost.step_probe import StepProbe, is_oom
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
 
@@ -398,10 +399,22 @@ def test_finds_batch_size_on_the_model_hparams_and_a_boosted_datamodule(tmp_path
     assert callback.result["validation"]  # the boosted validation set was checked
 
 
-def test_no_batch_size_anywhere_says_where_to_add_it(tmp_path: Path) -> None:
-    trainer = tiny_trainer(tmp_path, callbacks=[AutoBatchSize()], logger=False)
+def test_no_batch_size_anywhere_trains_as_written_and_says_where_to_add_it(tmp_path: Path) -> None:
+    callback = AutoBatchSize()
+    trainer = tiny_trainer(tmp_path, callbacks=[callback], logger=False)
     loaders = [DataLoader(RandomDataset(32, 64), batch_size=8) for _ in range(2)]
-    with pytest.raises(AttributeError, match=r"no `batch_size`.*BoostedDataModule.*save_hyperparameters"):
+    trainer.fit(BoringModel(), *loaders)  # loaders passed to `fit`, as Lightning's examples do
+    assert trainer.state.finished and trainer.train_dataloader.batch_size == 8
+    (finding,) = callback.findings
+    assert finding.severity is Severity.WARN and callback.result == {}
+    assert re.search(r"no `batch_size`.*as written", finding.detail)
+    assert re.search(r"BoostedDataModule.*save_hyperparameters.*pass a datamodule", finding.fix)
+
+
+def test_a_named_attribute_that_does_not_exist_is_an_error(tmp_path: Path) -> None:
+    trainer = tiny_trainer(tmp_path, callbacks=[AutoBatchSize(attr_name="bsz")], logger=False)
+    loaders = [DataLoader(RandomDataset(32, 64), batch_size=8) for _ in range(2)]
+    with pytest.raises(AttributeError, match=r"no `bsz`.*BoostedDataModule.*save_hyperparameters"):
         trainer.fit(BoringModel(), *loaders)
 
 
@@ -472,9 +485,23 @@ class ManualModel(BoringModel):
         return loss
 
 
+def test_manual_optimization_trains_as_written_and_says_why(tmp_path: Path) -> None:
+    callback = AutoBatchSize(**FAST)
+    trainer, _ = fit(tmp_path, callback, ManualModel())
+    assert trainer.state.finished and callback.result == {}
+    (finding,) = callback.findings
+    assert finding.severity is Severity.INFO and "manual optimization" in finding.title
+
+
+class TrainerReadingModel(BoringModel):
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return self._loss(batch) * (1 + self.trainer.current_epoch)
+
+
 def test_a_step_that_needs_the_trainer_says_to_set_the_size_by_hand(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match=r"outside the fit.*needs the trainer.*by hand"):
-        fit(tmp_path, AutoBatchSize(**FAST), ManualModel())
+        fit(tmp_path, AutoBatchSize(**FAST), TrainerReadingModel())
 
 
 class RankOOMModel(BoringModel):

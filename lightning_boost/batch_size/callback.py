@@ -202,6 +202,8 @@ class AutoBatchSize(BoostCallback):
         self._configured: int | None = None  # the size the user wrote, put back at the end of fit
         self._ramped: list[tuple[dict[str, Any], float]] = []  # (param group, its lr) under warm-up
         self._watch: LossWatch | None = None
+        self._explicit_attr = attr_name != "batch_size"
+        self._not_tuned: Finding | None = None  # why this fit cannot be tuned, found in `setup`
         self._set_state_key(attr_name=attr_name)
 
     @property
@@ -226,10 +228,14 @@ class AutoBatchSize(BoostCallback):
                 "`target_global_batch_size` sets `accumulate_grad_batches`, which the"
                 " GradientAccumulationScheduler callback also sets: remove one of them."
             )
-        _check_has_batch_size(pl_module, self.attr_name)
+        self._not_tuned = _not_tunable(pl_module, self.attr_name, explicit=self._explicit_attr)
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._not_tuned is not None:  # the run goes on as written, and the report says why
+            self.decision = None
+            self.findings.append(self._not_tuned)
+            return
         configured = int(lightning_getattr(pl_module, self.attr_name))  # type: ignore[arg-type]
         self._configured = configured
         if not (self._restored and self.decision is not None):
@@ -447,15 +453,40 @@ class AutoBatchSize(BoostCallback):
         self._restored = self.decision is not None
 
 
-def _check_has_batch_size(pl_module: L.LightningModule, name: str) -> None:
-    if not lightning_hasattr(pl_module, name):
-        raise AttributeError(
-            f"AutoBatchSize found no `{name}` to tune on the model, its `hparams` or the datamodule."
-            f" Give the datamodule a `{name}` attribute that `train_dataloader()` reads"
-            f" (`BoostedDataModule(batch_size=...)` has one), or take `{name}` in the model's `__init__`"
-            " with `self.save_hyperparameters()`. Loaders passed to `trainer.fit(train_dataloaders=...)`"
-            " cannot be re-batched: pass a datamodule instead."
+def _not_tunable(pl_module: L.LightningModule, name: str, explicit: bool) -> Finding | None:
+    """Why this module's batch size cannot be tuned without changing the program, as the finding of
+    a run that then trains as written; ``None`` when it can. An `attr_name` the user named that
+    does not exist is an error instead."""
+    if not pl_module.automatic_optimization:
+        return Finding(
+            "AutoBatchSize",
+            "batch size",
+            Severity.INFO,
+            "Batch size kept as written: manual optimization",
+            "`training_step` steps its own optimizers through the trainer (`self.optimizers()`,"
+            " `self.manual_backward`), so it cannot be timed on a copy of the model outside the fit."
+            " The batch size and the learning rates stay as written.",
+            "Set the batch size by hand for this module (AutoBatchSize can be left out).",
         )
+    if lightning_hasattr(pl_module, name):
+        return None
+    where = f"AutoBatchSize found no `{name}` to tune on the model, its `hparams` or the datamodule."
+    fix = (
+        f"Give the datamodule a `{name}` attribute that `train_dataloader()` reads"
+        f" (`BoostedDataModule(batch_size=...)` has one), or take `{name}` in the model's `__init__`"
+        " with `self.save_hyperparameters()`. Loaders passed to `trainer.fit(train_dataloaders=...)`"
+        " cannot be re-batched: pass a datamodule instead."
+    )
+    if explicit:
+        raise AttributeError(f"{where} {fix}")
+    return Finding(
+        "AutoBatchSize",
+        "batch size",
+        Severity.WARN,
+        f"Batch size not tuned: no `{name}` to set",
+        f"{where} The run trains with the loaders' own batch sizes, as written.",
+        fix,
+    )
 
 
 def _attribute_the_loader_reads(

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import lightning as L
-from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+import numpy as np
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset
 from typing_extensions import override
 
 from lightning_boost._lightning import callbacks_of, datamodule_of, hardware_for, training_log_step
@@ -203,9 +205,26 @@ class StepTimeMonitor(BoostCallback):
             on_gpu=pl_module.device.type == "cuda",
             tuned_workers=bool(tuners),
             measured_workers=measured,
-            dataset="tensors"
-            if isinstance(dataset, TensorDataset)
-            else "stream"
-            if isinstance(dataset, IterableDataset)
-            else "samples",
+            dataset=dataset_kind(dataset),
         )
+
+
+def dataset_kind(dataset: Any) -> str:
+    """What `input_bound_fixes` calls `dataset` (through `Subset`s, as `random_split` makes them).
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import Subset
+        >>> tensors = TensorDataset(torch.zeros(4, 2))
+        >>> dataset_kind(Subset(tensors, [0, 1])), dataset_kind([1, 2])
+        ('tensors', 'samples')
+    """
+    while isinstance(dataset, Subset):
+        dataset = dataset.dataset
+    if isinstance(dataset, TensorDataset):
+        return "tensors"
+    if isinstance(dataset, IterableDataset):
+        return "stream"
+    if isinstance(getattr(dataset, "data", None), (Tensor, np.ndarray)):  # torchvision's MNIST, CIFAR
+        return "arrays"
+    return "samples"

@@ -127,7 +127,9 @@ def input_bound_fixes(
         tuned_workers: whether lightning-boost chose the worker count.
         measured_workers: the worker counts whose loading was measured (none: chosen another way).
         dataset: ``"tensors"`` (a `TensorDataset`: tensors in memory, nothing to decode or
-            augment), ``"stream"`` (an `IterableDataset`) or ``"samples"`` (any other).
+            augment), ``"arrays"`` (samples held in one array in memory, as torchvision's MNIST and
+            CIFAR hold theirs: transformed one by one, but nothing to decode), ``"stream"`` (an
+            `IterableDataset`) or ``"samples"`` (any other).
 
     Example:
         >>> fixes = input_bound_fixes(
@@ -138,6 +140,10 @@ def input_bound_fixes(
         >>> input_bound_fixes(num_workers=0, max_workers=2, pin_memory=False, on_gpu=False,
         ...                   tuned_workers=True, dataset="tensors")[0].split(":")[0]
         'Index whole batches'
+        >>> in_memory = input_bound_fixes(num_workers=2, max_workers=2, pin_memory=False, on_gpu=False,
+        ...                               tuned_workers=True, dataset="arrays")
+        >>> any("Decode" in fix for fix in in_memory)
+        False
     """
     fixes = []
     if dataset == "tensors":
@@ -152,7 +158,14 @@ def input_bound_fixes(
             f"More DataLoader workers (now {num_workers}, up to {max_workers} here): "
             "`Trainer(callbacks=[AutoNumWorkers()])` or subclass `BoostedDataModule`."
         )
-    if dataset != "tensors":
+    if dataset == "arrays":
+        fixes.append(
+            "Transform whole batches instead of single samples: the samples sit in one array in memory"
+            " (`dataset.data`) and go through `transform` one by one; index the array per batch and"
+            " transform the batch (`BoostedDataModule(device_transforms=...)` applies batched"
+            " transforms.v2 once per batch)."
+        )
+    elif dataset != "tensors":
         fixes += _sample_work_fixes(on_gpu)
     if on_gpu and not pin_memory:
         fixes.append("Pin host memory: `DataLoader(pin_memory=True)` (BoostedDataModule does it on GPU).")
