@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import copy
 import functools
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -19,22 +20,57 @@ from typing_extensions import override
 
 from lightning_boost.hardware import HardwareInfo
 
-#: What to import under ``import pytorch_lightning as pl`` (each Trainer takes its own namespace's classes).
-PL_IMPORT = "from lightning_boost.pytorch_lightning import BoostedDataModule, preset"
-
 
 def from_pytorch_lightning(obj: object) -> bool:
     """`obj`'s class derives from a ``pytorch_lightning`` class (a ``pl.Trainer``, a user's subclass)."""
     return any(cls.__module__.split(".")[0] == "pytorch_lightning" for cls in type(obj).__mro__)
 
 
-def wrong_namespace(what: str) -> TypeError:
-    """The error for a `lightning` object handed to ``pytorch_lightning``'s Trainer, with the fix."""
-    return TypeError(
-        f"{what} from `lightning_boost` is built on `lightning`, and a `pytorch_lightning.Trainer` does"
-        f" not take `lightning`'s classes. Under `import pytorch_lightning as pl`, import it from"
-        f" `lightning_boost.pytorch_lightning`: `{PL_IMPORT}` (the callbacks are the same)."
-    )
+def namespace_of(obj: object) -> str:
+    """``"pytorch_lightning"`` when `obj`'s class derives from a ``pytorch_lightning`` class, else
+    ``"lightning"``."""
+    return "pytorch_lightning" if from_pytorch_lightning(obj) else "lightning"
+
+
+_TWINS: dict[str, type] = {}
+
+
+def pytorch_lightning_twin(cls: type) -> type:
+    """`cls`, a ``lightning`` `LightningDataModule` subclass, as a ``pytorch_lightning`` one: a
+    subclass of both in which every attribute `cls` takes from ``lightning``'s own classes is
+    ``pytorch_lightning``'s. Lightning's ``is_overridden`` compares code objects, so ``lightning``'s
+    default hooks would look overridden to a ``pytorch_lightning`` Trainer (which would then prefer
+    the datamodule's default ``transfer_batch_to_device`` over the model's own)."""
+    import pytorch_lightning as pl
+
+    key = f"{cls.__module__}.{cls.__qualname__}:{id(cls)}"
+    if key in _TWINS:
+        return _TWINS[key]
+    base = pl.LightningDataModule
+    names = {name for klass in base.__mro__[:-1] for name in vars(klass) if not name.startswith("__")}
+    taken = {
+        name: inspect.getattr_static(base, name)
+        for name in names
+        if _owner(cls, name).__module__.split(".")[0] == "lightning"
+    }
+    body = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+    twin = type(cls.__name__, (cls, base), {**taken, **body, "__reduce_ex__": _reduce_twin})
+    return _TWINS.setdefault(key, twin)
+
+
+def _owner(cls: type, name: str) -> type:
+    return next((klass for klass in cls.__mro__ if name in vars(klass)), object)
+
+
+def _reduce_twin(self: Any, protocol: Any) -> tuple[Any, ...]:
+    """Pickled as its `lightning` class's instance and made a twin again when loaded (the twin class
+    is made at run time: pickle cannot find it by name)."""
+    original = type(self).__mro__[1]
+    return (_new_twin, (original,), dict(vars(self)))
+
+
+def _new_twin(cls: type) -> Any:
+    return object.__new__(pytorch_lightning_twin(cls))
 
 
 def trainer_precision_flag(trainer: L.Trainer) -> str:

@@ -10,6 +10,7 @@ import json
 import pickle
 import subprocess
 import sys
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -272,26 +273,94 @@ def test_the_pure_cores_import_no_lightning_at_run_time() -> None:
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+class _QuickModel(pl.LightningModule):
+    """The README quickstart's `MyModel`, as a `pytorch_lightning` program has it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(32, 2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1])
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", torch.nn.functional.mse_loss(self.layer(batch[0]), batch[1]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+@pytest.mark.skipif(
+    not PL_TAKES_LIGHTNING_CALLBACKS, reason="a pytorch_lightning Trainer takes our callbacks from 2.6.0"
+)
+def test_the_readme_quickstart_runs_as_it_stands_in_a_pytorch_lightning_program(tmp_path: Path) -> None:
+    # Lightning said "Expected a parent" (the datamodule) and "invalid strategy name" (the preset)
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    block = readme.split("```python\n", 1)[1].split("```", 1)[0]
+    assert "from lightning_boost import" in block and "L.Trainer(" in block
+    program = block.replace("import lightning as L", "import pytorch_lightning as pl").replace(
+        "L.Trainer(",
+        f"pl.Trainer(max_epochs=1, default_root_dir={str(tmp_path)!r}, log_every_n_steps=1, ",
+    )  # the namespace, and a short run in this test's directory: nothing else changes
+    names: dict[str, Any] = {
+        "make_datasets": lambda: (RandomDataset(length=256), RandomDataset(length=64, seed=1)),
+        "MyModel": _QuickModel,
+    }
+    exec(compile(program, "README.md", "exec"), names)
+    trainer, datamodule = names["trainer"], names["MyData"]
+    assert isinstance(trainer, pl.Trainer) and trainer.state.finished
+    assert isinstance(trainer.strategy, pl.strategies.Strategy)  # the preset became pl's own
+    assert type(trainer.strategy).__module__ == "lightning_boost.pytorch_lightning"
+    assert trainer.datamodule.worker_tuner.choices and isinstance(trainer.datamodule, datamodule)
+    assert isinstance(trainer.datamodule, pl.LightningDataModule)
+    report = next(c for c in trainer.callbacks if isinstance(c, lightning_boost.BoostReport)).report
+    assert report is not None and {"precision and strategy", "data", "batch size"} <= {
+        f.area for f in report.findings
+    }
+
+
 class _LightningData(lightning_boost.BoostedDataModule):
     def setup(self, stage: str) -> None:
         self.train_dataset = RandomDataset(length=128)
 
 
-def test_the_lightning_names_under_pytorch_lightning_say_exactly_what_to_import(tmp_path: Path) -> None:
-    # the README's imports in a `pl` program: Lightning said "Expected a parent" and "invalid strategy name"
-    fix = "from lightning_boost.pytorch_lightning import BoostedDataModule, preset"
-    with pytest.raises(
-        TypeError, match=r"`preset\(\)` from `lightning_boost` is built on `lightning`"
-    ) as error:
-        pl.Trainer(strategy=lightning_boost.preset("auto"), logger=False)
-    assert fix in str(error.value)
+def test_a_lightning_datamodule_becomes_pytorch_lightnings_own_and_keeps_its_hooks(tmp_path: Path) -> None:
+    # `is_overridden` compares code objects: `lightning`'s defaults would look overridden under pl,
+    # and pl would then use the datamodule's default `transfer_batch_to_device` over the model's
+    moved: list[int] = []
+
+    class _MovingModel(_PlModel):
+        def transfer_batch_to_device(self, batch: Any, device: torch.device, dataloader_idx: int) -> Any:
+            moved.append(1)
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
+
+    datamodule = _LightningData(batch_size=8, num_workers=0)
     trainer = tiny_trainer(tmp_path, trainer_class=pl.Trainer)
-    with pytest.raises(TypeError, match=r"`BoostedDataModule` from `lightning_boost`") as error:
-        trainer.fit(_PlModel(), datamodule=_LightningData(batch_size=8, num_workers=0))
-    assert fix in str(error.value)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_MovingModel(), datamodule=datamodule)
+    assert trainer.state.finished and moved  # the model's own hook ran; Lightning says so, as for any
+    assert any("implementation from `LightningModule`" in str(w.message) for w in caught)  # pl datamodule
+    assert isinstance(datamodule, pl.LightningDataModule) and isinstance(datamodule, _LightningData)
+    datamodule.trainer = None  # as a spawned rank gets it: pickled (its trainer holds a local class)
+    again = pickle.loads(pickle.dumps(datamodule))
+    assert type(again) is type(datamodule) and again.batch_size == 8
+
+
+def test_a_preset_takes_the_namespace_of_the_trainer_it_is_given_to(tmp_path: Path) -> None:
+    strategy = lightning_boost.preset("auto")
+    assert (
+        type(pl.Trainer(strategy=strategy, logger=False).strategy).__module__
+        == "lightning_boost.pytorch_lightning"
+    )
+    back = pl_boost.preset("auto")
+    assert isinstance(tiny_trainer(tmp_path, strategy=back).strategy, L.pytorch.strategies.Strategy)
     same = lightning_boost.preset("auto")  # under `lightning` nothing changes
     assert same == same and same != lightning_boost.preset("auto") and len({same}) == 1
     assert tiny_trainer(tmp_path, strategy=same).strategy is same
+    assert type(back).__module__ == type(same).__module__ == "lightning_boost.presets.strategies"
 
 
 def test_installing_the_pack_leaves_plain_trainers_alone_and_needs_no_pre() -> None:

@@ -20,8 +20,8 @@ from lightning_boost._lightning import (
     from_pytorch_lightning,
     hardware_for,
     overrides,
+    pytorch_lightning_twin,
     reload_every_n_epochs,
-    wrong_namespace,
 )
 from lightning_boost._validation import Count, Directory, PositiveInt, unknown_choice_error, validated
 from lightning_boost.report import Finding, Severity
@@ -345,6 +345,8 @@ class BoostedDataModule(BoostedDataMixin, L.LightningDataModule):
 
     @trainer.setter
     def trainer(self, trainer: L.Trainer | None) -> None:
-        if trainer is not None and from_pytorch_lightning(trainer):  # else Lightning's "Expected a parent"
-            raise wrong_namespace("`BoostedDataModule`")
+        if trainer is not None and from_pytorch_lightning(trainer) and not from_pytorch_lightning(self):
+            # a `lightning` datamodule given to `pytorch_lightning.Trainer.fit(datamodule=...)`
+            # (Lightning's "Expected a parent" otherwise): it becomes that namespace's own
+            self.__class__ = pytorch_lightning_twin(type(self))
         self._boosted_trainer = trainer

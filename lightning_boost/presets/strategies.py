@@ -17,7 +17,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
 from typing_extensions import override
 
-from lightning_boost._lightning import destroy_process_group_at_exit, trainer_precision_flag, wrong_namespace
+from lightning_boost._lightning import destroy_process_group_at_exit, namespace_of, trainer_precision_flag
 from lightning_boost.presets.autocast import MeasuredAutocast, MeasuredAutocastMixin
 from lightning_boost.presets.plans import PresetPlan
 from lightning_boost.report import Finding
@@ -58,9 +58,11 @@ def restore_speed_flags(saved: dict[str, Any]) -> None:
     torch.backends.cudnn.benchmark = saved["benchmark"]
 
 
-def _compared_by_pytorch_lightning() -> bool:
+def _comparing_namespace() -> str:
+    """The top package of the code that compared a strategy with a name (``lightning``,
+    ``pytorch_lightning``, ...)."""
     caller = sys._getframe(2)  # past __eq__: the code that compared
-    return str(caller.f_globals.get("__name__", "")).split(".")[0] == "pytorch_lightning"
+    return str(caller.f_globals.get("__name__", "")).split(".")[0]
 
 
 if TYPE_CHECKING:  # the mixins are typed as the strategy they are mixed into
@@ -77,12 +79,23 @@ class PresetStrategy(_Strategy):
     """
 
     def __eq__(self, other: object) -> bool:
-        """Identity, as for any strategy; but `pytorch_lightning`'s Trainer compares the strategy it
-        is given with its registered names before it rejects another namespace's class with "You
-        selected an invalid strategy name": that comparison raises lightning-boost's fix instead."""
-        if isinstance(other, str) and isinstance(self, Strategy) and _compared_by_pytorch_lightning():
-            raise wrong_namespace("`preset()`")
+        """Identity, as for any strategy. But a Trainer first compares the strategy it is given
+        with its registered names, and only then checks its class: when that Trainer is of the
+        other namespace (``pytorch_lightning``'s, for a preset built on ``lightning``, or the
+        reverse), the preset becomes that namespace's strategy, built from the same plan, so
+        either Trainer takes ``preset(...)`` as it is."""
+        if isinstance(other, str):
+            namespace = _comparing_namespace()
+            if namespace in ("lightning", "pytorch_lightning") and namespace != namespace_of(self):
+                self._become(namespace)
         return self is other
+
+    def _become(self, namespace: str) -> None:
+        """Turn into `namespace`'s strategy for the same plan (before any Trainer has used it)."""
+        module = "lightning_boost.pytorch_lightning" if namespace == "pytorch_lightning" else __name__
+        twin = build(self.plan, importlib.import_module(module).KINDS)
+        self.__class__ = type(twin)
+        self.__dict__ = twin.__dict__
 
     __hash__ = object.__hash__
 
