@@ -227,9 +227,10 @@ class FakeCIFAR(BoostedDataModule):
 
 
 class Throughput(L.Callback):
-    """Training samples per second from the start of training (worker start-up included), the
-    time from the start of the fit to the first step (tuning, for a boosted run), and each
-    validation's accuracy with the seconds since the start of the fit (`curve`)."""
+    """Training samples per second from the first training batch (worker start-up included), the
+    time from the start of the fit to that batch (tuning, for a boosted run: batch-size and
+    precision trials, whichever hook ran them), and each validation's accuracy with the seconds
+    since the start of the fit (`curve`)."""
 
     def __init__(self) -> None:
         self.samples = 0
@@ -249,13 +250,11 @@ class Throughput(L.Callback):
         self.fit_started = time.perf_counter()
 
     @override
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.started = time.perf_counter()
-
-    @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        if not self.samples:  # the first batch: what ran before it was spent before training
+            self.started = time.perf_counter()
         self.samples += len(batch[0])
 
     @override
@@ -268,7 +267,7 @@ class Throughput(L.Callback):
 
     @property
     def before_training_s(self) -> float:
-        """Seconds from the start of the fit to the start of training."""
+        """Seconds from the start of the fit to its first training batch."""
         return self.started - self.fit_started
 
 

@@ -213,3 +213,27 @@ def test_every_rank_keeps_rank_zeros_choice(tmp_path: Path) -> None:
     trainer.fit(DecidesByRank(), datamodule=BoringDataModule())
     metrics = trainer.callback_metrics
     assert float(metrics["autocast_min"]) == float(metrics["autocast_max"]) == 1.0  # rank 0's bf16
+
+
+def test_batch_size_trials_run_at_the_precision_the_run_trains_at(tmp_path: Path) -> None:
+    """With `AutoBatchSize`, the autocast trial comes first, on the start size's batch, and the
+    batch-size trials then time the step under the setting kept (they came first before, in fp32)."""
+    from lightning_boost import AutoBatchSize
+
+    model = SlowUnder("fp32")
+    model.batch_size = 8
+    strategy = preset("auto", hardware=CPU_BF16)
+    batch_size = AutoBatchSize(max_batch_size=16, steps=1, cache_dir=tmp_path / "cache")
+    trainer = tiny_trainer(
+        tmp_path,
+        strategy=strategy,
+        callbacks=[batch_size],
+        limit_train_batches=None,
+        enable_checkpointing=False,
+    )
+    trainer.fit(model, datamodule=BoringDataModule(length=2048))
+    plugin = trainer.precision_plugin
+    assert isinstance(plugin, MeasuredAutocast) and plugin.choice is not None and plugin.choice.bf16
+    assert batch_size.decision is not None and not batch_size.decision.kept  # it measured
+    # a step under fp32 sleeps 50 ms: no batch-size trial was timed at it
+    assert all(trial.samples_per_s > trial.size / 0.05 for trial in batch_size.decision.trials)

@@ -56,6 +56,7 @@ from lightning_boost.batch_size.search import Limits, Trial, merge
 from lightning_boost.batch_size.watch import LossWatch, reference_of
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
+from lightning_boost.presets.autocast import MeasuredAutocastMixin
 from lightning_boost.report import BoostWarning, Finding, Severity
 from lightning_boost.step_probe import StepProbe, first_batch, is_oom, sample_batches
 from lightning_boost.workers.loaders import (
@@ -347,6 +348,7 @@ class AutoBatchSize(BoostCallback):
         val_data = _split_data(trainer, "val") if validates else None
         rule = lr_rule([type(o).__name__ for o in trainer.optimizers], self.lr_scaling)
         start = self.init_batch_size or configured
+        _precision_first(trainer, train_data, start, plan.optimizer_steps(configured))
         with preserved_rng():
             decision = decide(
                 lambda size: _measured(
@@ -598,6 +600,16 @@ def _plan(trainer: L.Trainer, dataset: Any, world: int) -> RunPlan:
         drop_last=drop_last,
         debugging=debugging_mode(trainer),
     )
+
+
+def _precision_first(trainer: L.Trainer, data: tuple[Any, Any], size: int, run_steps: int | None) -> None:
+    """A CPU's measured bf16 autocast (`MeasuredAutocast`) decides before the batch-size trials, on
+    the run's first batch at the start size, so the trials time the step at the precision the run
+    trains at (it would decide at the run's first step otherwise, after them)."""
+    plugin = trainer.precision_plugin
+    if isinstance(plugin, MeasuredAutocastMixin) and plugin.choice is None:
+        batch = trainer.lightning_module._apply_batch_transfer_handler(first_batch(data[0], data[1], size))
+        plugin.measure(trainer, batch, float("inf") if run_steps is None else run_steps)
 
 
 def _train_trial(

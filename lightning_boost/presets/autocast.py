@@ -63,8 +63,10 @@ class MeasuredAutocastMixin(_Plugin):
         with context:
             yield
 
-    def measure(self, trainer: Any) -> None:
-        """Decide before the first training step, on a copy of the model and one of the run's batches."""
+    def measure(self, trainer: Any, batch: Any = None, run_steps: float | None = None) -> None:
+        """Decide before the first training step, on a copy of the model and one of the run's
+        batches: `batch` (on the device) when given, else the training loader's first; `run_steps`,
+        the optimizer steps the run plans (the trial's budget), else the trainer's estimate."""
         if self.choice is not None:
             return
         module = trainer.lightning_module
@@ -73,13 +75,13 @@ class MeasuredAutocastMixin(_Plugin):
             return
         with preserved_rng():
             try:
-                choice = self._trial(module, trainer)
+                choice = self._trial(module, trainer, batch, run_steps)
             except Exception as error:  # the run's own step says so itself, if it is real
                 choice = AutocastChoice(False, None, 0, f"the step failed on a copy of the model ({error!r})")
         self._settle(choice)
 
-    def _trial(self, module: Any, trainer: Any) -> AutocastChoice:
-        batch = one_batch(trainer)
+    def _trial(self, module: Any, trainer: Any, batch: Any, run_steps: float | None) -> AutocastChoice:
+        batch = one_batch(trainer) if batch is None else batch
         if batch is None:
             return AutocastChoice(False, None, 0, "no training batch to time the step on")
         probe = StepProbe(module, trainer.optimizers, 1, contextlib.nullcontext, contextlib.nullcontext)
@@ -90,7 +92,8 @@ class MeasuredAutocastMixin(_Plugin):
             for seconds in steps:
                 self.seconds.append(seconds)
                 if budget is None:
-                    budget = autocast_budget(seconds, trainer.estimated_stepping_batches)
+                    steps_planned = trainer.estimated_stepping_batches if run_steps is None else run_steps
+                    budget = autocast_budget(seconds, steps_planned)
                 choice = decide_autocast(self.seconds, final=time.perf_counter() - start > budget)
                 if choice is not None:
                     return choice
