@@ -15,7 +15,7 @@ from lightning_boost.hardware import HardwareInfo
 AUTOCAST_MIN_GAIN = 0.05
 
 #: Timed step pairs (one fp32, one bf16) before a decision: at least the first number, when every
-#: pair agrees; else the second.
+#: pair gives the same verdict; else the second.
 AUTOCAST_PAIRS = (3, 8)
 
 #: Untimed steps first: one fp32, one bf16 (oneDNN builds its bf16 kernels on first use).
@@ -97,14 +97,18 @@ def decide_autocast(seconds: Sequence[float], final: bool = False) -> AutocastCh
     run as `autocast_setting` says), else ``None``. Each pair compares adjacent steps, so a
     machine that slows down for a while hits both settings alike; bf16 is kept when the median
     pair is `AUTOCAST_MIN_GAIN` faster with it. The search stops after `AUTOCAST_PAIRS`'s first
-    number when every pair points the same way, else after its second; `final` (the trial's time
-    is spent) decides on the pairs there are, and keeps fp32 when there is none.
+    number when every pair gives the same verdict (each at least that much faster with bf16, or
+    each not: a host on which bf16 gains nothing is not timed 8 pairs long), else after its
+    second; `final` (the trial's time is spent) decides on the pairs there are, and keeps fp32
+    when there is none.
 
     Example:
         >>> decide_autocast([0.2, 0.3, 0.10, 0.08, 0.08, 0.10, 0.10, 0.08])
         AutocastChoice(bf16=True, speedup=1.25, pairs=3, why_not='')
         >>> decide_autocast([0.2, 0.3, 0.10, 0.08]) is None  # one pair says little
         True
+        >>> decide_autocast([0.2, 0.3, 0.10, 0.099, 0.10, 0.101, 0.10, 0.098])  # no pair gains 5%
+        AutocastChoice(bf16=False, speedup=1.01, pairs=3, why_not='')
     """
     ratios = []
     for first in range(AUTOCAST_WARMUP, len(seconds) - 1, 2):
@@ -114,7 +118,8 @@ def decide_autocast(seconds: Sequence[float], final: bool = False) -> AutocastCh
     least, most = AUTOCAST_PAIRS
     if final and not ratios:
         return AutocastChoice(False, None, 0, "steps too slow to time both within the trial's time")
-    agree = all(r >= 1 + AUTOCAST_MIN_GAIN for r in ratios) or all(r < 1 for r in ratios)
+    keep = [r >= 1 + AUTOCAST_MIN_GAIN for r in ratios]  # each pair's own verdict
+    agree = all(keep) or not any(keep)
     if not final and (len(ratios) < least or (not agree and len(ratios) < most)):
         return None
     speedup = statistics.median(ratios)
