@@ -13,6 +13,7 @@ import lightning as L
 import pytest
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_boost import BoostReport, preset
@@ -28,7 +29,7 @@ from lightning_boost.precision import (
 )
 from lightning_boost.presets.autocast import MeasuredAutocast
 from lightning_boost.report import Report
-from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
+from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
 
 CPU_BF16 = EXAMPLES["cpu-bf16"]
 
@@ -239,3 +240,43 @@ def test_batch_size_trials_run_at_the_precision_the_run_trains_at(tmp_path: Path
     assert batch_size.decision is not None and not batch_size.decision.kept  # it measured
     # a step under fp32 sleeps 50 ms: no batch-size trial was timed at it
     assert all(trial.samples_per_s > trial.size / 0.05 for trial in batch_size.decision.trials)
+
+
+class ShuffledData(L.LightningDataModule):
+    """A shuffled loader: its order comes from the run's random generator."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__()
+        self.batch_size = batch_size
+
+    @override
+    def train_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
+        return DataLoader(RandomDataset(length=1024), batch_size=self.batch_size, shuffle=True)
+
+    @override
+    def val_dataloader(self) -> DataLoader[tuple[Tensor, Tensor]]:
+        return DataLoader(RandomDataset(length=16, seed=1), batch_size=self.batch_size)
+
+
+def test_the_precision_trial_before_batch_size_trials_leaves_the_run_as_it_was(tmp_path: Path) -> None:
+    """fp32 kept: the same weights, bit for bit, as the run with fp32 set by hand (the trial's
+    batch came from a DataLoader whose iterator drew a seed from the run's generator)."""
+    from lightning_boost import AutoBatchSize
+
+    weights = []
+    for name, strategy in (
+        ("measured", preset("auto", hardware=CPU_BF16)),
+        ("by hand", preset("auto", hardware=CPU_BF16, precision="32-true")),
+    ):
+        torch.manual_seed(0)
+        model = SlowUnder("bf16")
+        model.batch_size = 8
+        batch_size = AutoBatchSize(max_batch_size=8, steps=1, cache_dir=tmp_path / name)
+        trainer = tiny_trainer(
+            tmp_path / name, strategy=strategy, callbacks=[batch_size], limit_train_batches=None
+        )
+        trainer.fit(model, datamodule=ShuffledData(batch_size=8))  # the order: RNG
+        weights.append(model.layer.weight.detach().clone())
+    assert not isinstance(trainer.precision_plugin, MeasuredAutocast)  # the second: by hand
+    assert batch_size.decision is not None and not batch_size.decision.kept  # trials ran, after it
+    assert torch.equal(weights[0], weights[1])

@@ -608,7 +608,9 @@ def _precision_first(trainer: L.Trainer, data: tuple[Any, Any], size: int, run_s
     trains at (it would decide at the run's first step otherwise, after them)."""
     plugin = trainer.precision_plugin
     if isinstance(plugin, MeasuredAutocastMixin) and plugin.choice is None:
-        batch = trainer.lightning_module._apply_batch_transfer_handler(first_batch(data[0], data[1], size))
+        with preserved_rng():  # a DataLoader's iterator draws its seed from the run's generator
+            batch = first_batch(data[0], data[1], size)
+        batch = trainer.lightning_module._apply_batch_transfer_handler(batch)
         plugin.measure(trainer, batch, float("inf") if run_steps is None else run_steps)
 
 
