@@ -3,7 +3,10 @@
 ``pytorch_lightning.Trainer`` takes only ``pytorch_lightning``'s own classes: its strategies and
 datamodules are other classes than ``lightning.pytorch``'s, though the code is the same. The two
 parts of lightning-boost that are such classes, the datamodule and the presets' strategies, are
-here on ``pytorch_lightning``'s bases. The callbacks work under both Trainers as they are, from
+here on ``pytorch_lightning``'s bases. The top-level ones work under a ``pl.Trainer`` too (a
+preset given to it becomes this module's; a datamodule given as ``fit(datamodule=...)`` becomes a
+``pytorch_lightning`` one); these are that from the start, which a datamodule passed
+positionally (``trainer.fit(model, dm)``) needs. The callbacks work under both Trainers as they are, from
 pytorch-lightning 2.6.0 on (older releases' Trainer rejects callbacks of the other namespace).
 
 Example::
