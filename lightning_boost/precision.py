@@ -70,12 +70,14 @@ class AutocastChoice(NamedTuple):
             ``None`` when nothing was measured.
         pairs: timed pairs behind it.
         why_not: why nothing was measured (manual optimization), else ``""``.
+        cached: taken from the cache, where an earlier run on this machine stored it.
     """
 
     bf16: bool
     speedup: float | None
     pairs: int
     why_not: str = ""
+    cached: bool = False
 
 
 def autocast_setting(step: int) -> bool:

@@ -6,7 +6,10 @@ noise at these sizes. `EXAMPLES["cpu-bf16"]` stands for a CPU with bf16 dot prod
 must not depend on the machine the tests run on.
 """
 
+import json
+import re
 import time
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -16,7 +19,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_boost import BoostReport, preset
+from lightning_boost import BoostReport, BoostWarning, preset
 from lightning_boost.demo import precision_text
 from lightning_boost.hardware import EXAMPLES
 from lightning_boost.precision import (
@@ -280,3 +283,31 @@ def test_the_precision_trial_before_batch_size_trials_leaves_the_run_as_it_was(t
     assert not isinstance(trainer.precision_plugin, MeasuredAutocast)  # the second: by hand
     assert batch_size.decision is not None and not batch_size.decision.kept  # trials ran, after it
     assert torch.equal(weights[0], weights[1])
+
+
+def test_a_warm_run_takes_the_decision_from_the_cache_without_a_trial(tmp_path: Path) -> None:
+    _, first = fit(tmp_path / "cold", SlowUnder("fp32"))
+    assert first.choice is not None and first.choice.bf16 and not first.choice.cached and first.seconds
+    model = SlowUnder("fp32")
+    trainer, warm = fit(tmp_path / "warm", model)
+    assert warm.choice is not None and warm.choice.cached and warm.choice.bf16
+    assert warm.seconds == [] and model.autocast_seen == [True] * 24  # no step timed, all in bf16
+    (finding,) = [f for f in report_of(trainer).findings if "autocast_bf16" in f.data]
+    assert finding.data["source"] == "cache" and "an earlier run measured" in finding.title
+
+
+def test_an_unreadable_cache_entry_is_measured_again_with_a_warning(
+    tmp_path: Path, _private_tuning_cache: Path
+) -> None:
+    fit(tmp_path / "cold", SlowUnder("fp32"))
+    path = _private_tuning_cache / "autocast.json"
+    document = json.loads(path.read_text())
+    for entry in document["entries"].values():
+        entry["result"]["bf16"] = "yes"  # not a bool: written by something else
+    path.write_text(json.dumps(document))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, plugin = fit(tmp_path / "again", SlowUnder("fp32"))
+    assert plugin.choice is not None and not plugin.choice.cached and plugin.seconds
+    said = [str(w.message) for w in caught if issubclass(w.category, BoostWarning)]
+    assert any(re.search(r"Ignoring the autocast cache, measuring again: .*malformed", text) for text in said)

@@ -17,17 +17,21 @@ import contextlib
 import itertools
 import time
 from collections.abc import Generator
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_boost._lightning import preserved_rng
+from lightning_boost import cache
+from lightning_boost._lightning import hardware_for, preserved_rng
 from lightning_boost.precision import AutocastChoice, autocast_budget, autocast_setting, decide_autocast
-from lightning_boost.report import Finding, Severity
+from lightning_boost.report import BoostWarning, Finding, Severity
 from lightning_boost.step_probe import StepProbe, first_batch
+from lightning_boost.workers.loaders import describe_model, hardware_parts
 
 if TYPE_CHECKING:  # the mixin is typed as the plugin it is mixed into
     _Plugin = MixedPrecision
@@ -74,16 +78,28 @@ class MeasuredAutocastMixin(_Plugin):
             self._settle(AutocastChoice(False, None, 0, "manual optimization"))
             return
         with preserved_rng():
-            try:
-                choice = self._trial(module, trainer, batch, run_steps)
-            except Exception as error:  # the run's own step says so itself, if it is real
-                choice = AutocastChoice(False, None, 0, f"the step failed on a copy of the model ({error!r})")
+            choice = self._decide(trainer, one_batch(trainer) if batch is None else batch, run_steps)
         self._settle(choice)
 
-    def _trial(self, module: Any, trainer: Any, batch: Any, run_steps: float | None) -> AutocastChoice:
-        batch = one_batch(trainer) if batch is None else batch
+    def _decide(self, trainer: Any, batch: Any, run_steps: float | None) -> AutocastChoice:
+        """An earlier run's decision for this machine, model and batch shape, else the trial's
+        (stored for the next run)."""
         if batch is None:
             return AutocastChoice(False, None, 0, "no training batch to time the step on")
+        path, key = cache.default_cache_dir() / CACHE_FILE, cache.fingerprint(_cache_parts(trainer, batch))
+        cached = _cached(path, key)
+        if cached is not None:
+            return cached
+        try:
+            choice = self._trial(trainer.lightning_module, trainer, batch, run_steps)
+        except Exception as error:  # the run's own step says so itself, if it is real
+            return AutocastChoice(False, None, 0, f"the step failed on a copy of the model ({error!r})")
+        if trainer.is_global_zero:
+            result = {"bf16": choice.bf16, "speedup": choice.speedup, "pairs": choice.pairs}
+            cache.store_entry(path, key, {"result": result})
+        return choice
+
+    def _trial(self, module: Any, trainer: Any, batch: Any, run_steps: float | None) -> AutocastChoice:
         probe = StepProbe(module, trainer.optimizers, 1, contextlib.nullcontext, contextlib.nullcontext)
         settings = (autocast_setting(step) for step in itertools.count())
         contexts = (self.autocast_context_manager if bf16 else contextlib.nullcontext for bf16 in settings)
@@ -112,6 +128,60 @@ class MeasuredAutocast(MeasuredAutocastMixin, MixedPrecision):
     """`MeasuredAutocastMixin` on ``lightning.pytorch``'s `MixedPrecision`."""
 
 
+#: The decisions of earlier runs, in the cache directory: a warm run does not time the step again.
+CACHE_FILE = "autocast.json"
+USE_BF16 = "preset('auto', precision='bf16-mixed') uses bf16 autocast unmeasured"
+
+
+def _cache_parts(trainer: Any, batch: Any) -> dict[str, Any]:
+    """What the step's speed under bf16 depends on: the machine, the model, its optimizers and
+    the batch's shapes and dtypes."""
+    return {
+        "kind": "autocast",
+        "hardware": hardware_parts(hardware_for(trainer)),
+        "model": describe_model(trainer.lightning_module),
+        "optimizers": [type(optimizer).__qualname__ for optimizer in trainer.optimizers],
+        "batch": _shapes(batch),
+    }
+
+
+def _shapes(value: Any) -> Any:
+    """`value`'s tensors as ``[shape, dtype]``, in its own nesting; other leaves by type name.
+
+    Example:
+        >>> _shapes({"x": torch.zeros(2, 3), "y": [torch.ones(2, dtype=torch.long), "label"]})
+        {'x': [[2, 3], 'torch.float32'], 'y': [[[2], 'torch.int64'], 'str']}
+    """
+    if isinstance(value, torch.Tensor):
+        return [list(value.shape), str(value.dtype)]
+    if isinstance(value, dict):
+        return {str(key): _shapes(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_shapes(item) for item in value]
+    return type(value).__name__
+
+
+def _cached(path: Path, key: str) -> AutocastChoice | None:
+    """The decision an earlier run stored under `key`; ``None`` (measure) when there is none or
+    the file is not a cache of this schema (said in a warning)."""
+    entry, problem = cache.load_entry(path, key)
+    if entry is None and problem is None:
+        return None
+    result = entry.get("result") if entry else None
+    valid = (
+        isinstance(result, dict)
+        and isinstance(result.get("bf16"), bool)
+        and isinstance(result.get("speedup"), (int, float))
+        and isinstance(result.get("pairs"), int)
+    )
+    if problem is None and not valid:
+        problem = f"{path} holds a malformed entry {key!r}"
+    if problem is not None or not isinstance(result, dict):
+        rank_zero_warn(f"Ignoring the autocast cache, measuring again: {problem}.", category=BoostWarning)
+        return None
+    return AutocastChoice(result["bf16"], float(result["speedup"]), result["pairs"], cached=True)
+
+
 def autocast_finding(choice: AutocastChoice, steps: int) -> Finding:
     """What the measured autocast decided, and from which steps.
 
@@ -120,13 +190,25 @@ def autocast_finding(choice: AutocastChoice, steps: int) -> Finding:
         'bf16 autocast kept on this CPU: its steps ran 1.25x as fast as fp32'
     """
     data: dict[str, Any] = {"autocast_bf16": choice.bf16, "speedup": choice.speedup, "steps": steps}
+    if choice.cached:
+        data["source"] = "cache"
     keep_fp32 = "preset('auto', precision='32-true')"
     if choice.why_not:
         detail = f"not measured: {choice.why_not}"
-        fix = "preset('auto', precision='bf16-mixed') uses bf16 autocast unmeasured"
+        fix = USE_BF16
         return Finding(
             "preset", "precision and strategy", Severity.INFO, "fp32 kept on this CPU", detail, fix, data=data
         )
+    if choice.cached:
+        kept = "bf16 autocast kept" if choice.bf16 else "fp32 kept"
+        title = f"{kept} on this CPU, as an earlier run measured (bf16 step {choice.speedup:.2f}x as fast)"
+        detail = (
+            f"from the cache ({CACHE_FILE} in the cache directory): an earlier run on this machine timed"
+            f" this model's step on a batch of the same shapes, {choice.pairs} pairs; delete the entry"
+            " (or point LIGHTNING_BOOST_CACHE_DIR elsewhere) to measure again"
+        )
+        fix = keep_fp32 if choice.bf16 else USE_BF16
+        return Finding("preset", "precision and strategy", Severity.INFO, title, detail, fix, data=data)
     detail = (
         f"before training, {steps} steps of a copy of the model on one of the run's batches alternated"
         f" bf16 autocast and fp32 (one warm-up each, then {choice.pairs} timed pairs; median fp32/bf16"
