@@ -106,11 +106,11 @@ def decide_autocast(seconds: Sequence[float], final: bool = False) -> AutocastCh
 
     Example:
         >>> decide_autocast([0.2, 0.3, 0.10, 0.08, 0.08, 0.10, 0.10, 0.08])
-        AutocastChoice(bf16=True, speedup=1.25, pairs=3, why_not='')
+        AutocastChoice(bf16=True, speedup=1.25, pairs=3, why_not='', cached=False)
         >>> decide_autocast([0.2, 0.3, 0.10, 0.08]) is None  # one pair says little
         True
         >>> decide_autocast([0.2, 0.3, 0.10, 0.099, 0.10, 0.101, 0.10, 0.098])  # no pair gains 5%
-        AutocastChoice(bf16=False, speedup=1.01, pairs=3, why_not='')
+        AutocastChoice(bf16=False, speedup=1.01, pairs=3, why_not='', cached=False)
     """
     ratios = []
     for first in range(AUTOCAST_WARMUP, len(seconds) - 1, 2):
