@@ -82,6 +82,12 @@ def trainer_precision_flag(trainer: L.Trainer) -> str:
     return str(trainer._accelerator_connector._precision_flag)
 
 
+def moved_as_the_run_moves(module: L.LightningModule, batch: Any) -> Any:
+    """`batch` on the module's device through its (or its datamodule's) batch-transfer hooks, as
+    Lightning's loops move each training batch."""
+    return module._apply_batch_transfer_handler(batch)
+
+
 def call_step(module: L.LightningModule, name: str, batch: Any, batch_idx: int = 0) -> Any:
     """Call ``module.<name>`` (``training_step``, ``validation_step``) the way Lightning's loops do:
     with `batch_idx` only where the signature takes it (``def training_step(self, batch)`` is legal).

@@ -27,6 +27,7 @@ from lightning_boost._lightning import (
     debugging_mode,
     forget_train_loader,
     hardware_for,
+    moved_as_the_run_moves,
     overrides,
     preserved_rng,
     redo_optimizers,
@@ -610,7 +611,7 @@ def _precision_first(trainer: L.Trainer, data: tuple[Any, Any], size: int, run_s
     if isinstance(plugin, MeasuredAutocastMixin) and plugin.choice is None:
         with preserved_rng():  # a DataLoader's iterator draws its seed from the run's generator
             batch = first_batch(data[0], data[1], size)
-        batch = trainer.lightning_module._apply_batch_transfer_handler(batch)
+        batch = moved_as_the_run_moves(trainer.lightning_module, batch)
         plugin.measure(trainer, batch, float("inf") if run_steps is None else run_steps)
 
 

@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_boost import cache
-from lightning_boost._lightning import hardware_for, preserved_rng
+from lightning_boost._lightning import hardware_for, moved_as_the_run_moves, preserved_rng
 from lightning_boost.precision import AutocastChoice, autocast_budget, autocast_setting, decide_autocast
 from lightning_boost.report import BoostWarning, Finding, Severity
 from lightning_boost.step_probe import StepProbe, first_batch
@@ -232,4 +232,4 @@ def one_batch(trainer: Any) -> Any:
     if not isinstance(loader, DataLoader) or not loader.batch_size:
         return None
     batch = first_batch(loader.dataset, loader.collate_fn, loader.batch_size)
-    return trainer.lightning_module._apply_batch_transfer_handler(batch)
+    return moved_as_the_run_moves(trainer.lightning_module, batch)
