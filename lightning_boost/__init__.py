@@ -17,6 +17,7 @@ __version__ = "0.1.0"
 #: Public name -> the module that defines it.
 _EXPORTS = {
     "AutoBatchSize": "lightning_boost.callbacks",
+    "AutoMicroBatch": "lightning_boost.callbacks",
     "AutoNumWorkers": "lightning_boost.callbacks",
     "BoostReport": "lightning_boost.callbacks",
     "LossLoggingGuard": "lightning_boost.callbacks",
@@ -40,6 +41,7 @@ _EXPORTS = {
 
 __all__ = [
     "AutoBatchSize",
+    "AutoMicroBatch",
     "AutoNumWorkers",
     "BoostReport",
     "BoostWarning",
@@ -87,6 +89,7 @@ sys.modules[__name__].__class__ = _Package
 if TYPE_CHECKING:  # the names as type checkers and IDEs see them
     from lightning_boost.callbacks import (
         AutoBatchSize,
+        AutoMicroBatch,
         AutoNumWorkers,
         BoostReport,
         LossLoggingGuard,

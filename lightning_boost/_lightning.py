@@ -374,3 +374,36 @@ _exit_hook_registered = False
 def _destroy_process_group() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
+
+
+def backward_piece(trainer: L.Trainer, loss: torch.Tensor) -> None:
+    """Backward of `loss` as Lightning's backward does it (the AMP grad scaler's scale, the module's
+    own ``backward``), without the ``on_before_backward``/``on_after_backward`` hooks: for a
+    micro-batch that is part of a step whose one backward the hooks see."""
+    precision = trainer.strategy.precision_plugin
+    scaler = getattr(precision, "scaler", None)
+    tensor = scaler.scale(loss) if scaler is not None else loss
+    precision.backward(tensor, trainer.lightning_module, None)
+
+
+def finish_backward(trainer: L.Trainer, closure_loss: torch.Tensor) -> torch.Tensor:
+    """What ``Strategy.backward`` does after the precision plugin's backward (the
+    ``on_after_backward`` hooks), for a backward that was completed another way."""
+    strategy = trainer.strategy
+    closure_loss = strategy.precision_plugin.post_backward(closure_loss, trainer.lightning_module)
+    strategy.post_backward(closure_loss)
+    return closure_loss
+
+
+@contextmanager
+def step_context(trainer: L.Trainer) -> Iterator[None]:
+    """The precision plugin's context for a training step (autocast under mixed precision)."""
+    with trainer.strategy.precision_plugin.train_step_context():
+        yield
+
+
+def zeroes_gradients_this_step(trainer: L.Trainer) -> bool:
+    """Whether Lightning's automatic optimization zeroes the gradients in this training step: it
+    does so after ``training_step`` and before the backward, on the first batch of each
+    ``accumulate_grad_batches`` window (``_AutomaticOptimization._make_zero_grad_fn``)."""
+    return trainer.fit_loop.epoch_loop.batch_idx % trainer.accumulate_grad_batches == 0

@@ -3,6 +3,7 @@ from typing import Any
 import pytest
 
 from lightning_boost import (
+    AutoMicroBatch,
     AutoNumWorkers,
     BoostReport,
     LossLoggingGuard,
@@ -16,6 +17,7 @@ from lightning_boost import (
 def test_default_set_is_tuning_monitoring_the_guards_and_the_report() -> None:
     assert [type(c) for c in boost_callbacks()] == [
         AutoNumWorkers,
+        AutoMicroBatch,
         StepTimeMonitor,
         LossLoggingGuard,
         SyncGuard,
@@ -25,20 +27,21 @@ def test_default_set_is_tuning_monitoring_the_guards_and_the_report() -> None:
 
 def test_options_configure_or_drop_each_callback() -> None:
     tuning = WorkerTuning(window_s=0.2)
-    workers, guard, syncs, report = boost_callbacks(
+    workers, micro, guard, syncs, report = boost_callbacks(
         auto_num_workers={"tuning": tuning},
+        auto_micro_batch={"loss_reduction": "sum"},
         step_time_monitor=False,
         loss_logging_guard={"mode": "error"},
         sync_guard={"allow": ["model.py:12"]},
         boost_report={"console": False},
     )
     assert isinstance(workers, AutoNumWorkers) and workers.tuning is tuning
+    assert isinstance(micro, AutoMicroBatch) and micro.loss_reduction == "sum"
     assert isinstance(guard, LossLoggingGuard) and guard.mode == "error"
     assert isinstance(syncs, SyncGuard) and syncs.allow == ("model.py:12",)
     assert isinstance(report, BoostReport) and not report.console
-    off = dict.fromkeys(
-        ["auto_num_workers", "step_time_monitor", "loss_logging_guard", "sync_guard", "boost_report"], False
-    )
+    names = ["auto_num_workers", "auto_micro_batch", "step_time_monitor", "loss_logging_guard", "sync_guard"]
+    off = dict.fromkeys([*names, "boost_report"], False)
     assert boost_callbacks(**off) == []
 
 

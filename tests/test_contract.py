@@ -42,6 +42,7 @@ CALLBACKS: list[type[L.Callback]] = sorted(
 #: One non-default argument per callback for the LightningCLI check, and how to see it arrived.
 CLI_ARGS: dict[str, tuple[dict[str, Any], Callable[[Any], bool]]] = {
     "AutoBatchSize": ({"max_batch_size": 16, "lr_scaling": "sqrt"}, lambda c: c.max_batch_size == 16),
+    "AutoMicroBatch": ({"loss_reduction": "sum"}, lambda c: c.loss_reduction == "sum"),
     "AutoNumWorkers": ({"tuning": {"window_s": 0.2}, "retune": True}, lambda c: c.tuning.window_s == 0.2),
     "BoostReport": ({"console": False, "plots": False}, lambda c: not c.console and not c.plots),
     "LossLoggingGuard": ({"mode": "report", "allow": ["hidden"]}, lambda c: c.allow == ("hidden",)),
@@ -53,6 +54,7 @@ CLI_ARGS: dict[str, tuple[dict[str, Any], Callable[[Any], bool]]] = {
 def test_discovery_finds_every_public_callback() -> None:
     assert {cls.__name__ for cls in CALLBACKS} >= {
         "AutoBatchSize",
+        "AutoMicroBatch",
         "AutoNumWorkers",
         "BoostReport",
         "LossLoggingGuard",

@@ -1,5 +1,5 @@
 """The boost callbacks, gathered: each lives in its feature folder (`workers/`, `batch_size/`,
-`guards/`, `step_time/`, `report/`); `base` holds `BoostCallback`, `recommended` holds
+`guards/`, `step_time/`, `report/`, `micro_batch/`); `base` holds `BoostCallback`, `recommended` holds
 `boost_callbacks()`.
 
 The names load on first use (PEP 562): importing `lightning_boost.callbacks.base` from a feature
@@ -14,6 +14,7 @@ from lightning_boost._lazy import lazy_exports
 
 _EXPORTS = {
     "AutoBatchSize": "lightning_boost.batch_size.callback",
+    "AutoMicroBatch": "lightning_boost.micro_batch.callback",
     "AutoNumWorkers": "lightning_boost.workers.callback",
     "BoostReport": "lightning_boost.report.callback",
     "LossLoggingGuard": "lightning_boost.guards.loss_logging_guard",
@@ -25,6 +26,7 @@ _EXPORTS = {
 }
 __all__ = [
     "AutoBatchSize",
+    "AutoMicroBatch",
     "AutoNumWorkers",
     "BoostReport",
     "LossLoggingGuard",
@@ -44,6 +46,7 @@ if TYPE_CHECKING:
     from lightning_boost.callbacks.recommended import boost_callbacks
     from lightning_boost.guards.loss_logging_guard import LossLoggingGuard, RetainedGraphError
     from lightning_boost.guards.sync_guard import SyncError, SyncGuard
+    from lightning_boost.micro_batch.callback import AutoMicroBatch
     from lightning_boost.report.callback import BoostReport
     from lightning_boost.step_time.callback import StepTimeMonitor
     from lightning_boost.workers.callback import AutoNumWorkers

@@ -1,0 +1,193 @@
+"""A batch's slices, and what the slices' steps return and log combined into the batch's (pure).
+
+A batch is any nesting of tensors, mappings, sequences and per-sample lists (e.g. file names):
+every tensor whose first dimension is the batch's length, and every list or tuple of plain values
+of that length, is sliced; everything else (a scalar, a tensor of another shape) is passed whole.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+def batch_length(batch: Any) -> int | None:
+    """The number of samples in `batch`: the first dimension of its first tensor (``None`` when it
+    has no tensor with a dimension).
+
+    Example:
+        >>> batch_length({"x": torch.zeros(8, 3), "y": torch.zeros(8)}), batch_length([1.0, 2.0])
+        (8, None)
+    """
+    if isinstance(batch, Tensor):
+        return batch.shape[0] if batch.dim() > 0 else None
+    if isinstance(batch, Mapping):
+        items: Any = batch.values()
+    elif isinstance(batch, Sequence) and not isinstance(batch, str | bytes):
+        items = batch
+    else:
+        return None
+    for item in items:
+        length = batch_length(item)
+        if length is not None:
+            return length
+    return None
+
+
+def slice_batch(batch: Any, start: int, stop: int, length: int) -> Any:
+    """Samples ``start:stop`` of `batch` (whose length is `length`), with its structure and types.
+
+    Example:
+        >>> x, names = slice_batch((torch.arange(6), ["a", "b", "c", "d", "e", "f"]), 2, 4, 6)
+        >>> x.tolist(), names
+        ([2, 3], ['c', 'd'])
+    """
+    if isinstance(batch, Tensor):
+        return batch[start:stop] if batch.dim() > 0 and batch.shape[0] == length else batch
+    if isinstance(batch, Mapping):
+        return _rebuilt(batch, {key: slice_batch(value, start, stop, length) for key, value in batch.items()})
+    if isinstance(batch, Sequence) and not isinstance(batch, str | bytes):
+        if len(batch) == length and not any(_holds_tensors(item) for item in batch):
+            return _rebuilt(batch, list(batch[start:stop]))  # one plain value per sample
+        return _rebuilt(batch, [slice_batch(item, start, stop, length) for item in batch])
+    return batch
+
+
+def bounds(start: int, stop: int, size: int) -> list[tuple[int, int]]:
+    """``start:stop`` cut into consecutive pieces of `size` (the last may be shorter).
+
+    Example:
+        >>> bounds(0, 10, 4)
+        [(0, 4), (4, 8), (8, 10)]
+    """
+    return [(begin, min(begin + size, stop)) for begin in range(start, stop, size)]
+
+
+@dataclass
+class Logged:
+    """One ``self.log(name, value, **options)`` call a slice's step made, and the slice's length."""
+
+    name: str
+    value: Any
+    options: dict[str, Any] = field(default_factory=dict)
+    samples: int = 1
+
+
+def combine_logged(calls: Sequence[Logged]) -> list[Logged]:
+    """The slices' ``self.log`` calls as the whole batch's: one call per name, in first-logged order.
+
+    A number or a one-element tensor is combined by its ``reduce_fx`` (``"mean"``, the default:
+    the mean weighted by each slice's samples, which is the batch's value for a mean over samples;
+    ``"sum"``, ``"max"``, ``"min"``). Anything else (a torchmetrics ``Metric``, which has counted
+    every slice itself) is logged as its last call logged it.
+
+    Example:
+        >>> calls = [Logged("loss", torch.tensor(1.0), samples=3), Logged("loss", torch.tensor(3.0))]
+        >>> [(c.name, c.value.item(), c.samples) for c in combine_logged(calls)]
+        [('loss', 1.5, 4)]
+    """
+    names: dict[str, list[Logged]] = {}
+    for call in calls:
+        names.setdefault(call.name, []).append(call)
+    return [_combined(group) for group in names.values()]
+
+
+def _combined(group: list[Logged]) -> Logged:
+    last = group[-1]
+    samples = sum(call.samples for call in group)
+    if not all(_scalar(call.value) for call in group):
+        return Logged(last.name, last.value, last.options, samples)
+    values = [torch.as_tensor(call.value).detach().reshape(()).double() for call in group]
+    reduce = _reduce_name(last.options.get("reduce_fx", "mean"))
+    if reduce == "sum":
+        value = torch.stack(values).sum()
+    elif reduce in ("max", "min"):
+        value = getattr(torch.stack(values), reduce)()
+    else:
+        value = torch.stack([v * call.samples for v, call in zip(values, group, strict=True)]).sum() / samples
+    dtype = last.value.dtype if isinstance(last.value, Tensor) else torch.get_default_dtype()
+    device = last.value.device if isinstance(last.value, Tensor) else None
+    return Logged(last.name, value.to(dtype=dtype, device=device), last.options, samples)
+
+
+def _reduce_name(reduce: Any) -> str:
+    """``reduce_fx`` as a name: Lightning takes ``"mean"``, ``"sum"``, ``"max"``, ``"min"`` or the
+    torch function."""
+    return getattr(reduce, "__name__", str(reduce)).lower()
+
+
+def combine_outputs(outputs: Sequence[Any], samples: Sequence[int]) -> Any:
+    """What the slices' steps returned, as the whole batch's step would have: per-sample tensors
+    (first dimension the slice's length) concatenated, one-element tensors and numbers averaged by
+    samples, mappings and sequences combined per entry, anything else the last slice's.
+
+    Example:
+        >>> outputs = [{"preds": torch.zeros(3), "acc": 1.0}, {"preds": torch.ones(1), "acc": 0.0}]
+        >>> out = combine_outputs(outputs, [3, 1])
+        >>> out["preds"].tolist(), out["acc"]
+        ([0.0, 0.0, 0.0, 1.0], 0.75)
+    """
+    first, last = outputs[0], outputs[-1]
+    if len(outputs) == 1:
+        return first
+    if isinstance(first, Tensor) and all(isinstance(o, Tensor) for o in outputs):
+        if all(o.dim() > 0 and o.shape[0] == n for o, n in zip(outputs, samples, strict=True)):
+            return torch.cat(list(outputs))
+        if all(o.numel() == 1 for o in outputs):
+            return sum(o.detach() * n for o, n in zip(outputs, samples, strict=True)) / sum(samples)
+        return last
+    if isinstance(first, int | float) and not isinstance(first, bool) and all(_number(o) for o in outputs):
+        return sum(o * n for o, n in zip(outputs, samples, strict=True)) / sum(samples)
+    if isinstance(first, Mapping) and all(
+        isinstance(o, Mapping) and o.keys() == first.keys() for o in outputs
+    ):
+        return _rebuilt(first, {key: combine_outputs([o[key] for o in outputs], samples) for key in first})
+    if _structure(first) and all(_structure(o) and len(o) == len(first) for o in outputs):
+        return _rebuilt(first, [combine_outputs([o[i] for o in outputs], samples) for i in range(len(first))])
+    return last
+
+
+def _structure(value: Any) -> bool:
+    return isinstance(value, list | tuple)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _scalar(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return value.numel() == 1
+    return _number(value)
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_tensors(v) for v in value.values())
+    if isinstance(value, list | tuple):
+        return any(_holds_tensors(v) for v in value)
+    return False
+
+
+def _rebuilt(original: Any, content: Any) -> Any:
+    """`content` (a dict or a list) in `original`'s type where it can be rebuilt (a namedtuple, a
+    dict subclass), else as it is."""
+    kind = type(original)
+    if isinstance(content, dict):
+        try:
+            return content if kind is dict else kind(content)
+        except TypeError:
+            return content
+    if hasattr(original, "_fields"):  # a namedtuple
+        return kind(*content)
+    try:
+        return kind(content)
+    except TypeError:
+        return content

@@ -1,0 +1,398 @@
+"""AutoMicroBatch: a step that runs out of memory runs again as micro-batches, with the batch's result.
+
+Out-of-memory is simulated on this CPU machine by raising the real exception type
+(``torch.OutOfMemoryError``) when a step's batch is larger than a chosen size, inside real
+Lightning fits; the `gpu`-marked test drives a real CUDA out-of-memory error.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_boost import AutoMicroBatch, boost_callbacks
+from lightning_boost.micro_batch.rounds import NoSampleFits, Shrink, growing_retries, run_rounds
+from lightning_boost.micro_batch.split import (
+    Logged,
+    batch_length,
+    bounds,
+    combine_logged,
+    combine_outputs,
+    slice_batch,
+)
+from lightning_boost.testing import tiny_trainer
+
+SIMULATED = "CUDA out of memory. Tried to allocate 2.00 GiB (simulated on CPU)"
+
+
+# -- the pure parts --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("batch", "length"),
+    [
+        (torch.zeros(5, 2), 5),
+        ((torch.zeros(3), torch.zeros(3, 4)), 3),
+        ({"ids": ["a", "b"], "x": torch.zeros(2, 7)}, 2),
+        ([torch.tensor(1.0), torch.zeros(4)], 4),  # a 0-dim tensor says nothing of the length
+        ("text", None),
+    ],
+)
+def test_batch_length(batch: Any, length: int | None) -> None:
+    assert batch_length(batch) == length
+
+
+def test_slices_keep_structure_and_cut_only_per_sample_values() -> None:
+    batch = {"x": torch.arange(6).reshape(6, 1), "names": list("abcdef"), "scale": torch.tensor(2.0), "k": 3}
+    piece = slice_batch(batch, 1, 3, 6)
+    assert piece["x"].flatten().tolist() == [1, 2]
+    assert piece["names"] == ["b", "c"]
+    assert piece["scale"].item() == 2.0 and piece["k"] == 3
+    x, y = slice_batch((torch.arange(4), torch.arange(4) * 10), 2, 4, 4)
+    assert (x.tolist(), y.tolist()) == ([2, 3], [20, 30])
+
+
+def test_bounds_cover_every_sample_once() -> None:
+    for length in range(1, 20):
+        for size in range(1, 22):
+            covered = [i for start, stop in bounds(0, length, size) for i in range(start, stop)]
+            assert covered == list(range(length))
+
+
+@pytest.mark.parametrize(
+    ("reduce_fx", "expected"),
+    [("mean", (1.0 * 3 + 5.0 * 1) / 4), ("sum", 6.0), ("max", 5.0), ("min", 1.0), (torch.mean, 2.0)],
+)
+def test_logged_values_combine_by_their_reduce_fx(reduce_fx: Any, expected: float) -> None:
+    options = {"reduce_fx": reduce_fx}
+    calls = [Logged("m", torch.tensor(1.0), options, 3), Logged("m", torch.tensor(5.0), options, 1)]
+    (combined,) = combine_logged(calls)
+    assert combined.value.item() == pytest.approx(expected) and combined.samples == 4
+
+
+def test_outputs_combine_as_the_whole_batch_would() -> None:
+    first = {"preds": torch.zeros(3, 2), "n": 3, "tag": "a"}
+    outputs = [first, {"preds": torch.ones(1, 2), "n": 1, "tag": "b"}]
+    combined = combine_outputs(outputs, [3, 1])
+    assert combined["preds"].shape == (4, 2) and combined["n"] == 2.5 and combined["tag"] == "b"
+    assert combine_outputs([None, None], [2, 2]) is None
+
+
+def test_rounds_halve_until_the_pieces_fit_and_run_each_sample_once() -> None:
+    ran: list[tuple[int, int]] = []
+
+    def attempt(start: int, stop: int, final: bool) -> bool:
+        if stop - start > 3:
+            return False
+        ran.append((start, stop))
+        return True
+
+    rounds = run_rounds(16, 16, attempt)
+    assert rounds.size == 2 and [i for a, b in ran for i in range(a, b)] == list(range(16))
+    assert [(s.before, s.after) for s in rounds.shrinks] == [(16, 8), (8, 4), (4, 2)]
+
+
+def test_rounds_follow_another_ranks_failure_without_repeating_their_own_pieces() -> None:
+    """This rank's pieces all fit; the other rank fails in round 1 and finishes in round 4: this rank
+    halves with it, runs no piece twice, and waits for it (the same number of rounds on both)."""
+    ran: list[tuple[int, int]] = []
+    rounds_seen = []
+
+    def agree(failed: bool, done: bool, stuck: bool) -> tuple[bool, bool, bool]:
+        rounds_seen.append(done)
+        return failed or len(rounds_seen) == 1, done and len(rounds_seen) >= 4, stuck
+
+    rounds = run_rounds(8, 4, lambda a, b, final: ran.append((a, b)) is None, agree)
+    assert ran == [(0, 4), (4, 6), (6, 8)] and rounds.size == 2
+    assert rounds.shrinks == [Shrink(4, 2, None, None)] and len(rounds_seen) == 4
+
+
+def test_rounds_stop_every_rank_when_one_sample_does_not_fit() -> None:
+    with pytest.raises(NoSampleFits, match=r"tried micro-batches of 4, 2, 1"):
+        run_rounds(4, 4, lambda a, b, final: False)
+    with pytest.raises(NoSampleFits, match="on another rank"):
+        run_rounds(4, 4, lambda a, b, final: True, lambda f, d, s: (False, d, True))
+
+
+def test_allocator_retries_are_pressure_only_when_they_keep_growing() -> None:
+    assert growing_retries([(0, 0), (25, 2), (50, 5), (75, 9)]) == [(0, 0), (25, 2), (50, 5), (75, 9)]
+    assert growing_retries([(0, 0), (25, 2), (50, 2), (75, 9)]) is None
+    assert growing_retries([(25, 2), (50, 5)]) is None
+
+
+# -- real fits ---------------------------------------------------------------------------------------
+
+
+class _OOMInBackward(torch.autograd.Function):
+    """Identity whose backward runs out of memory: placed between the two layers, the second
+    layer's gradients are already complete when it fails (a backward that failed part-way)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        raise torch.OutOfMemoryError(SIMULATED)
+
+
+class OOMModel(L.LightningModule):
+    """Two layers; a batch of more than `limit` samples runs out of memory in the forward or the
+    backward (`where`), on every rank or only on `rank`."""
+
+    def __init__(
+        self, limit: int | None = None, where: str = "forward", rank: int | None = None, norm: bool = False
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layer1 = nn.Linear(4, 16)
+        self.norm = nn.BatchNorm1d(16) if norm else nn.Identity()
+        self.layer2 = nn.Linear(16, 1)
+        self.limit, self.where, self.rank = limit, where, rank
+        self.seen: list[list[int]] = []
+        self.val_seen: list[int] = []
+
+    def _fails(self, samples: int) -> bool:
+        on_this_rank = self.rank is None or self.global_rank == self.rank
+        return self.limit is not None and samples > self.limit and on_this_rank
+
+    def _loss(self, batch: Any, where: str) -> Tensor:
+        x, y, _ = batch
+        if self.where == where == "forward" and self._fails(len(x)):
+            raise torch.OutOfMemoryError(SIMULATED)
+        h = self.norm(torch.tanh(self.layer1(x)))
+        if self.where == "backward" and where == "forward" and self._fails(len(x)):
+            h = _OOMInBackward.apply(h)
+        return F.mse_loss(self.layer2(h).squeeze(-1), y)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        loss = self._loss(batch, "forward")
+        self.seen.append(batch[2].tolist())
+        self.log("train_loss", loss, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        if self._fails(len(batch[0])) and self.where == "eval":
+            raise torch.OutOfMemoryError(SIMULATED)
+        self.val_seen.extend(batch[2].tolist())
+        self.log("val_loss", F.mse_loss(self.layer2(torch.tanh(self.layer1(batch[0]))).squeeze(-1), batch[1]))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        if self._fails(len(batch[0])) and self.where == "eval":
+            raise torch.OutOfMemoryError(SIMULATED)
+        return self.layer2(torch.tanh(self.layer1(batch[0])))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def loader(samples: int = 64, batch_size: int = 32) -> DataLoader[Any]:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(samples, 4, generator=generator)
+    data = TensorDataset(x, x.sum(1) + 0.1 * torch.randn(samples, generator=generator), torch.arange(samples))
+    return DataLoader(data, batch_size=batch_size)
+
+
+def fit(tmp_path: Path, model: OOMModel, callbacks: list[L.Callback], **overrides: Any) -> L.Trainer:
+    options: dict[str, Any] = {"limit_train_batches": None, "limit_val_batches": None, "max_epochs": 2}
+    options.update(overrides)
+    trainer = tiny_trainer(tmp_path, callbacks=callbacks, enable_checkpointing=False, **options)
+    trainer.fit(model, train_dataloaders=loader(), val_dataloaders=loader(batch_size=16))
+    return trainer
+
+
+def weights(model: nn.Module) -> dict[str, Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def assert_same_model(tuned: nn.Module, plain: nn.Module) -> None:
+    for (name, a), b in zip(weights(tuned).items(), weights(plain).values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"{name} differs")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"accumulate_grad_batches": 2, "gradient_clip_val": 0.05}],
+    ids=["plain", "accumulate-and-clip"],
+)
+def test_a_step_that_runs_out_of_memory_trains_the_same_model(
+    tmp_path: Path, where: str, overrides: dict[str, Any]
+) -> None:
+    """The weights after two epochs equal those of a run whose batches all fitted (gradient, optimizer
+    step and learning rate as the batch's), with momentum, clipping and accumulation."""
+    plain = OOMModel()
+    plain_trainer = fit(tmp_path / "plain", plain, [], **overrides)
+    callback = AutoMicroBatch()
+    model = OOMModel(limit=12, where=where)
+    trainer = fit(tmp_path / "tuned", model, [callback], **overrides)
+    assert_same_model(model, plain)
+    assert callback.sizes["train"] == 8  # 32 -> 16 -> 8
+    assert [(e["before"], e["after"], e["where"]) for e in callback.events] == [
+        (32, 16, where),
+        (16, 8, "forward"),  # the later steps ran at 16 first: that failed in the forward or backward
+    ] or [(e["before"], e["after"]) for e in callback.events] == [(32, 16), (16, 8)]
+    logged = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    expected = {k: float(v) for k, v in plain_trainer.callback_metrics.items()}
+    assert logged.keys() == expected.keys()
+    for key, value in expected.items():
+        assert logged[key] == pytest.approx(value, rel=1e-5), key
+
+
+def test_every_sample_is_run_once_and_in_order(tmp_path: Path) -> None:
+    model = OOMModel(limit=12)
+    fit(tmp_path, model, [AutoMicroBatch()], max_epochs=1)
+    assert [i for piece in model.seen for i in piece] == list(range(64))
+    assert {len(piece) for piece in model.seen} == {8}
+
+
+def test_the_shrink_is_reported_and_logged(tmp_path: Path) -> None:
+    trainer = fit(tmp_path, OOMModel(limit=12), [AutoMicroBatch()], max_epochs=1)
+    (report,) = tmp_path.rglob("boost_report.json")
+    findings = [f for f in json.loads(report.read_text())["findings"] if f["source"] == "AutoMicroBatch"]
+    titles = [f["title"] for f in findings]
+    assert "Training ran out of memory: batches of 32 now run as micro-batches of 8" in titles
+    assert "How micro-batched steps combine their losses" in titles
+    (shrunk,) = [f for f in findings if f["title"].startswith("Training")]
+    assert shrunk["severity"] == "warn" and "step 0: 32 → 16 (forward, this rank)" in shrunk["detail"]
+    (metrics,) = Path(trainer.logger.log_dir).glob("metrics.csv")  # type: ignore[union-attr]
+    assert "boost/micro_batch_size/train" in metrics.read_text().splitlines()[0]
+
+
+def test_the_micro_batch_is_kept_in_the_checkpoint(tmp_path: Path) -> None:
+    callback = AutoMicroBatch()
+    fit(tmp_path, OOMModel(limit=12), [callback], max_epochs=1)
+    resumed = AutoMicroBatch()
+    resumed.load_state_dict(callback.state_dict())
+    assert resumed.sizes["train"] == 8 and len(resumed.findings) == 1
+
+
+def test_batch_norm_is_reported_as_what_changes(tmp_path: Path) -> None:
+    callback = AutoMicroBatch()
+    fit(tmp_path, OOMModel(limit=12, norm=True), [callback], max_epochs=1)
+    (changes,) = [f for f in callback.findings if "BatchNorm1d" in f.title]
+    assert changes.severity.label == "WARN" and "own mean and variance" in changes.detail
+
+
+def test_an_error_that_is_not_out_of_memory_is_raised_as_it_is(tmp_path: Path) -> None:
+    class Broken(OOMModel):
+        def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+            raise ValueError("shapes do not match")
+
+    with pytest.raises(ValueError, match="shapes do not match"):
+        fit(tmp_path, Broken(), [AutoMicroBatch()])
+
+
+def test_a_sample_that_does_not_fit_says_so_with_every_size_tried(tmp_path: Path) -> None:
+    with pytest.raises(NoSampleFits, match=r"tried micro-batches of 32, 16, 8, 4, 2, 1"):
+        fit(tmp_path, OOMModel(limit=0), [AutoMicroBatch()])
+
+
+def test_evaluation_steps_are_retried_with_their_own_size(tmp_path: Path) -> None:
+    callback = AutoMicroBatch()
+    plain = OOMModel()
+    plain_trainer = fit(tmp_path / "plain", plain, [], max_epochs=1)
+    model = OOMModel(limit=4, where="eval")
+    trainer = fit(tmp_path / "tuned", model, [callback], max_epochs=1)
+    assert callback.sizes == {"train": None, "validate": 4, "test": None, "predict": None}
+    assert model.val_seen == plain.val_seen
+    expected = float(plain_trainer.callback_metrics["val_loss"])
+    assert float(trainer.callback_metrics["val_loss"]) == pytest.approx(expected)
+    predictions = trainer.predict(model, loader(batch_size=16))
+    assert predictions is not None and [p.shape for p in predictions] == [(16, 1)] * 4  # type: ignore[union-attr]
+    assert callback.sizes["predict"] == 4
+
+
+def test_manual_optimization_is_left_alone_with_a_finding(tmp_path: Path) -> None:
+    class Manual(OOMModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.automatic_optimization = False
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()  # type: ignore[union-attr]
+            self.manual_backward(self._loss(batch, "forward"))
+            optimizer.step()  # type: ignore[union-attr]
+
+    callback = AutoMicroBatch()
+    fit(tmp_path, Manual(), [callback], max_epochs=1)
+    (finding,) = callback.findings
+    assert finding.title == "Training steps are not retried under manual optimization"
+
+
+def test_it_is_in_the_recommended_set() -> None:
+    assert any(isinstance(c, AutoMicroBatch) for c in boost_callbacks())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"loss_reduction": "max"}, "`loss_reduction` expected one of"),
+        ({"pressure_every_n_steps": 0}, "`pressure_every_n_steps` expected an int >= 1"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=message):
+        AutoMicroBatch(**kwargs)
+
+
+def test_a_backward_that_failed_part_way_adds_no_gradient_twice(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The simulated backward fails after the second layer's gradients are complete: those are
+    frozen while the pieces run again (else the model would differ from the plain run's)."""
+    import lightning_boost.micro_batch.callback as module
+
+    touched: list[int] = []
+    changed = module._changed
+    monkeypatch.setattr(module, "_changed", lambda *a: touched.append(len(out := changed(*a))) or out)
+    plain = OOMModel()
+    fit(tmp_path / "plain", plain, [], max_epochs=1, accumulate_grad_batches=2)
+    model = OOMModel(limit=12, where="backward")
+    fit(tmp_path / "tuned", model, [AutoMicroBatch()], max_epochs=1, accumulate_grad_batches=2)
+    assert touched[0] == 2  # layer2's weight and bias
+    assert_same_model(model, plain)
+
+
+class RankModel(OOMModel):
+    """Writes its weights, per rank, when training ends (the spawned ranks' models are not ours)."""
+
+    def __init__(self, out: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.out = out
+
+    def on_train_end(self) -> None:
+        torch.save(weights(self), Path(self.out, f"rank{self.global_rank}.pt"))
+        Path(self.out, f"seen{self.global_rank}.json").write_text(json.dumps(self.seen))
+
+
+@pytest.mark.ddp
+def test_under_ddp_an_oom_on_one_rank_shrinks_every_rank_in_the_same_step(tmp_path: Path) -> None:
+    """Rank 1 alone runs out of memory above 12 samples: both ranks switch to micro-batches in that
+    step, neither hangs, and the model equals a 2-rank run whose batches all fitted."""
+    runs = {}
+    for name, kwargs in {"plain": {}, "tuned": {"limit": 12, "rank": 1}}.items():
+        out = tmp_path / name
+        out.mkdir()
+        callbacks: list[L.Callback] = [AutoMicroBatch()] if kwargs else []
+        trainer = tiny_trainer(
+            out, devices=2, strategy="ddp_spawn", callbacks=callbacks, enable_checkpointing=False,
+            limit_train_batches=None, limit_val_batches=None, max_epochs=1,
+        )  # fmt: skip
+        trainer.fit(RankModel(str(out), **kwargs), train_dataloaders=loader(128))
+        runs[name] = [torch.load(out / f"rank{rank}.pt") for rank in (0, 1)]
+    for rank in (0, 1):
+        for key, value in runs["plain"][rank].items():
+            torch.testing.assert_close(runs["tuned"][rank][key], value, rtol=1e-5, atol=1e-6)
+    seen = [json.loads((tmp_path / "tuned" / f"seen{rank}.json").read_text()) for rank in (0, 1)]
+    assert {len(piece) for piece in seen[1]} == {8}  # rank 1's pieces
+    assert sorted(i for rank in seen for piece in rank for i in piece) == list(range(128))
