@@ -25,6 +25,7 @@ BENCHMARKS = (
     "batch_size",
     "monitor_overhead",
     "guard_overhead",
+    "micro_batch",
     "diagnosis",
     "arguments",
 )

@@ -54,6 +54,14 @@ def test_guard_overhead_runs_at_tiny_size() -> None:
     assert all(row.ratio > 0 and row.command == guard_overhead.COMMAND for row in rows)
 
 
+def test_micro_batch_runs_at_tiny_size() -> None:
+    from benchmarks import micro_batch
+
+    overhead, retry = micro_batch.run(steps=20, repeats=1, retry_repeats=1, retry_steps=3)
+    assert overhead.ratio > 0 and retry.ratio > 0 and retry.command == micro_batch.COMMAND
+    assert "same weights at the end in 1 of 1 pairs" in retry.detail
+
+
 def test_demo_workloads_run_at_tiny_size() -> None:
     from benchmarks import compute_bound, demo_workload
 

@@ -403,15 +403,14 @@ class _Pieces:
 
     def attempt(self, start: int, stop: int, final: bool) -> bool:
         """Run samples ``start:stop``; ``False`` when they ran out of memory."""
-        module = self.trainer.lightning_module
         ran = False
         whole = start == 0 and stop == self.length and not self.backward_all
+        logged: list[Logged] = []
         try:
-            with self._freezing(start), _captured(module, whole) as logged:
-                piece = self.batch if whole else slice_batch(self.batch, start, stop, self.length)
-                output = self.step(piece, *self.rest, **self.kwargs)
-                if self.stage == "train" and (not final or self.backward_all):
-                    output = self._backward(output, start, stop)
+            if whole:  # the step as it is without the pack
+                output = self.step(self.batch, *self.rest, **self.kwargs)
+            else:
+                output = self._piece(start, stop, final, logged)
             ran = True
         except BaseException as error:
             if not is_oom(error):
@@ -426,6 +425,15 @@ class _Pieces:
         if final and self.stage == "train":
             self.final = (start, stop)
         return True
+
+    def _piece(self, start: int, stop: int, final: bool, logged: list[Logged]) -> Any:
+        """Samples ``start:stop`` through the step, what it logs recorded into `logged`; a training
+        piece other than the last one (or any, in a retried backward) runs its backward here."""
+        with self._freezing(start), _captured(self.trainer.lightning_module, logged):
+            output = self.step(slice_batch(self.batch, start, stop, self.length), *self.rest, **self.kwargs)
+            if self.stage == "train" and (not final or self.backward_all):
+                output = self._backward(output, start, stop)
+        return output
 
     def _backward(self, output: Any, start: int, stop: int) -> Any:
         loss = _loss_of(output)
@@ -532,12 +540,8 @@ def _log_signature(cls: type) -> inspect.Signature:
 
 
 @contextmanager
-def _captured(module: L.LightningModule, passthrough: bool) -> Iterator[list[Logged]]:
-    """``module.log`` calls made inside, recorded instead of logged (unless `passthrough`)."""
-    logged: list[Logged] = []
-    if passthrough:
-        yield logged
-        return
+def _captured(module: L.LightningModule, logged: list[Logged]) -> Iterator[None]:
+    """``module.log`` calls made inside, recorded into `logged` instead of logged."""
     signature = _log_signature(type(module))
     previous = vars(module).get("log", _MISSING)
 
@@ -548,7 +552,7 @@ def _captured(module: L.LightningModule, passthrough: bool) -> Iterator[list[Log
 
     module.__dict__["log"] = record
     try:
-        yield logged
+        yield
     finally:
         _restore(module, "log", previous)
 
