@@ -64,6 +64,7 @@ EXPECTED: dict[str, list[tuple[str, Severity, str]]] = {
     ],
     "generative_adversarial_net": [
         ("AutoBatchSize", Severity.INFO, r"^Batch size kept as written: manual optimization"),
+        ("AutoMicroBatch", Severity.INFO, r"^Training steps are not retried under manual optimization"),
         ("AutoNumWorkers", Severity.INFO, r"^train loader: num_workers="),
         # `z = torch.randn(...)` / `torch.ones(...)` on the host, then `.type_as(imgs)`: one copy
         # each, at four lines (the `valid` line twice: the generator's half and the discriminator's)
