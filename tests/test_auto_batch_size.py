@@ -689,3 +689,53 @@ def test_a_stream_shorter_than_the_batch_bounds_the_size_by_what_came_back(tmp_p
     assert max(t.size for t in decision.trials) == 64
     assert max(t.samples_per_s for t in decision.trials) <= 1000.0 * 64  # rates of the samples held
     assert "held 64 samples" in decision.stopped
+
+
+@pytest.fixture
+def scripted_validation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evaluation sizes measured as on an accelerator (there only: on a CPU a larger evaluation
+    batch is not faster), with validation throughput scripted like training's; OOMs stay real."""
+    from lightning_boost.batch_size import callback as module
+
+    monkeypatch.setattr(module, "_measures_eval_sizes", lambda device: True)
+    real = StepProbe.validate
+
+    def validate(self: StepProbe, batch: Any, size: int) -> Any:
+        trial = real(self, batch, size)
+        return trial if trial.oom else dataclasses.replace(trial, samples_per_s=1000.0 * size)
+
+    monkeypatch.setattr(StepProbe, "validate", validate)
+
+
+@pytest.mark.usefixtures("scripted_validation")
+def test_evaluation_loaders_get_a_measured_batch_size_of_their_own(tmp_path: Path) -> None:
+    """Validation steps keep no gradients: measured at doubling sizes from the training size, they
+    run out of memory above 16 samples here, so the evaluation loaders take 16 (4x the training
+    size); the training loader keeps its own size."""
+    boosted = Boosted(batch_size=4, num_workers=0)
+    callback = AutoBatchSize(max_batch_size=4, **FAST)
+    trainer, _ = fit(tmp_path, callback, OOMModel(val_limit=16), datamodule=boosted)
+    assert boosted.tuned_eval_batch_size == 16 and boosted.evaluation_batch_size == 16
+    assert trainer.val_dataloaders.batch_size == 16 and trainer.train_dataloader.batch_size == 4
+    (finding,) = [f for f in callback.findings if f.title.startswith("Evaluation batch size")]
+    assert finding.title == "Evaluation batch size 16 (4x the training size)"
+    assert "32: out of memory" in finding.detail and "stopped: out of memory at 32" in finding.detail
+    assert callback.state_dict()["eval_batch_size"] == 16  # a resumed run applies it without trials
+
+
+@pytest.mark.usefixtures("scripted_validation")
+def test_an_evaluation_batch_size_given_by_hand_is_kept(tmp_path: Path) -> None:
+    boosted = Boosted(batch_size=4, eval_batch_size=6, num_workers=0)
+    callback = AutoBatchSize(max_batch_size=4, **FAST)
+    trainer, _ = fit(tmp_path, callback, OOMModel(val_limit=16), datamodule=boosted)
+    assert trainer.val_dataloaders.batch_size == 6 and boosted.tuned_eval_batch_size is None
+    assert not [f for f in callback.findings if f.title.startswith("Evaluation batch size")]
+
+
+def test_evaluation_sizes_are_not_measured_on_a_cpu(tmp_path: Path) -> None:
+    boosted = Boosted(batch_size=4, num_workers=0)
+    callback = AutoBatchSize(max_batch_size=4, **FAST)
+    trainer, _ = fit(tmp_path, callback, datamodule=boosted)
+    assert trainer.val_dataloaders.batch_size == 4
+    (finding,) = [f for f in callback.findings if f.title.startswith("Evaluation batch size")]
+    assert finding.title.endswith("not measured on a CPU, where a larger batch is not faster")

@@ -51,6 +51,7 @@ from lightning_boost.batch_size.decision import (
     optimizers_finding,
     restored_finding,
 )
+from lightning_boost.batch_size.evaluation import eval_batch_size
 from lightning_boost.batch_size.goodput import lr_rule, warmup_factor
 from lightning_boost.batch_size.plan import RunPlan
 from lightning_boost.batch_size.search import Limits, Trial, merge
@@ -247,6 +248,9 @@ class AutoBatchSize(BoostCallback):
             [restored_finding(decision)] if self._restored else findings(decision, self.tolerance)
         )
         lightning_setattr(pl_module, self.attr_name, decision.batch_size)
+        datamodule = datamodule_of(trainer)
+        if decision.eval_batch_size is not None and _wants_eval_size(trainer):
+            datamodule.tuned_eval_batch_size = decision.eval_batch_size  # type: ignore[union-attr]
         trainer.accumulate_grad_batches = decision.accumulate_grad_batches
         per_step = decision.batch_size * decision.accumulate_grad_batches
         if (
@@ -363,6 +367,8 @@ class AutoBatchSize(BoostCallback):
                 limits,
                 rule,
             )
+            if val_data is not None and _wants_eval_size(trainer):
+                decision = _with_eval_size(trainer, probe, val_data, decision, limits.budget_bytes)
         steps = plan.optimizer_steps(decision.batch_size)
         warmup = self.lr_warmup_steps if self.lr_warmup_steps is not None else max(1, (steps or 1000) // 10)
         decision = decision.replace(
@@ -642,6 +648,40 @@ def _samples_in(batch: Any) -> int | None:
 
 def _val_trial(trainer: L.Trainer, probe: StepProbe, data: tuple[Any, Any], size: int) -> Callable[[], Trial]:
     return lambda: probe.validate(trainer.strategy.batch_to_device(first_batch(data[0], data[1], size)), size)
+
+
+def _wants_eval_size(trainer: L.Trainer) -> bool:
+    """A `BoostedDataModule` whose evaluation batch size the user did not fix."""
+    datamodule = datamodule_of(trainer)
+    return isinstance(datamodule, BoostedDataMixin) and datamodule.eval_batch_size is None
+
+
+def _measures_eval_sizes(device: torch.device) -> bool:
+    """Evaluation sizes are measured on an accelerator. On a CPU a larger evaluation batch is not
+    faster per sample and host memory is not what limits it: the trials would only cost time."""
+    return device.type != "cpu"
+
+
+def _with_eval_size(
+    trainer: L.Trainer, probe: StepProbe, val_data: tuple[Any, Any], decision: BatchSizeDecision, budget: int
+) -> BatchSizeDecision:
+    """`decision` with the evaluation batch size measured on the run's validation data."""
+    if not _measures_eval_sizes(trainer.lightning_module.device):
+        return decision.replace(eval_stopped="not measured on a CPU, where a larger batch is not faster")
+
+    def measure(size: int) -> Trial:  # the faster of two steps: the first at a size warms it up
+        first = _measured(trainer, size, _val_trial(trainer, probe, val_data, size))
+        if first.oom:
+            return first
+        again = _measured(trainer, size, _val_trial(trainer, probe, val_data, size))
+        return max(first, again, key=lambda t: t.samples_per_s)
+
+    dataset = val_data[0]
+    limit = len(dataset) if hasattr(dataset, "__len__") else None
+    result = eval_batch_size(measure, decision.batch_size, budget, limit)
+    return decision.replace(
+        eval_batch_size=result.size, eval_trials=result.trials, eval_stopped=result.stopped
+    )
 
 
 def _measured(trainer: L.Trainer, size: int, run: Callable[[], Trial]) -> Trial:

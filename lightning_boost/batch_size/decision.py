@@ -59,6 +59,9 @@ class BatchSizeDecision:
         min_efficiency: the least efficiency a size could be chosen with.
         lr_warmup_steps: optimizer steps over which a raised learning rate is ramped in.
         kept: why the run kept the user's size without measuring (``""`` when it measured).
+        eval_batch_size: the evaluation batch size measured (``None``: not measured).
+        eval_trials: the evaluation steps measured for it, in order.
+        eval_stopped: why its doubling stopped, or why it was not measured.
     """
 
     batch_size: int
@@ -83,6 +86,9 @@ class BatchSizeDecision:
     min_efficiency: float = 0.0
     lr_warmup_steps: int = 0
     kept: str = ""
+    eval_batch_size: int | None = None
+    eval_trials: tuple[Trial, ...] = field(default_factory=tuple)
+    eval_stopped: str = ""
 
     @property
     def tuned(self) -> dict[str, Any]:
@@ -99,6 +105,7 @@ class BatchSizeDecision:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["trials"] = [t.to_dict() for t in self.trials]
         data["validation"] = [t.to_dict() for t in self.validation]
+        data["eval_trials"] = [t.to_dict() for t in self.eval_trials]
         return data
 
     @classmethod
@@ -108,6 +115,7 @@ class BatchSizeDecision:
         values = {key: value for key, value in data.items() if key in known}
         values["trials"] = tuple(Trial.from_dict(t) for t in data.get("trials", ()))
         values["validation"] = tuple(Trial.from_dict(t) for t in data.get("validation", ()))
+        values["eval_trials"] = tuple(Trial.from_dict(t) for t in data.get("eval_trials", ()))
         return cls(**values)
 
     def replace(self, **changes: Any) -> BatchSizeDecision:
@@ -211,7 +219,34 @@ def findings(decision: BatchSizeDecision, tolerance: float) -> list[Finding]:
                 data=_data(decision),
             )
         ]
-    return [_size_finding(decision, tolerance), *_lr_findings(decision), *_accumulation_findings(decision)]
+    return [
+        _size_finding(decision, tolerance),
+        *_lr_findings(decision),
+        *_accumulation_findings(decision),
+        *_eval_findings(decision),
+    ]
+
+
+def _eval_findings(decision: BatchSizeDecision) -> list[Finding]:
+    """The evaluation batch size, with the evaluation steps measured; or why none was measured."""
+    if decision.eval_batch_size is None:
+        if not decision.eval_stopped:
+            return []
+        title = f"Evaluation batch size {decision.batch_size}, the training size: {decision.eval_stopped}"
+        return [Finding("AutoBatchSize", "batch size", Severity.INFO, title)]
+    size, train = decision.eval_batch_size, decision.batch_size
+    steps = ", ".join(_eval_step(t, decision.budget_bytes) for t in decision.eval_trials)
+    return [
+        Finding(
+            "AutoBatchSize",
+            "batch size",
+            Severity.INFO,
+            f"Evaluation batch size {size} ({size / train:.3g}x the training size)",
+            detail=f"Validation steps measured at {steps}; stopped: {decision.eval_stopped}. Validation, "
+            "test and predict loaders of the BoostedDataModule use it (`eval_batch_size=` fixes one).",
+            data={"eval_batch_size": size, "eval_trials": [t.to_dict() for t in decision.eval_trials]},
+        )
+    ]
 
 
 def _size_finding(decision: BatchSizeDecision, tolerance: float) -> Finding:
@@ -354,6 +389,14 @@ def restored_finding(decision: BatchSizeDecision) -> Finding:
         ),
         data=_data(decision),
     )
+
+
+def _eval_step(trial: Trial, budget_bytes: int) -> str:
+    if trial.oom:
+        return f"{trial.size}: out of memory"
+    peak = f"{(trial.peak_bytes or 0) / 2**30:.2f} GiB"
+    over = "" if trial.fits(budget_bytes) else ", over the memory budget"
+    return f"{trial.size}: {trial.samples_per_s:,.0f} samples/s, {peak}{over}"
 
 
 def optimizers_finding(decision: BatchSizeDecision, redone: bool) -> Finding:

@@ -59,6 +59,7 @@ class BoostedDataMixin(_DataModule):
         self,
         batch_size: PositiveInt = 32,
         *,
+        eval_batch_size: PositiveInt | None = None,
         shuffle: bool = True,
         drop_last: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
@@ -77,6 +78,8 @@ class BoostedDataMixin(_DataModule):
         if prefetch_factor is not None and num_workers == 0:
             raise ValueError("`prefetch_factor` expected None with `num_workers=0` (no workers load ahead).")
         self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size
+        self.tuned_eval_batch_size: int | None = None
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.collate_fn = collate_fn
@@ -122,6 +125,12 @@ class BoostedDataMixin(_DataModule):
     def predict_dataloader(self) -> DataLoader[Any]:
         return self.build_dataloader("predict", shuffle=False, drop_last=False)
 
+    @property
+    def evaluation_batch_size(self) -> int:
+        """The validation, test and predict loaders' batch size: `eval_batch_size` when given, else
+        the one `AutoBatchSize` measured (``tuned_eval_batch_size``), else `batch_size`."""
+        return self.eval_batch_size or self.tuned_eval_batch_size or self.batch_size
+
     def build_dataloader(self, split: str, *, shuffle: bool, drop_last: bool) -> DataLoader[Any]:
         """The DataLoader for `split` (``"train"``, ``"val"``, ``"test"``, ``"predict"``) with tuned settings.
 
@@ -146,7 +155,8 @@ class BoostedDataMixin(_DataModule):
             )
         tuning_dataset = self.train_dataset if self.train_dataset is not None else dataset
         settings, search = self._settings(tuning_dataset, drop_last)
-        batching: dict[str, Any] = {"batch_size": self.batch_size, "shuffle": shuffle, "drop_last": drop_last}
+        size = self.batch_size if split == "train" else self.evaluation_batch_size
+        batching: dict[str, Any] = {"batch_size": size, "shuffle": shuffle, "drop_last": drop_last}
         if search is not None and split == "train":
             persist = self.persistent_workers
             if persist is None:
@@ -305,6 +315,9 @@ class BoostedDataModule(BoostedDataMixin, L.LightningDataModule):
 
     Args:
         batch_size: samples per batch; a plain attribute that batch-size tuning may change.
+        eval_batch_size: samples per validation, test and predict batch, fixed by hand. ``None``
+            (default): the size `AutoBatchSize` measured for evaluation steps on an accelerator
+            (no gradients are kept, so usually several times `batch_size`), else `batch_size`.
         shuffle: shuffle the training set (evaluation sets are never shuffled).
         drop_last: drop the last incomplete training batch.
         collate_fn: merges samples into a batch (default: PyTorch's).
