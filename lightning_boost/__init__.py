@@ -37,6 +37,7 @@ _EXPORTS = {
     "Report": "lightning_boost.report",
     "Severity": "lightning_boost.report",
     "WorkerTuning": "lightning_boost.workers.search",
+    "micro_batches": "lightning_boost.micro_batch.callback",
 }
 
 __all__ = [
@@ -60,6 +61,7 @@ __all__ = [
     "__version__",
     "auto_precision",
     "boost_callbacks",
+    "micro_batches",
     "preset",
     "presets",
 ]
@@ -101,6 +103,7 @@ if TYPE_CHECKING:  # the names as type checkers and IDEs see them
     )
     from lightning_boost.data import BoostedDataModule
     from lightning_boost.hardware import HardwareInfo
+    from lightning_boost.micro_batch.callback import micro_batches
     from lightning_boost.precision import auto_precision
     from lightning_boost.presets import Preset, preset, presets
     from lightning_boost.report import BoostWarning, Finding, Report, Severity

@@ -19,7 +19,7 @@ from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_boost import AutoMicroBatch, boost_callbacks
+from lightning_boost import AutoMicroBatch, boost_callbacks, micro_batches
 from lightning_boost.micro_batch.rounds import NoSampleFits, Shrink, growing_retries, run_rounds
 from lightning_boost.micro_batch.split import (
     Logged,
@@ -452,3 +452,33 @@ def test_a_real_cuda_out_of_memory_error_is_retried(tmp_path: Path) -> None:
     fit(tmp_path / "tuned", model, [callback], **options)
     assert callback.sizes["train"] is not None and callback.sizes["train"] < 32
     assert_same_model(model.cpu(), plain.cpu(), rtol=1e-4, atol=1e-5)
+
+
+class ManualMicroBatches(OOMModel):
+    """Manual optimization that opts into the retry with `micro_batches`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        loss = micro_batches(self, batch, lambda piece: self._loss(piece, "forward"))
+        optimizer.step()  # type: ignore[union-attr]
+        self.log("train_loss", loss)
+        return loss
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+def test_manual_optimization_opts_in_with_micro_batches(tmp_path: Path, where: str) -> None:
+    plain = ManualMicroBatches()
+    plain_trainer = fit(tmp_path / "plain", plain, [])  # no AutoMicroBatch: the batch runs whole
+    callback = AutoMicroBatch()
+    model = ManualMicroBatches(limit=12, where=where)
+    trainer = fit(tmp_path / "tuned", model, [callback])
+    assert_same_model(model, plain)
+    assert callback.sizes["train"] == 8
+    assert not [f for f in callback.findings if "not retried" in f.title]
+    expected = float(plain_trainer.callback_metrics["train_loss"])
+    assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(expected, rel=1e-5)

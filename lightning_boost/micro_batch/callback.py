@@ -281,6 +281,46 @@ class AutoMicroBatch(BoostCallback):
         any_failed, any_pending, any_stuck = flags.tolist()
         return bool(any_failed), not any_pending, bool(any_stuck)
 
+    def _manual(
+        self, module: L.LightningModule, batch: Any, length: int, loss_fn: Callable[[Any], Tensor]
+    ) -> Tensor:
+        """`micro_batches` for a single process: each piece's forward and ``manual_backward``."""
+        if self._notes.pop("manual", None) is not None:  # the step opted in: it is retried
+            self._refresh_findings()
+        params = [p for p in module.parameters() if p.requires_grad]
+        frozen: list[tuple[list[torch.nn.Parameter], int]] = []
+        losses: list[tuple[Tensor, int]] = []
+        logged: list[Logged] = []
+
+        def attempt(start: int, stop: int, final: bool) -> bool:
+            whole = start == 0 and stop == length
+            piece = batch if whole else slice_batch(batch, start, stop, length)
+            marks = _grad_marks(params)
+            ran, calls = False, list[Logged]()
+            try:
+                with _frozen(frozen, start), _captured(module, calls):
+                    loss = loss_fn(piece)
+                    share = (stop - start) / length if self.loss_reduction == "mean" else 1.0
+                    module.manual_backward(loss * share)
+                ran = True
+            except BaseException as error:
+                if not is_oom(error):
+                    raise
+                frozen.append((_changed(params, marks), stop))  # a backward that failed part-way
+            if not ran:
+                gc.collect()
+                return False
+            losses.append((loss.detach(), stop - start))
+            logged.extend(Logged(c.name, c.value, c.options, stop - start) for c in calls)
+            return True
+
+        rounds = run_rounds(length, min(self.sizes["train"] or length, length), attempt)
+        self._record("train", rounds, "manual")
+        _log_combined(module, logged)
+        if self.loss_reduction == "sum":
+            return torch.stack([loss for loss, _ in losses]).sum()
+        return torch.stack([loss * n for loss, n in losses]).sum() / length
+
     # -- what is reported ---------------------------------------------------------------------------
 
     def _record(self, stage: str, rounds: Rounds, where: str) -> None:
@@ -429,7 +469,7 @@ class _Pieces:
     def _piece(self, start: int, stop: int, final: bool, logged: list[Logged]) -> Any:
         """Samples ``start:stop`` through the step, what it logs recorded into `logged`; a training
         piece other than the last one (or any, in a retried backward) runs its backward here."""
-        with self._freezing(start), _captured(self.trainer.lightning_module, logged):
+        with _frozen(self.frozen, start), _captured(self.trainer.lightning_module, logged):
             output = self.step(slice_batch(self.batch, start, stop, self.length), *self.rest, **self.kwargs)
             if self.stage == "train" and (not final or self.backward_all):
                 output = self._backward(output, start, stop)
@@ -467,28 +507,12 @@ class _Pieces:
     def _weight(self, samples: int) -> float:
         return self.scale * (samples / self.length if self.loss_reduction == "mean" else 1.0)
 
-    @contextmanager
-    def _freezing(self, start: int) -> Iterator[None]:
-        frozen = [p for params, stop in self.frozen if start < stop for p in params if p.requires_grad]
-        for p in frozen:
-            p.requires_grad_(False)
-        try:
-            yield
-        finally:
-            for p in frozen:
-                p.requires_grad_(True)
-
     def result(self) -> Any:
         """What the step returns: the whole batch's output when it ran whole, else the pieces'
         combined (the loss's gradient flows through the last piece only: the others' backward ran)."""
         if self.whole:
             return self.outputs[-1]
-        module = self.trainer.lightning_module
-        for call in combine_logged(self.logged):
-            options = dict(call.options)
-            if options.get("batch_size") is not None:
-                options["batch_size"] = call.samples
-            module.log(call.name, call.value, **options)
+        _log_combined(self.trainer.lightning_module, self.logged)
         if self.stage != "train":
             return combine_outputs(self.outputs, self.samples)
         return self._training_output()
@@ -511,6 +535,57 @@ class _Pieces:
             return loss
         combined = combine_outputs([{k: v for k, v in o.items() if k != "loss"} for o in outputs], samples)
         return {**combined, "loss": loss}
+
+
+@contextmanager
+def _frozen(frozen: Sequence[tuple[list[torch.nn.Parameter], int]], start: int) -> Iterator[None]:
+    """The parameters of each ``(params, stop)`` with ``start < stop`` frozen inside: their gradient
+    for those samples is already complete."""
+    params = [p for group, stop in frozen if start < stop for p in group if p.requires_grad]
+    for p in params:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p in params:
+            p.requires_grad_(True)
+
+
+def _log_combined(module: L.LightningModule, logged: Sequence[Logged]) -> None:
+    """The pieces' ``self.log`` calls, logged once each as the batch's."""
+    for call in combine_logged(logged):
+        options = dict(call.options)
+        if options.get("batch_size") is not None:
+            options["batch_size"] = call.samples
+        module.log(call.name, call.value, **options)
+
+
+def micro_batches(module: L.LightningModule, batch: Any, loss_fn: Callable[[Any], Tensor]) -> Tensor:
+    """The opt-in retry for manual optimization: `batch`'s loss, computed by ``loss_fn(piece)`` and
+    backpropagated here (``manual_backward``, each piece's loss weighted by its share of samples)
+    one micro-batch at a time; a piece that runs out of memory runs again in halves, and later
+    steps start at the smaller size. Returns the batch's loss, detached. Call the optimizer step
+    yourself after it, as before::
+
+        def training_step(self, batch, batch_idx):
+            optimizer = self.optimizers()
+            optimizer.zero_grad()
+            loss = micro_batches(self, batch, lambda piece: F.cross_entropy(self(piece[0]), piece[1]))
+            optimizer.step()
+            return loss
+
+    Without an `AutoMicroBatch` in the trainer's callbacks, or under DDP (where a rank's
+    ``manual_backward`` is already in its gradient all-reduce when another rank fails), the batch
+    runs whole, as ``loss_fn(batch)`` then ``manual_backward``.
+    """
+    trainer = module.trainer
+    callback = next((c for c in trainer.callbacks if isinstance(c, AutoMicroBatch)), None)  # type: ignore[attr-defined]
+    length = batch_length(batch)
+    if callback is None or length is None or trainer.world_size > 1:
+        loss = loss_fn(batch)
+        module.manual_backward(loss)
+        return loss.detach()
+    return callback._manual(module, batch, length, loss_fn)
 
 
 def _loss_of(output: Any) -> Tensor | None:
@@ -659,8 +734,9 @@ def _manual_optimization() -> Finding:
         Severity.INFO,
         "Training steps are not retried under manual optimization",
         "`training_step` calls its optimizers itself, so the pack cannot split it into micro-batches with "
-        "one optimizer step; validation, test and predict steps are still retried on out-of-memory.",
-        fix="Split the batch in `training_step`: one `manual_backward` per piece, then one optimizer step.",
+        "one optimizer step on its own; validation, test and predict steps are still retried on "
+        "out-of-memory. `micro_batches` opts a manual step into the same retry.",
+        fix="Compute the loss and its backward with `lightning_boost.micro_batches(self, batch, loss_fn)`.",
     )
 
 
