@@ -482,3 +482,14 @@ def test_manual_optimization_opts_in_with_micro_batches(tmp_path: Path, where: s
     assert not [f for f in callback.findings if "not retried" in f.title]
     expected = float(plain_trainer.callback_metrics["train_loss"])
     assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(expected, rel=1e-5)
+
+
+def test_with_nothing_out_of_memory_the_run_is_untouched(tmp_path: Path) -> None:
+    """Bit for bit the plain run's model and logged values, with accumulation, when no step fails."""
+    plain, tuned = OOMModel(), OOMModel()
+    plain_trainer = fit(tmp_path / "plain", plain, [], accumulate_grad_batches=2)
+    trainer = fit(tmp_path / "tuned", tuned, [AutoMicroBatch()], accumulate_grad_batches=2)
+    assert all(torch.equal(a, b) for a, b in zip(tuned.parameters(), plain.parameters(), strict=True))
+    assert {k: float(v) for k, v in trainer.callback_metrics.items()} == {
+        k: float(v) for k, v in plain_trainer.callback_metrics.items()
+    }
