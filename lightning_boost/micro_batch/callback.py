@@ -135,10 +135,11 @@ class AutoMicroBatch(BoostCallback):
         self._params: list[torch.nn.Parameter] = []
         self._current: _Step | None = None
         self._wrapped: list[tuple[object, str, object]] = []
+        self._signatures: dict[str, inspect.Signature] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("_trainer", "_group", "_params", "_current", "_wrapped"):
+        for name in ("_trainer", "_group", "_params", "_current", "_wrapped", "_signatures"):
             state.pop(name, None)
         return state
 
@@ -212,7 +213,16 @@ class AutoMicroBatch(BoostCallback):
         module = self._trainer.lightning_module
         name = STEPS[stage]
         previous = vars(module).get(name, _MISSING)
-        module.__dict__[name] = functools.partial(self._run, stage, getattr(module, name))
+        step = getattr(module, name)
+
+        def runner(*args: Any, **kwargs: Any) -> Any:
+            return self._run(stage, step, *args, **kwargs)
+
+        # the step's own signature: Lightning's `log` inspects the running step's on every call
+        runner.__signature__ = self._signatures.get(name) or self._signatures.setdefault(  # type: ignore[attr-defined]
+            name, inspect.signature(step)
+        )
+        module.__dict__[name] = runner
         try:
             return original(*args, **kwargs)
         finally:
@@ -308,7 +318,7 @@ class AutoMicroBatch(BoostCallback):
                     raise
                 frozen.append((_changed(params, marks), stop))  # a backward that failed part-way
             if not ran:
-                gc.collect()
+                _collect()
                 return False
             losses.append((loss.detach(), stop - start))
             logged.extend(Logged(c.name, c.value, c.options, stop - start) for c in calls)
@@ -456,7 +466,7 @@ class _Pieces:
             if not is_oom(error):
                 raise
         if not ran:  # outside the `except`: the error's traceback (and what it holds) is gone
-            gc.collect()
+            _collect()
             return False
         self.whole = whole
         self.outputs.append(output)
@@ -632,6 +642,12 @@ def _captured(module: L.LightningModule, logged: list[Logged]) -> Iterator[None]
         _restore(module, "log", previous)
 
 
+def _collect() -> None:
+    """Free what the failed attempt left in reference cycles: the young generations only, where
+    the step's objects are (a full collection of a Lightning process takes a tenth of a second)."""
+    gc.collect(1)
+
+
 def _restore(owner: object, name: str, previous: object) -> None:
     if previous is _MISSING:
         vars(owner).pop(name, None)
@@ -660,7 +676,7 @@ def _release(loss: Tensor) -> None:
     """Drop the graph behind `loss` (its backward failed; the retry needs the memory)."""
     with contextlib.suppress(RuntimeError):  # a view: its graph goes with the step
         loss.detach_()
-    gc.collect()
+    _collect()
 
 
 def _add_note(error: BaseException, note: str) -> None:
