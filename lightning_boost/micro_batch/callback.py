@@ -77,9 +77,10 @@ class AutoMicroBatch(BoostCallback):
 
     Under DDP every rank learns of an out-of-memory error on any rank in the same step (one small
     all-reduce per step, over gloo, with no device sync) and all switch together, so no rank hangs
-    or runs ahead. An out-of-memory error inside DDP's own backward cannot be retried: the other
-    ranks are already in its gradient all-reduce (the error says so). Micro-batches that run after
-    the first halving do their backward within the step, so from then on this cannot happen.
+    or runs ahead. Once a step is split, every micro-batch runs its backward within the step, where
+    the ranks agree, and DDP's gradient all-reduce runs on a backward of zeros. Until then, an
+    out-of-memory error inside DDP's own backward of a whole batch cannot be retried: the other
+    ranks are already in its gradient all-reduce (the error says so).
 
     What changes when a step is split, and is reported: batch-norm layers normalize each
     micro-batch with its own statistics; the losses are combined as a mean over samples
@@ -236,6 +237,9 @@ class AutoMicroBatch(BoostCallback):
         size = min(self.sizes[stage] or length, length)
         pieces = _Pieces(self._trainer, stage, step, batch, rest, kwargs, length, self.loss_reduction)
         pieces.params = self._params
+        # under DDP every backward of a split step runs within it, where the ranks agree on
+        # out-of-memory errors; DDP's own backward (its gradient all-reduce) then has nothing to fail
+        pieces.local_final = self._agreeing
         rounds = run_rounds(length, size, pieces.attempt, self._agree)
         self._record(stage, rounds, "forward" if stage == "train" else "step")
         result = pieces.result()
@@ -418,6 +422,7 @@ class _Pieces:
     length: int
     loss_reduction: str
     backward_all: bool = False  # every piece's backward runs here (a retried backward)
+    local_final: bool = False  # under DDP: a split step's last piece runs its backward here too
     scale: float = 1.0  # the share of the step's loss this batch carries (a retried piece's)
     frozen: list[tuple[list[torch.nn.Parameter], int]] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)
@@ -478,10 +483,11 @@ class _Pieces:
 
     def _piece(self, start: int, stop: int, final: bool, logged: list[Logged]) -> Any:
         """Samples ``start:stop`` through the step, what it logs recorded into `logged`; a training
-        piece other than the last one (or any, in a retried backward) runs its backward here."""
+        piece other than the last one (or any, in a retried backward or under DDP) runs its backward
+        here."""
         with _frozen(self.frozen, start), _captured(self.trainer.lightning_module, logged):
             output = self.step(slice_batch(self.batch, start, stop, self.length), *self.rest, **self.kwargs)
-            if self.stage == "train" and (not final or self.backward_all):
+            if self.stage == "train" and (not final or self.backward_all or self.local_final):
                 output = self._backward(output, start, stop)
         return output
 
@@ -534,6 +540,8 @@ class _Pieces:
             return None
         losses: list[Tensor] = [_loss_of(o) for o in outputs]  # type: ignore[misc]
         last = losses[-1] * self._weight(samples[-1])
+        if self.local_final:  # every backward ran: DDP's all-reduce runs on a backward of zeros
+            last = last.detach() + _zero_link(self.params)
         loss = last + sum(
             (
                 earlier.detach() * self._weight(n)
@@ -596,6 +604,12 @@ def micro_batches(module: L.LightningModule, batch: Any, loss_fn: Callable[[Any]
         module.manual_backward(loss)
         return loss.detach()
     return callback._manual(module, batch, length, loss_fn)
+
+
+def _zero_link(params: Sequence[torch.nn.Parameter]) -> Tensor:
+    """Zero, with every parameter in its graph: its backward adds nothing to the gradients and
+    makes DDP all-reduce each of them (its hooks fire as each parameter's gradient is ready)."""
+    return sum((p.sum() * 0 for p in params), torch.zeros((), device=params[0].device))
 
 
 def _loss_of(output: Any) -> Tensor | None:
@@ -687,8 +701,8 @@ def _add_note(error: BaseException, note: str) -> None:
 _DDP_BACKWARD = (
     "lightning-boost (AutoMicroBatch): this out-of-memory error came from DDP's backward, whose gradient "
     "all-reduce the other ranks are already in, so it cannot be retried. Steps that ran out of memory in "
-    "their forward are retried on every rank; to make this one retryable too, start with a smaller batch "
-    "(the micro-batches after a first halving run their backward within the step)."
+    "their forward are retried on every rank, and once a step is split every backward is; to make this "
+    "one retryable, start with a smaller batch."
 )
 
 
