@@ -578,6 +578,7 @@ def _log_combined(module: L.LightningModule, logged: Sequence[Logged]) -> None:
         module.log(call.name, call.value, **options)
 
 
+@validated
 def micro_batches(module: L.LightningModule, batch: Any, loss_fn: Callable[[Any], Tensor]) -> Tensor:
     """The opt-in retry for manual optimization: `batch`'s loss, computed by ``loss_fn(piece)`` and
     backpropagated here (``manual_backward``, each piece's loss weighted by its share of samples)
