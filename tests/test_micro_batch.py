@@ -393,22 +393,27 @@ class RankModel(OOMModel):
 
 @pytest.mark.ddp
 @pytest.mark.parametrize(
-    "oom",
-    [{"limit": 12, "rank": 1}, {"limit": 24, "backward_limit": 12, "rank": 1}],
-    ids=["forward", "forward-then-backward"],
+    ("oom", "options"),
+    [
+        ({"limit": 12, "rank": 1}, {}),
+        ({"limit": 24, "backward_limit": 12, "rank": 1}, {}),
+        ({"backward_limit": 12, "rank": 1}, {"retry_ddp_backward": True}),
+    ],
+    ids=["forward", "forward-then-backward", "backward-first"],
 )
 def test_under_ddp_an_oom_on_one_rank_shrinks_every_rank_in_the_same_step(
-    tmp_path: Path, oom: dict[str, Any]
+    tmp_path: Path, oom: dict[str, Any], options: dict[str, Any]
 ) -> None:
-    """Rank 1 alone runs out of memory above 12 samples (in the forward; or above 24 in the forward
-    and above 12 in the backward, which a split step runs within itself under DDP): both ranks
-    switch to micro-batches in that step, neither hangs, and the model equals a 2-rank run whose
-    batches all fitted."""
+    """Rank 1 alone runs out of memory above 12 samples: in the forward; or above 24 in the forward
+    and above 12 in the backward, which a split step runs within itself under DDP; or in the
+    backward of the first, whole batch, with `retry_ddp_backward`. Both ranks switch to
+    micro-batches in that step, neither hangs, and the model equals a 2-rank run whose batches all
+    fitted."""
     runs = {}
     for name, kwargs in {"plain": {}, "tuned": oom}.items():
         out = tmp_path / name
         out.mkdir()
-        callbacks: list[L.Callback] = [AutoMicroBatch()] if kwargs else []
+        callbacks: list[L.Callback] = [AutoMicroBatch(**options)] if kwargs else []
         trainer = tiny_trainer(
             out, devices=2, strategy="ddp_spawn", callbacks=callbacks, enable_checkpointing=False,
             limit_train_batches=None, limit_val_batches=None, max_epochs=1,

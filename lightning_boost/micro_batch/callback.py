@@ -80,7 +80,7 @@ class AutoMicroBatch(BoostCallback):
     or runs ahead. Once a step is split, every micro-batch runs its backward within the step, where
     the ranks agree, and DDP's gradient all-reduce runs on a backward of zeros. Until then, an
     out-of-memory error inside DDP's own backward of a whole batch cannot be retried: the other
-    ranks are already in its gradient all-reduce (the error says so).
+    ranks are already in its gradient all-reduce (the error says so), unless `retry_ddp_backward`.
 
     What changes when a step is split, and is reported: batch-norm layers normalize each
     micro-batch with its own statistics; the losses are combined as a mean over samples
@@ -103,6 +103,10 @@ class AutoMicroBatch(BoostCallback):
             micro-batch's loss weighs its share of samples) or ``"sum"`` (added as they are).
         pressure_every_n_steps: read the CUDA allocator's retries every this many steps.
         shrink_on_pressure: halve the micro-batch when the retries keep growing.
+        retry_ddp_backward: under DDP, run every training step's backward within the step, where
+            the ranks agree, so that an out-of-memory error in any backward is retried (by default
+            only steps already split, and forwards, are): DDP's gradient all-reduce then runs after
+            the backward instead of overlapping it.
 
     Example::
 
@@ -117,11 +121,13 @@ class AutoMicroBatch(BoostCallback):
         loss_reduction: Literal["mean", "sum"] = "mean",
         pressure_every_n_steps: PositiveInt = 25,
         shrink_on_pressure: bool = False,
+        retry_ddp_backward: bool = False,
     ) -> None:
         self.evaluation = evaluation
         self.loss_reduction = loss_reduction
         self.pressure_every_n_steps = pressure_every_n_steps
         self.shrink_on_pressure = shrink_on_pressure
+        self.retry_ddp_backward = retry_ddp_backward
         self.sizes: dict[str, int | None] = dict.fromkeys(STEPS)
         self.events: list[dict[str, Any]] = []
         self.findings: list[Finding] = []
@@ -240,6 +246,7 @@ class AutoMicroBatch(BoostCallback):
         # under DDP every backward of a split step runs within it, where the ranks agree on
         # out-of-memory errors; DDP's own backward (its gradient all-reduce) then has nothing to fail
         pieces.local_final = self._agreeing
+        pieces.always_local = self._agreeing and self.retry_ddp_backward and stage == "train"
         rounds = run_rounds(length, size, pieces.attempt, self._agree)
         self._record(stage, rounds, "forward" if stage == "train" else "step")
         result = pieces.result()
@@ -423,6 +430,7 @@ class _Pieces:
     loss_reduction: str
     backward_all: bool = False  # every piece's backward runs here (a retried backward)
     local_final: bool = False  # under DDP: a split step's last piece runs its backward here too
+    always_local: bool = False  # under DDP: a whole batch too (`retry_ddp_backward`)
     scale: float = 1.0  # the share of the step's loss this batch carries (a retried piece's)
     frozen: list[tuple[list[torch.nn.Parameter], int]] = field(default_factory=list)
     outputs: list[Any] = field(default_factory=list)
@@ -459,7 +467,7 @@ class _Pieces:
     def attempt(self, start: int, stop: int, final: bool) -> bool:
         """Run samples ``start:stop``; ``False`` when they ran out of memory."""
         ran = False
-        whole = start == 0 and stop == self.length and not self.backward_all
+        whole = start == 0 and stop == self.length and not (self.backward_all or self.always_local)
         logged: list[Logged] = []
         try:
             if whole:  # the step as it is without the pack
