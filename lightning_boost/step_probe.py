@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_boost._lightning import call_step, detached_copy
-from lightning_boost.batch_size.search import Trial
+from lightning_boost.trials import Trial
 
 #: Timed steps per trial stop short of `steps` when they would take longer than this (seconds).
 TIMED_S = 2.0

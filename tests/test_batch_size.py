@@ -5,7 +5,8 @@ from collections.abc import Callable
 
 import pytest
 
-from lightning_boost.batch_size.search import Limits, Trial, accumulation, choose, lr_factor, merge, next_size
+from lightning_boost.batch_size.search import Limits, accumulation, choose, lr_factor, next_size
+from lightning_boost.trials import Trial, merge
 
 GIB = 1024**3
 

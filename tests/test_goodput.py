@@ -22,9 +22,10 @@ from lightning_boost import AutoBatchSize, BoostedDataModule, boost_callbacks
 from lightning_boost.batch_size.decision import BatchSizeDecision, decide
 from lightning_boost.batch_size.goodput import estimate_noise
 from lightning_boost.batch_size.plan import MIN_STEPS_PER_EPOCH, RunPlan
-from lightning_boost.batch_size.search import Limits, Trial, choose, next_size, noise_of, search
+from lightning_boost.batch_size.search import Limits, choose, next_size, noise_of, search
 from lightning_boost.batch_size.watch import LossWatch, reference_of
 from lightning_boost.testing import tiny_trainer
+from lightning_boost.trials import Trial
 
 GIB = 1024**3
 

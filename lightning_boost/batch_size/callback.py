@@ -54,19 +54,16 @@ from lightning_boost.batch_size.decision import (
 from lightning_boost.batch_size.evaluation import eval_batch_size
 from lightning_boost.batch_size.goodput import lr_rule, warmup_factor
 from lightning_boost.batch_size.plan import RunPlan
-from lightning_boost.batch_size.search import Limits, Trial, merge
+from lightning_boost.batch_size.search import Limits
 from lightning_boost.batch_size.watch import LossWatch, reference_of
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
+from lightning_boost.fingerprints import describe_dataset, describe_model, hardware_parts
 from lightning_boost.presets.autocast import MeasuredAutocastMixin
 from lightning_boost.report import BoostWarning, Finding, Severity
 from lightning_boost.step_probe import StepProbe, first_batch, is_oom, sample_batches
-from lightning_boost.workers.loaders import (
-    describe_dataset,
-    describe_model,
-    hardware_parts,
-    loader_batch_size,
-)
+from lightning_boost.trials import Trial, merge
+from lightning_boost.workers.loaders import loader_batch_size
 
 #: Keys of an optimizer's param group that hold learning rates (schedulers such as OneCycleLR add some).
 LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")

@@ -19,7 +19,6 @@ from typing import Any
 from lightning_boost.batch_size.goodput import LR_FACTOR_WARN
 from lightning_boost.batch_size.search import (
     Limits,
-    Trial,
     choose,
     fitting_validation,
     goodput,
@@ -28,6 +27,7 @@ from lightning_boost.batch_size.search import (
     search,
 )
 from lightning_boost.report import Finding, Severity, plot_data
+from lightning_boost.trials import Trial
 
 _GIB = 1024**3
 

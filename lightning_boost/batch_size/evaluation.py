@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_boost.batch_size.search import Trial
+from lightning_boost.trials import Trial
 
 #: The most an evaluation batch grows over the training batch.
 MAX_FACTOR = 8

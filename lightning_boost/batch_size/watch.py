@@ -53,7 +53,7 @@ def reference_of(decision: BatchSizeDecision) -> tuple[float, float] | None:
     for a loss that is not positive (a ratio would mean nothing).
 
     Example:
-        >>> from lightning_boost.batch_size.search import Trial
+        >>> from lightning_boost.trials import Trial
         >>> d = BatchSizeDecision(128, configured_batch_size=64, trials=(Trial(64, losses=(2.3, 2.1, 1.9)),))
         >>> reference_of(d)
         (256, 2.0)

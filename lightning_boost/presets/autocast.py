@@ -28,10 +28,10 @@ from typing_extensions import override
 
 from lightning_boost import cache
 from lightning_boost._lightning import hardware_for, moved_as_the_run_moves, preserved_rng
+from lightning_boost.fingerprints import describe_model, hardware_parts
 from lightning_boost.precision import AutocastChoice, autocast_budget, autocast_setting, decide_autocast
 from lightning_boost.report import BoostWarning, Finding, Severity
 from lightning_boost.step_probe import StepProbe, first_batch
-from lightning_boost.workers.loaders import describe_model, hardware_parts
 
 if TYPE_CHECKING:  # the mixin is typed as the plugin it is mixed into
     _Plugin = MixedPrecision

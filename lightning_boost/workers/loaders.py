@@ -5,14 +5,13 @@ Plain functions over `torch.utils.data`; no Lightning here either.
 
 from __future__ import annotations
 
-import functools
-import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 
+from lightning_boost.fingerprints import describe_dataset, hardware_parts, stable_repr
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.workers.search import WorkerTuning
 
@@ -118,7 +117,7 @@ def fingerprint_parts(
         "hardware": hardware_parts(hardware),
         "dataset": describe_dataset(dataset),
         "batch_size": batch_size,
-        "loader": {key: _stable_repr(settings.get(key)) for key in MEASURED_SETTINGS},
+        "loader": {key: stable_repr(settings.get(key)) for key in MEASURED_SETTINGS},
         "tuning": {
             "tolerance": tuning.tolerance,
             "max_workers": tuning.max_workers,
@@ -126,52 +125,6 @@ def fingerprint_parts(
             "target_samples_per_s": tuning.target_samples_per_s,
         },
     }
-
-
-def hardware_parts(hardware: HardwareInfo) -> dict[str, Any]:
-    """What of the machine a measurement depends on (not what changes between runs, e.g. free RAM)."""
-    return {
-        "accelerator": hardware.accelerator,
-        "devices": list(hardware.device_names),
-        "cpus_per_process": hardware.cpus_per_process,
-        "ram_total_bytes": hardware.ram_total_bytes,
-        "shm_bytes": hardware.shm_bytes,
-        "torch": hardware.torch_version,
-    }
-
-
-def describe_model(module: torch.nn.Module | None) -> str | None:
-    """``"pkg.Class: N parameters"``: enough to tell one model's step time from another's."""
-    if module is None:
-        return None
-    kind = type(module)
-    return f"{kind.__module__}.{kind.__qualname__}: {sum(p.numel() for p in module.parameters())} parameters"
-
-
-def describe_dataset(dataset: object, depth: int = 3) -> dict[str, Any]:
-    """Type, length and transforms of `dataset` and of the datasets it wraps (``Subset`` etc.)."""
-    kind = type(dataset)
-    described: dict[str, Any] = {"type": f"{kind.__module__}.{kind.__qualname__}"}
-    if hasattr(dataset, "__len__"):
-        described["length"] = len(dataset)
-    for name in ("transform", "transforms", "target_transform"):
-        if getattr(dataset, name, None) is not None:
-            described[name] = _stable_repr(getattr(dataset, name))
-    inner = getattr(dataset, "dataset", None)
-    if depth > 0 and inner is not None and inner is not dataset:
-        described["wraps"] = describe_dataset(inner, depth - 1)
-    return described
-
-
-def _stable_repr(value: object) -> str | None:
-    """`repr` without memory addresses, so a lambda or a bound method keys the same across runs."""
-    if value is None:
-        return None
-    while isinstance(value, functools.partial):  # e.g. the worker init bound to this process's rank
-        value = value.func
-    name = getattr(value, "__qualname__", None)
-    text = f"{getattr(value, '__module__', '')}.{name}" if name else repr(value)
-    return re.sub(r" at 0x[0-9a-fA-F]+", "", text)[:2000]
 
 
 def rebuild_loader(

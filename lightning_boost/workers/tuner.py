@@ -22,16 +22,12 @@ from torch.utils.data import Dataset
 
 from lightning_boost import cache
 from lightning_boost._lightning import debugging_mode, hardware_for, preserved_rng
+from lightning_boost.fingerprints import describe_model
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.report import BoostWarning, Finding
 from lightning_boost.step_probe import StepProbe
 from lightning_boost.workers.decision import choice_findings, open_files_finding, threads_finding
-from lightning_boost.workers.loaders import (
-    cannot_measure,
-    describe_model,
-    fingerprint_parts,
-    measurement_loaders,
-)
+from lightning_boost.workers.loaders import cannot_measure, fingerprint_parts, measurement_loaders
 from lightning_boost.workers.model_rates import model_step_rates
 from lightning_boost.workers.online import SegmentPlan, plan_segments, prior_setting, search_online
 from lightning_boost.workers.search import (

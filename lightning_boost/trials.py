@@ -1,0 +1,81 @@
+"""`Trial`: one measured step size, as every part that measures steps records it (pure).
+
+The step probe fills it in, the batch-size search and the evaluation sizing decide over it, the
+ranks' trials are merged into one (`merge`), and it is cached and checkpointed as a plain dict.
+This is the measuring layer below the feature folders (DESIGN.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Trial:
+    """One measured batch size (merged over ranks: any OOM, the largest peak, the slowest pace).
+
+    Args:
+        size: samples per batch on each rank.
+        samples_per_s: per-rank training throughput; 0 when the step ran out of memory.
+        peak_bytes: peak memory of the step (measured on CUDA, estimated elsewhere); ``None`` after OOM.
+        oom: the step ran out of memory on some rank.
+        seconds: wall time the trial took, fetching the batch included.
+        grad_sq: the squared gradient norm of its first batch at the run's parameters (every
+            trial starts from them), for the noise scale; ``None`` when not measured.
+        spread: how far its timed steps strayed from the fastest (median / fastest - 1): a gain
+            smaller than this is not told apart from noise.
+        half_grad_sq: the mean squared gradient norm of one batch's two halves, taken at the
+            same parameters as a full-batch one: a second size for the noise scale from one trial.
+        losses: the training loss of each timed step (this rank's), in order.
+    """
+
+    size: int
+    samples_per_s: float = 0.0
+    peak_bytes: int | None = None
+    oom: bool = False
+    seconds: float = 0.0
+    grad_sq: float | None = None
+    spread: float = 0.0
+    half_grad_sq: float | None = None
+    losses: tuple[float, ...] = ()
+
+    def fits(self, budget_bytes: int) -> bool:
+        """Ran without OOM and peaked within `budget_bytes`."""
+        return not self.oom and self.peak_bytes is not None and self.peak_bytes <= budget_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Trial:
+        """From `to_dict`'s form (an older cache's or checkpoint's lacks the gradient fields and `spread`)."""
+        names = ("size", "samples_per_s", "peak_bytes", "oom", "seconds", "grad_sq", "spread", "half_grad_sq")
+        trial = cls(**{key: data[key] for key in names if key in data})
+        return dataclasses.replace(trial, losses=tuple(data.get("losses", ())))
+
+
+def merge(size: int, per_rank: Sequence[Trial]) -> Trial:
+    """One trial from every rank's: OOM anywhere, the largest peak, the slowest rank's throughput,
+    the ranks' mean squared gradient norm (each an estimate at the same size) and widest spread."""
+    oom = any(t.oom for t in per_rank)
+    peaks = [t.peak_bytes for t in per_rank if t.peak_bytes is not None]
+    return Trial(
+        size=min(size, *(t.size for t in per_rank)),
+        samples_per_s=0.0 if oom else min(t.samples_per_s for t in per_rank),
+        peak_bytes=None if oom or not peaks else max(peaks),
+        oom=oom,
+        seconds=max(t.seconds for t in per_rank),
+        grad_sq=None if oom else mean_known(t.grad_sq for t in per_rank),
+        spread=max(t.spread for t in per_rank),
+        half_grad_sq=None if oom else mean_known(t.half_grad_sq for t in per_rank),
+        losses=() if oom else per_rank[0].losses,
+    )
+
+
+def mean_known(values: Iterable[float | None]) -> float | None:
+    """The mean of the values that are known (``None`` when none is)."""
+    known = [value for value in values if value is not None]
+    return sum(known) / len(known) if known else None
