@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_boost import AutoMicroBatch, boost_callbacks, micro_batches
+from lightning_boost._lightning import pytorch_lightning_takes_our_callbacks
 from lightning_boost.micro_batch.rounds import NoSampleFits, Shrink, growing_retries, run_rounds
 from lightning_boost.micro_batch.split import (
     Logged,
@@ -517,3 +518,36 @@ def test_with_nothing_out_of_memory_the_run_is_untouched(tmp_path: Path) -> None
     assert {k: float(v) for k, v in trainer.callback_metrics.items()} == {
         k: float(v) for k, v in plain_trainer.callback_metrics.items()
     }
+
+
+@pytest.mark.skipif(not pytorch_lightning_takes_our_callbacks(), reason="pytorch-lightning < 2.6.0")
+def test_micro_batches_in_a_pytorch_lightning_program(tmp_path: Path) -> None:
+    import pytorch_lightning as pl
+
+    class Manual(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 1)
+            self.automatic_optimization = False
+
+        def loss(self, piece: Any) -> Tensor:
+            if len(piece[0]) > 12:
+                raise torch.OutOfMemoryError(SIMULATED)
+            return F.mse_loss(self.layer(piece[0]).squeeze(-1), piece[1])
+
+        def training_step(self, batch: Any, batch_idx: int) -> None:
+            optimizer = self.optimizers()
+            optimizer.zero_grad()  # type: ignore[union-attr]
+            micro_batches(self, batch, self.loss)
+            optimizer.step()  # type: ignore[union-attr]
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    callback = AutoMicroBatch()
+    trainer = tiny_trainer(
+        tmp_path, trainer_class=pl.Trainer, callbacks=[callback], enable_checkpointing=False,
+        limit_train_batches=None,
+    )  # fmt: skip
+    trainer.fit(Manual(), train_dataloaders=loader())
+    assert trainer.state.finished and callback.sizes["train"] == 8

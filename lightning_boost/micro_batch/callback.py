@@ -587,12 +587,12 @@ def _log_combined(module: L.LightningModule, logged: Sequence[Logged]) -> None:
 
 
 @validated
-def micro_batches(module: L.LightningModule, batch: Any, loss_fn: Callable[[Any], Tensor]) -> Tensor:
-    """The opt-in retry for manual optimization: `batch`'s loss, computed by ``loss_fn(piece)`` and
-    backpropagated here (``manual_backward``, each piece's loss weighted by its share of samples)
-    one micro-batch at a time; a piece that runs out of memory runs again in halves, and later
-    steps start at the smaller size. Returns the batch's loss, detached. Call the optimizer step
-    yourself after it, as before::
+def micro_batches(module: torch.nn.Module, batch: Any, loss_fn: Callable[[Any], Tensor]) -> Tensor:
+    """The opt-in retry for manual optimization: `module`'s loss on `batch` (a LightningModule of
+    either namespace), computed by ``loss_fn(piece)`` and backpropagated here (``manual_backward``,
+    each piece's loss weighted by its share of samples) one micro-batch at a time; a piece that
+    runs out of memory runs again in halves, and later steps start at the smaller size. Returns
+    the batch's loss, detached. Call the optimizer step yourself after it, as before::
 
         def training_step(self, batch, batch_idx):
             optimizer = self.optimizers()
@@ -605,14 +605,15 @@ def micro_batches(module: L.LightningModule, batch: Any, loss_fn: Callable[[Any]
     ``manual_backward`` is already in its gradient all-reduce when another rank fails), the batch
     runs whole, as ``loss_fn(batch)`` then ``manual_backward``.
     """
-    trainer = module.trainer
+    lightning_module: L.LightningModule = module  # type: ignore[assignment]  # either namespace's
+    trainer = lightning_module.trainer
     callback = next((c for c in trainer.callbacks if isinstance(c, AutoMicroBatch)), None)  # type: ignore[attr-defined]
     length = batch_length(batch)
     if callback is None or length is None or trainer.world_size > 1:
         loss = loss_fn(batch)
-        module.manual_backward(loss)
+        lightning_module.manual_backward(loss)
         return loss.detach()
-    return callback._manual(module, batch, length, loss_fn)
+    return callback._manual(lightning_module, batch, length, loss_fn)
 
 
 def _zero_link(params: Sequence[torch.nn.Parameter]) -> Tensor:
