@@ -445,6 +445,9 @@ def test_growing_allocator_retries_are_a_finding_and_can_shrink(
         callback._trainer = trainer
         callback._check_pressure(trainer, torch.device("cpu"), step, None)
     assert callback.sizes["train"] == 16
+    assert callback.events[-1] | {"step": 0} == {
+        "stage": "train", "step": 0, "before": 32, "after": 16, "where": "pressure", "rank": "every rank"
+    }  # fmt: skip
     (pressure,) = [f for f in callback.findings if "close to running out" in f.title]
     assert "step 25: 0, step 50: 3, step 75: 7, step 100: 12" in pressure.detail
     assert "peak allocated 3.00 GiB" in pressure.detail and "was halved" in pressure.detail

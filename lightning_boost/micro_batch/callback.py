@@ -352,6 +352,8 @@ class AutoMicroBatch(BoostCallback):
         self.sizes[stage] = rounds.size
         for shrink in rounds.shrinks:
             here = "this rank" if shrink.start is not None else "another rank"
+            if where == "pressure":  # decided together, before anything failed
+                here = "every rank"
             self.events.append(
                 {
                     "stage": stage,
