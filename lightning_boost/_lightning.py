@@ -395,13 +395,6 @@ def finish_backward(trainer: L.Trainer, closure_loss: torch.Tensor) -> torch.Ten
     return closure_loss
 
 
-@contextmanager
-def step_context(trainer: L.Trainer) -> Iterator[None]:
-    """The precision plugin's context for a training step (autocast under mixed precision)."""
-    with trainer.strategy.precision_plugin.train_step_context():
-        yield
-
-
 def zeroes_gradients_this_step(trainer: L.Trainer) -> bool:
     """Whether Lightning's automatic optimization zeroes the gradients in this training step: it
     does so after ``training_step`` and before the backward, on the first batch of each

@@ -79,3 +79,8 @@ def mean_known(values: Iterable[float | None]) -> float | None:
     """The mean of the values that are known (``None`` when none is)."""
     known = [value for value in values if value is not None]
     return sum(known) / len(known) if known else None
+
+
+def why_failed(trial: Trial) -> str:
+    """Why a trial that does not fit failed: ``"out of memory"`` or ``"over the memory budget"``."""
+    return "out of memory" if trial.oom else "over the memory budget"

@@ -666,8 +666,12 @@ def _with_eval_size(
     if not _measures_eval_sizes(trainer.lightning_module.device):
         return decision.replace(eval_stopped="not measured on a CPU, where a larger batch is not faster")
 
+    # the validation step the search already ran at the chosen size is the first of that size's two
+    checked = [t for t in decision.validation if t.size == decision.batch_size and not t.oom]
+
     def measure(size: int) -> Trial:  # the faster of two steps: the first at a size warms it up
-        first = _measured(trainer, size, _val_trial(trainer, probe, val_data, size))
+        first = checked[-1] if checked and size == decision.batch_size else None
+        first = first or _measured(trainer, size, _val_trial(trainer, probe, val_data, size))
         if first.oom:
             return first
         again = _measured(trainer, size, _val_trial(trainer, probe, val_data, size))

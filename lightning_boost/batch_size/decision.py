@@ -394,9 +394,8 @@ def restored_finding(decision: BatchSizeDecision) -> Finding:
 def _eval_step(trial: Trial, budget_bytes: int) -> str:
     if trial.oom:
         return f"{trial.size}: out of memory"
-    peak = f"{(trial.peak_bytes or 0) / 2**30:.2f} GiB"
     over = "" if trial.fits(budget_bytes) else ", over the memory budget"
-    return f"{trial.size}: {trial.samples_per_s:,.0f} samples/s, {peak}{over}"
+    return f"{trial.size}: {trial.samples_per_s:,.0f} samples/s, {format_size(trial.peak_bytes)}{over}"
 
 
 def optimizers_finding(decision: BatchSizeDecision, redone: bool) -> Finding:

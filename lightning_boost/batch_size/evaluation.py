@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lightning_boost.trials import Trial
+from lightning_boost.trials import Trial, why_failed
 
 #: The most an evaluation batch grows over the training batch.
 MAX_FACTOR = 8
@@ -32,11 +32,10 @@ def eval_batch_size(
     start: int,
     budget_bytes: int,
     limit: int | None = None,
-    first: Trial | None = None,
 ) -> EvalSize:
     """Double from the training size `start` while the evaluation step fits in `budget_bytes` and
     gets at least `MIN_GAIN` faster per sample; stop at `MAX_FACTOR` times `start` or at the
-    evaluation set's length `limit`. `first` is the step already measured at `start`, if any.
+    evaluation set's length `limit`.
 
     Example:
         >>> speed = {64: 1000.0, 128: 1800.0, 256: 2600.0, 512: 2700.0}
@@ -47,7 +46,7 @@ def eval_batch_size(
         >>> eval_batch_size(measure, 64, budget_bytes=200).stopped
         'over the memory budget at 256'
     """
-    best = first if first is not None and first.size == start else measure(start)
+    best = measure(start)
     trials = [best]
     if not best.fits(budget_bytes):
         return EvalSize(start, tuple(trials), "the training size's evaluation step does not fit")
@@ -61,8 +60,7 @@ def eval_batch_size(
         trial = measure(size)
         trials.append(trial)
         if not trial.fits(budget_bytes):
-            why = "out of memory" if trial.oom else "over the memory budget"
-            return EvalSize(best.size, tuple(trials), f"{why} at {size}")
+            return EvalSize(best.size, tuple(trials), f"{why_failed(trial)} at {size}")
         if trial.samples_per_s < best.samples_per_s * (1 + MIN_GAIN):
             speeds = f"{trial.samples_per_s:.0f} vs {best.samples_per_s:.0f} samples/s"
             return EvalSize(best.size, tuple(trials), f"no faster at {size} ({speeds})")

@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from lightning_boost.batch_size.goodput import NoiseScale, efficiency, estimate_noise
-from lightning_boost.trials import Trial, mean_known
+from lightning_boost.trials import Trial, mean_known, why_failed
 
 #: Learning-rate scaling rules: factor from (effective batch / reference batch).
 LR_RULES: dict[str, Callable[[float], float]] = {"linear": lambda ratio: ratio, "sqrt": math.sqrt}
@@ -208,7 +208,7 @@ def _next_size(trials: Sequence[Trial], limits: Limits) -> tuple[int | None, str
     failed = sorted((t for t in trials if not t.fits(limits.budget_bytes)), key=lambda t: t.size)
     if not ok:
         smallest = failed[0].size
-        return (smallest // 2, "") if smallest > 1 else (None, _why_failed(failed[0]))
+        return (smallest // 2, "") if smallest > 1 else (None, why_failed(failed[0]))
     largest = ok[-1]
     above = [t for t in failed if t.size > largest.size]
     if not above:
@@ -236,10 +236,10 @@ def _next_size(trials: Sequence[Trial], limits: Limits) -> tuple[int | None, str
     upper = above[0]
     noise = noise_of(trials, limits.budget_bytes)
     if max(ok, key=lambda t: goodput(t, limits, noise)) is not largest:
-        return None, f"{_why_failed(upper)} at {upper.size}, past the goodput peak"
+        return None, f"{why_failed(upper)} at {upper.size}, past the goodput peak"
     middle = _between(largest.size, upper.size)
     if middle is None or middle in tried:
-        return None, f"{_why_failed(upper)} at {upper.size}"
+        return None, f"{why_failed(upper)} at {upper.size}"
     return middle, ""
 
 
@@ -373,7 +373,3 @@ def _noise_text(noise: NoiseScale | None) -> str:
     if noise is None:
         return "unknown"
     return f"{'at least ' if noise.lower_bound else ''}{noise.value:,.0f}"
-
-
-def _why_failed(trial: Trial) -> str:
-    return "out of memory" if trial.oom else "over the memory budget"

@@ -21,7 +21,6 @@ from lightning_boost._lightning import (
     backward_piece,
     finish_backward,
     is_lightning,
-    step_context,
     zeroes_gradients_this_step,
 )
 from lightning_boost._validation import PositiveInt, validated
@@ -264,14 +263,13 @@ class AutoMicroBatch(BoostCallback):
             for p, grad in zip(current.pieces.params, current.stashed, strict=True):
                 p.grad = grad
             current.stashed = None
+        if self._agreeing:  # DDP's own backward: the other ranks are in its all-reduce, no retry
+            return self._ddp_backward(original, closure_loss, *args, **kwargs)
         marks = _grad_marks(current.pieces.params)
         try:
             return original(closure_loss, *args, **kwargs)
         except BaseException as error:
             if not is_oom(error):
-                raise
-            if self._agreeing:
-                _add_note(error, _DDP_BACKWARD)
                 raise
         # outside the `except`: the error's traceback (and the graph it holds) is gone
         _release(closure_loss)
@@ -282,11 +280,20 @@ class AutoMicroBatch(BoostCallback):
             raise NoSampleFits([current.size], here=True)
         retry = _Pieces.for_backward(current.pieces, start, stop, touched)
         after = max(1, (stop - start) // 2)
-        with step_context(self._trainer):
+        with self._trainer.strategy.precision_plugin.train_step_context():
             rounds = run_rounds(stop - start, after, retry.attempt)
         rounds.shrinks.insert(0, Shrink(current.size, after, start, stop))
         self._record("train", rounds, "backward")
         return finish_backward(self._trainer, closure_loss)
+
+    @staticmethod
+    def _ddp_backward(original: Callable[..., Any], closure_loss: Tensor, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(closure_loss, *args, **kwargs)
+        except BaseException as error:
+            if is_oom(error):
+                _add_note(error, _DDP_BACKWARD)
+            raise
 
     @property
     def _agreeing(self) -> bool:
@@ -308,7 +315,7 @@ class AutoMicroBatch(BoostCallback):
         """`micro_batches` for a single process: each piece's forward and ``manual_backward``."""
         if self._notes.pop("manual", None) is not None:  # the step opted in: it is retried
             self._refresh_findings()
-        params = [p for p in module.parameters() if p.requires_grad]
+        params = self._params
         frozen: list[tuple[list[torch.nn.Parameter], int]] = []
         losses: list[tuple[Tensor, int]] = []
         logged: list[Logged] = []
