@@ -60,6 +60,7 @@ from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.fingerprints import describe_dataset, describe_model, hardware_parts
 from lightning_boost.presets.autocast import MeasuredAutocastMixin
+from lightning_boost.ranks import decided_on_rank_zero
 from lightning_boost.report import BoostWarning, Finding, Severity
 from lightning_boost.step_probe import StepProbe, first_batch, is_oom, sample_batches
 from lightning_boost.trials import Trial, merge
@@ -395,8 +396,10 @@ class AutoBatchSize(BoostCallback):
 
     def _cached(self, trainer: L.Trainer, path: Path, key: str) -> BatchSizeDecision | None:
         """Rank zero's cached result, broadcast (every rank uses the same); ``None`` to measure."""
-        entry: dict[str, Any] | None = None
-        if trainer.is_global_zero and not self.retune:
+
+        def load() -> dict[str, Any] | None:
+            if self.retune:
+                return None
             entry, problem = cache.load_entry(path, key)
             result = entry.get("result") if entry else None
             if (
@@ -409,8 +412,10 @@ class AutoBatchSize(BoostCallback):
                 rank_zero_warn(
                     f"Ignoring the batch-size cache, measuring again: {problem}.", category=BoostWarning
                 )
-                entry = None
-        entry = trainer.strategy.broadcast(entry, src=0)
+                return None
+            return entry
+
+        entry = decided_on_rank_zero(trainer.strategy, trainer.is_global_zero, load)
         return None if entry is None else BatchSizeDecision.from_dict({**entry["result"], "source": "cache"})
 
     def _limits(

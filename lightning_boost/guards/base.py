@@ -10,6 +10,7 @@ from typing_extensions import override
 from lightning_boost._validation import PositiveInt, Range
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.guards.sampling import Sampler
+from lightning_boost.ranks import from_rank_zero
 from lightning_boost.report import Finding
 
 #: What a guard does with what it finds: warn at the line, raise (for CI), or only report.
@@ -70,5 +71,5 @@ class Guard(BoostCallback):
         """Whether any rank found something; the ranks keep checking the same steps after it."""
         if trainer.world_size > 1:
             found = trainer.strategy.reduce_boolean_decision(found, all=False)
-            sampler.next_step = trainer.strategy.broadcast(sampler.next_step)
+            sampler.next_step = from_rank_zero(trainer.strategy, sampler.next_step)
         return found

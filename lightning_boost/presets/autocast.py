@@ -30,6 +30,7 @@ from lightning_boost import cache
 from lightning_boost._lightning import hardware_for, moved_as_the_run_moves, preserved_rng
 from lightning_boost.fingerprints import describe_model, hardware_parts
 from lightning_boost.precision import AutocastChoice, autocast_budget, autocast_setting, decide_autocast
+from lightning_boost.ranks import from_rank_zero
 from lightning_boost.report import BoostWarning, Finding, Severity
 from lightning_boost.step_probe import StepProbe, first_batch
 
@@ -116,7 +117,7 @@ class MeasuredAutocastMixin(_Plugin):
         raise AssertionError("unreachable: the contexts never end")  # pragma: no cover
 
     def _settle(self, choice: AutocastChoice) -> None:
-        bf16 = choice.bf16 if self.owner is None else bool(self.owner.broadcast(choice.bf16, src=0))
+        bf16 = bool(from_rank_zero(self.owner, choice.bf16))
         self.choice = choice._replace(bf16=bf16)
         self.autocast = bf16
         self.precision = "bf16-mixed" if bf16 else "32-true"

@@ -1,17 +1,137 @@
-"""Why the run got its worker settings, in words: the findings of a `WorkerChoice`.
+"""The worker decision made before the fit, and why the run got its worker settings, in words.
 
-No Lightning here. `lightning_boost.workers.search` decides (`search_workers` returns a frozen
-`WorkerChoice`: the setting, every trial, the reason, the seconds, the source); this module says
-so. Together they answer "why did this run get N workers?".
+No Lightning here. `decide_workers` is the whole decision over measurement callables that the
+Lightning side builds (`WorkerProbes`): it returns a frozen `WorkerChoice` (the setting, every
+trial, the reason, the seconds, the source), using the search of `lightning_boost.workers.search`;
+`choice_findings` says so. Together with the search they answer "why did this run get N
+workers?". A search on the run's own batches decides in `lightning_boost.workers.online`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.report import Finding, Severity, plot_data
-from lightning_boost.workers.search import WorkerChoice
+from lightning_boost.workers.search import (
+    Clock,
+    Measure,
+    WorkerChoice,
+    WorkerTuning,
+    model_threads,
+    not_worth_measuring,
+    search_workers,
+    split_cpus,
+    worker_candidates,
+    workers_worth_measuring,
+)
+
+
+@dataclass(frozen=True)
+class WorkerProbes:
+    """The measurements `decide_workers` may ask for; the Lightning side builds them.
+
+    Args:
+        loader: one timed trial of the loader at ``(num_workers, prefetch_factor)``.
+        cpu_step: a CPU run: given thread counts, one batch of the real size fetched in the main
+            process (its samples/s: a first, pessimistic loading rate) and the model's training
+            step on it, samples/s per thread count (``{}`` when the step cannot run outside the
+            fit). The workers and the model share the CPUs, so both decide.
+        consumer_rate: an accelerator run: the training step's samples/s, the rate the loader must
+            feed (``None`` when it cannot be measured).
+    """
+
+    loader: Measure
+    cpu_step: Callable[[Sequence[int]], tuple[float, Mapping[int, float]]] | None = None
+    consumer_rate: Callable[[], float | None] | None = None
+
+
+def decide_workers(
+    probes: WorkerProbes,
+    hardware: HardwareInfo,
+    tuning: WorkerTuning,
+    workload_samples: int | None = None,
+    clock: Clock = time.perf_counter,
+) -> WorkerChoice:
+    """The worker setting of a loader, measured before the fit: the loader in the main process
+    first (a run too short to repay more stops there, `not_worth_measuring`); then a CPU run's
+    model step per thread count, which caps the workers worth measuring
+    (`workers_worth_measuring`), or an accelerator run's step rate, which the loader must feed;
+    then the search (`search_workers`); a CPU run's winner is the loader setting that trains
+    fastest beside the model on the CPUs it leaves (`split_cpus`).
+
+    Example (2 CPUs): a model whose step outweighs its data keeps both CPUs, and no worker is
+    timed; a data-bound one gets the workers:
+        >>> from lightning_boost.hardware import EXAMPLES
+        >>> from lightning_boost.workers.search import WorkerTrial
+        >>> cpu = EXAMPLES["cpu"].replace(cpus_available=2)
+        >>> def decide(loader_rates, step_rates):
+        ...     loader = lambda n, pf: WorkerTrial(n, pf, loader_rates[n], batch_bytes=1)
+        ...     probes = WorkerProbes(loader, cpu_step=lambda threads: (loader_rates[0], step_rates))
+        ...     choice = decide_workers(probes, cpu, WorkerTuning())
+        ...     return choice.num_workers, [trial.num_workers for trial in choice.trials]
+        >>> decide([3000.0, 2900.0, 3200.0], {2: 780.0, 1: 420.0})
+        (0, [0])
+        >>> decide([500.0, 900.0, 1100.0], {2: 3000.0, 1: 1700.0})
+        (2, [0, 1, 2])
+    """
+    start = clock()
+    first = probes.loader(0, None)
+    rates: Mapping[int, float] = {}
+    skipped: list[str] = []
+    if not (tuning.skip_short_runs and not_worth_measuring(first, workload_samples)):
+        if probes.cpu_step is not None:
+            rates, tuning, skipped = _model_first(probes.cpu_step, hardware.cpus_per_process, tuning)
+        elif probes.consumer_rate is not None and tuning.target_samples_per_s is None:
+            tuning = dataclasses.replace(tuning, target_samples_per_s=probes.consumer_rate())
+
+    def measure_once(num_workers: int, prefetch_factor: int | None) -> Any:
+        return first if num_workers == 0 else probes.loader(num_workers, prefetch_factor)
+
+    choice = search_workers(measure_once, hardware, tuning, clock, workload_samples)
+    choice = choice.replace(seconds=clock() - start, skipped=(*skipped, *choice.skipped))
+    if not rates:
+        return choice  # an accelerator run, or no model step to weigh
+    if not any(trial.ok and trial.num_workers for trial in choice.trials):
+        return choice.replace(reason=f"no workers: {skipped[0]}") if skipped else choice
+    return _beside_model(choice, rates, hardware.cpus_per_process, tuning.tolerance)
+
+
+def _model_first(
+    cpu_step: Callable[[Sequence[int]], tuple[float, Mapping[int, float]]], cpus: int, tuning: WorkerTuning
+) -> tuple[Mapping[int, float], WorkerTuning, list[str]]:
+    """A CPU run: the model's step rates at the thread counts the candidates leave, and the
+    tuning capped at the most workers that can still win (`workers_worth_measuring`)."""
+    counts = worker_candidates(cpus if tuning.max_workers is None else min(cpus, tuning.max_workers))
+    threads = sorted({model_threads(cpus, count) for count in counts}, reverse=True)
+    loading, rates = cpu_step(threads)
+    cap, why = workers_worth_measuring(counts, rates, loading, cpus, tuning.tolerance)
+    if cap >= counts[-1]:
+        return rates, tuning, []
+    return rates, dataclasses.replace(tuning, max_workers=cap), [why]
+
+
+def _beside_model(
+    choice: WorkerChoice, rates: Mapping[int, float], cpus: int, tolerance: float
+) -> WorkerChoice:
+    """A CPU run: the loader trial that trains fastest with the model on the CPUs it leaves."""
+    pick = split_cpus(choice.trials, rates, cpus, tolerance)
+    if pick is None:
+        return choice
+    trial, predicted = pick
+    model = ", ".join(f"{rate:.0f} at {count} thread(s)" for count, rate in sorted(rates.items()))
+    if trial.num_workers == choice.num_workers:
+        return choice.replace(reason=f"{choice.reason}, and beside the model (its steps: {model} samples/s)")
+    reason = (
+        f"fastest beside the model: {predicted:.0f} samples/s predicted (the model's steps:"
+        f" {model} samples/s; the loader's: {trial.samples_per_s:.0f})"
+    )
+    return choice.replace(num_workers=trial.num_workers, prefetch_factor=trial.prefetch_factor, reason=reason)
+
 
 _FIXES = {
     "hung": "A worker waited longer than `timeout_s` for one sample batch: look for locks, network calls "

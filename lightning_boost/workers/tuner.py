@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import resource
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,9 +24,16 @@ from lightning_boost import cache
 from lightning_boost._lightning import debugging_mode, hardware_for, preserved_rng
 from lightning_boost.fingerprints import describe_model
 from lightning_boost.hardware import HardwareInfo
+from lightning_boost.ranks import decided_on_rank_zero, from_rank_zero
 from lightning_boost.report import BoostWarning, Finding
 from lightning_boost.step_probe import StepProbe
-from lightning_boost.workers.decision import choice_findings, open_files_finding, threads_finding
+from lightning_boost.workers.decision import (
+    WorkerProbes,
+    choice_findings,
+    decide_workers,
+    open_files_finding,
+    threads_finding,
+)
 from lightning_boost.workers.loaders import cannot_measure, fingerprint_parts, measurement_loaders
 from lightning_boost.workers.model_rates import model_step_rates
 from lightning_boost.workers.online import SegmentPlan, plan_segments, prior_setting, search_online
@@ -37,13 +44,8 @@ from lightning_boost.workers.search import (
     compute_threads,
     measure_loader,
     model_threads,
-    not_worth_measuring,
     open_files_plan,
     run_samples,
-    search_workers,
-    split_cpus,
-    worker_candidates,
-    workers_worth_measuring,
 )
 from lightning_boost.workers.segments import OnlineSearch
 
@@ -108,15 +110,18 @@ class LoaderTuner:
             return pending_choice(pending), pending
         choice = self.choices.get(key)
         if choice is None:
-            result: dict[str, Any] | None = None
-            if trainer is None or trainer.is_global_zero:
-                online = (epoch_batches, workload_samples) if self.tuning.online else None
-                result = self._decide(
+            online = (epoch_batches, workload_samples) if self.tuning.online else None
+
+            def decide() -> dict[str, Any]:
+                return self._decide(
                     hardware, key, dataset, batch_size, settings, trainer, workload_samples, online
                 )
-            if trainer is not None:
-                result = trainer.strategy.broadcast(result, src=0)
-            assert result is not None  # rank zero always decides; the others receive it
+
+            result = decided_on_rank_zero(
+                trainer.strategy if trainer is not None else None,
+                trainer is None or trainer.is_global_zero,
+                decide,
+            )
             if "online" in result:
                 search = self._online(trainer, hardware, key, SegmentPlan(**result["online"]), loader)
                 self.searches[key] = search
@@ -141,7 +146,7 @@ class LoaderTuner:
             strategy = trainer.strategy
 
             def share(trial: WorkerTrial) -> WorkerTrial:
-                return WorkerTrial(**strategy.broadcast(dataclasses.asdict(trial), src=0))
+                return WorkerTrial(**from_rank_zero(strategy, dataclasses.asdict(trial)))
 
         def settled(choice: WorkerChoice) -> None:
             self.choices[key] = choice
@@ -229,6 +234,7 @@ class LoaderTuner:
         trainer: L.Trainer | None,
         workload_samples: int | None = None,
     ) -> WorkerChoice:
+        """The measurements `decide_workers` asks for, built on this run; its choice."""
         # loader trials time samples per second, which the batch size barely changes: a batch tuned
         # to the whole dataset is timed at `MEASURE_BATCH_CAP` samples a batch, not loaded whole
         # by every trial; the model's step is still timed on one batch of the real size
@@ -236,64 +242,34 @@ class LoaderTuner:
         make = measurement_loaders(dataset, size, settings, self.tuning.timeout_s)
         make_full = measurement_loaders(dataset, batch_size, settings, self.tuning.timeout_s)
         module = trainer.lightning_module if trainer is not None else None
-        tuning, consume, started = self.tuning, None, time.perf_counter()
-        rates: dict[int, float] = {}
-        skipped: list[str] = []
-        if trainer is not None and module is not None and hardware.accelerator != "cpu":
+        window, consume = self.tuning.window_s, None
+        if trainer is not None and hardware.accelerator != "cpu":
             consume = device_transfer(trainer)
 
-        def measure(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
-            window = tuning.window_s
+        def loader(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
             trial = measure_loader(
                 make, num_workers, prefetch_factor, batch_size=size, window_s=window, consume=consume
             )  # the memory budget is for batches of the real size
             return dataclasses.replace(trial, batch_bytes=trial.batch_bytes * batch_size // size)
 
-        with preserved_rng():
-            first = measure(0, None)  # before timing the model: a short run may need nothing more
-        worth = not (tuning.skip_short_runs and not_worth_measuring(first, workload_samples))
-        if worth and trainer is not None and module is not None:
-            if consume is None:  # a CPU run: the model's step first, so hopeless counts are not timed
-                rates, tuning, skipped = self._model_first(
-                    module, make_full, batch_size, hardware.cpus_per_process
-                )
-            elif tuning.target_samples_per_s is None:
-                with preserved_rng():
-                    rate = consumer_rate(trainer, module, consume(next(iter(make_full(0, None)))), batch_size)
-                tuning = dataclasses.replace(tuning, target_samples_per_s=rate)
-
-        def measure_once(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
-            return first if num_workers == 0 else measure(num_workers, prefetch_factor)
-
-        with preserved_rng():
-            choice = search_workers(measure_once, hardware, tuning, workload_samples=workload_samples)
-        choice = choice.replace(
-            seconds=time.perf_counter() - started,  # the step's timing included
-            skipped=(*skipped, *choice.skipped),
-        )
-        if not rates:
-            return choice  # a GPU run, or no model step to weigh
-        if not any(trial.ok and trial.num_workers for trial in choice.trials):
-            return choice.replace(reason=f"no workers: {skipped[0]}") if skipped else choice
-        return _beside_model(choice, rates, hardware.cpus_per_process, self.tuning.tolerance)
-
-    def _model_first(
-        self, module: L.LightningModule, make: Callable[..., Any], batch_size: int, cpus: int
-    ) -> tuple[dict[int, float], WorkerTuning, list[str]]:
-        """A CPU run: the model's step rates at the thread counts the candidates leave, and the
-        tuning capped at the most workers that can still win (`workers_worth_measuring`)."""
-        with preserved_rng():
+        def cpu_step(threads: Sequence[int]) -> tuple[float, Mapping[int, float]]:
+            assert module is not None
             fetch = time.perf_counter()
-            batch = next(iter(make(0, None)))
+            batch = next(iter(make_full(0, None)))
             loading = batch_size / max(time.perf_counter() - fetch, 1e-9)  # a first, pessimistic rate
-        tuning = self.tuning
-        counts = worker_candidates(cpus if tuning.max_workers is None else min(cpus, tuning.max_workers))
-        threads = sorted({model_threads(cpus, count) for count in counts}, reverse=True)
-        rates = model_step_rates(module, batch, threads, budget_s=tuning.budget_s / 2)
-        cap, why = workers_worth_measuring(counts, rates, loading, cpus, tuning.tolerance)
-        if cap >= counts[-1]:
-            return rates, tuning, []
-        return rates, dataclasses.replace(tuning, max_workers=cap), [why]
+            return loading, model_step_rates(module, batch, threads, budget_s=self.tuning.budget_s / 2)
+
+        def step_rate() -> float | None:
+            assert trainer is not None and module is not None and consume is not None
+            return consumer_rate(trainer, module, consume(next(iter(make_full(0, None)))), batch_size)
+
+        probes = WorkerProbes(
+            loader,
+            cpu_step=cpu_step if module is not None and consume is None else None,
+            consumer_rate=step_rate if module is not None and consume is not None else None,
+        )
+        with preserved_rng():  # the measurement loaders draw their seeds from the run's generator
+            return decide_workers(probes, hardware, self.tuning, workload_samples)
 
     def configure_segment(self, hardware: HardwareInfo, num_workers: int, threads: int | None = None) -> None:
         """Before a search segment at `num_workers`: the open-file limit, and on a CPU run the
@@ -359,24 +335,6 @@ class LoaderTuner:
         for key, data in state.get("choices", {}).items():
             self.choices[key] = WorkerChoice.from_dict(data)
             self.restored.add(key)
-
-
-def _beside_model(
-    choice: WorkerChoice, rates: Mapping[int, float], cpus: int, tolerance: float
-) -> WorkerChoice:
-    """A CPU run: the loader trial that trains fastest with the model on the CPUs it leaves."""
-    pick = split_cpus(choice.trials, rates, cpus, tolerance)
-    if pick is None:
-        return choice
-    trial, predicted = pick
-    model = ", ".join(f"{rate:.0f} at {count} thread(s)" for count, rate in sorted(rates.items()))
-    if trial.num_workers == choice.num_workers:
-        return choice.replace(reason=f"{choice.reason}, and beside the model (its steps: {model} samples/s)")
-    reason = (
-        f"fastest beside the model: {predicted:.0f} samples/s predicted (the model's steps:"
-        f" {model} samples/s; the loader's: {trial.samples_per_s:.0f})"
-    )
-    return choice.replace(num_workers=trial.num_workers, prefetch_factor=trial.prefetch_factor, reason=reason)
 
 
 def pending_choice(search: OnlineSearch) -> WorkerChoice:
