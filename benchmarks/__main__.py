@@ -17,6 +17,7 @@ from lightning_boost.hardware import HardwareInfo
 
 BENCHMARKS = (
     "time_to_quality",
+    "demo_cold",
     "fast_dev_run",
     "demo_workload",
     "compute_bound",

@@ -71,6 +71,18 @@ def test_demo_workloads_run_at_tiny_size() -> None:
     assert "wall time with tuning" in demo.detail and "resnet18" in resnet.detail
 
 
+def test_cold_demo_benchmark_runs_at_tiny_size_with_a_fresh_cache_each(tmp_path, monkeypatch) -> None:
+    from benchmarks import demo_cold
+    from lightning_boost.cache import CACHE_DIR_ENV
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "kept"))
+    sooner, wall, before = demo_cold.run(repeats=1, samples=128, epochs=1)
+    assert sooner.benchmark.startswith("time to quality (`make demo`, cold cache)")
+    assert wall.ratio > 0 and 0 < before.ratio < 1 and before.command == demo_cold.COMMAND
+    assert "cold cache each, 1 repeats" in sooner.detail
+    assert not (tmp_path / "kept").exists()  # the user's cache is neither read nor written
+
+
 def test_batch_size_benchmark_runs_at_tiny_size() -> None:
     from benchmarks import batch_size
 
@@ -84,9 +96,9 @@ def test_worker_replay_rows_hold_the_targets() -> None:
     measured, made_up, online, online_made_up = worker_replay.run()
     assert measured.benchmark == "worker_replay (measured)" and measured.ratio >= 0.95
     assert made_up.benchmark == "worker_replay (made-up)" and made_up.ratio >= 0.95
-    # the search on the run's own batches, under the contention model: what it reaches today (the
-    # worst: one step rate on the H100 curves, and 2 CPUs whose settings differ by the noise itself)
-    assert online.benchmark == "worker_replay (online, measured + contention)" and online.ratio >= 0.94
+    # the search on the run's own batches, under the contention model (issue 30's target); the
+    # made-up machines' worst is 2 CPUs whose two settings differ by 10 %, the noise itself
+    assert online.benchmark == "worker_replay (online, measured + contention)" and online.ratio >= 0.95
     assert online_made_up.ratio >= 0.89
     assert "3 seeded cold runs" in measured.detail
 

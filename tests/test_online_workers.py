@@ -26,6 +26,7 @@ from lightning_boost.testing import BoringModel, tiny_trainer
 from lightning_boost.workers.online import (
     SegmentPlan,
     Setting,
+    _next_count,
     choose_online,
     plan_segments,
     prior_setting,
@@ -88,6 +89,57 @@ def test_a_cpu_run_that_waits_for_its_data_goes_to_workers_at_once() -> None:
     assert next(search) == Setting(0)
     following = search.send(WorkerTrial(0, None, 300.0, seconds=1.0, load_share=0.6))
     assert following.num_workers == 2 and following.threads is None  # no probe of the model first
+
+
+def _run_prefetch(rate: Any, waited: float, hardware: Any = None) -> tuple[list[Setting], WorkerChoice]:
+    """A GPU run's search where `rate(workers, prefetch_factor)` is the training rate and every
+    segment waited `waited` of its time for data."""
+    hardware = hardware or EXAMPLES["h100"]
+    prior = prior_setting(hardware, WorkerTuning())
+    search = search_online(hardware, WorkerTuning(), SegmentPlan(8, 12), prior)
+    setting, measured = next(search), []
+    try:
+        while True:
+            measured.append(setting)
+            trial = WorkerTrial(
+                setting[0], setting[1], rate(*setting[:2]), seconds=1.0, batch_bytes=2**20, load_share=waited
+            )
+            setting = search.send(trial)
+    except StopIteration as stop:
+        return measured, stop.value
+
+
+def test_a_gpu_run_waiting_for_data_tries_a_deeper_prefetch_on_the_winner() -> None:
+    """prefetch_factor searched online too: one segment at the winner's count with 4 batches in
+    flight per worker, kept when more than 5 % faster; the count's mean leaves it out."""
+    faster = lambda n, factor: min(300.0 * n, 2000.0) * (1.1 if factor == 4 else 1.0) if n else 250.0  # noqa: E731
+    measured, choice = _run_prefetch(faster, waited=0.3)
+    assert measured[-1] == Setting(7, 4) and all(s.prefetch_factor == 2 for s in measured[1:-1])
+    assert (choice.num_workers, choice.prefetch_factor) == (7, 4)
+    assert "with prefetch_factor=4" in choice.reason and choice.trials[-1].prefetch_factor == 4
+    same = lambda n, factor: min(300.0 * n, 2000.0) if n else 250.0  # noqa: E731
+    measured, choice = _run_prefetch(same, waited=0.3)
+    assert measured[-1] == Setting(7, 4) and (choice.num_workers, choice.prefetch_factor) == (7, 2)
+
+
+def test_a_deeper_prefetch_is_not_tried_where_it_cannot_gain() -> None:
+    rate = lambda n, factor: min(300.0 * n, 2000.0) if n else 250.0  # noqa: E731
+    measured, choice = _run_prefetch(rate, waited=0.01)  # removing a 1 % wait gains 1 %
+    assert all(s.prefetch_factor != 4 for s in measured) and choice.prefetch_factor == 2
+    assert any("too little for more batches in flight" in why for why in choice.skipped)
+    tight = EXAMPLES["h100"].replace(ram_available_bytes=60 * 2**20, shm_bytes=2**40)  # 15 MiB for batches
+    measured, choice = _run_prefetch(rate, waited=0.3, hardware=tight)
+    assert all(s.prefetch_factor != 4 for s in measured)
+    assert any(why.startswith("prefetch 4: RAM budget") for why in choice.skipped)
+
+
+def test_the_search_bisects_beside_any_count_the_noise_may_hide_the_peak_behind() -> None:
+    """14 measured fastest by one segment's noise, its neighbours measured: the gaps beside the
+    counts within twice the tolerance of it are searched too (the widest, between 7 and 11),
+    where a search around the fastest alone would stop."""
+    rates = {7: 7000.0, 11: 9000.0, 13: 9300.0, 14: 9486.0, 15: 9082.0}
+    trials = [WorkerTrial(count, 2, rate, seconds=1.0) for count, rate in rates.items()]
+    assert _next_count(list(range(17)), trials, 0.05, fewest=False) == 9
 
 
 def test_the_search_stops_at_the_planned_segments() -> None:

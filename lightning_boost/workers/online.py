@@ -14,11 +14,13 @@ started (`workers_cannot_win`). Otherwise the search assumes a throughput curve 
 flattens, and may fall again where workers take CPUs from the training process: it bisects the
 unmeasured gaps beside the fastest count (`_next_count`) until they close or the planned segments
 run out, and keeps the fewest workers within `tolerance` of the fastest on a CPU run, the fastest
-on a GPU run (`choose_online`).
+on a GPU run (`choose_online`). A GPU run's winner whose segments waited for data then runs a
+segment at each larger prefetch factor of the tuning, kept when faster (`_deeper_prefetch`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Generator
 from dataclasses import dataclass
@@ -127,10 +129,12 @@ def search_online(
         ... except StopIteration as stop:
         ...     choice = stop.value
         >>> measured, choice.num_workers
-        ([15, 7, 11, 3, 9, 5, 8, 6], 7)
+        ([15, 7, 11, 3, 9, 5, 13, 8], 7)
     """
     factor = tuning.prefetch_factors[0]
     fewest = hardware.accelerator == "cpu"
+    deeper = not fewest and len(tuning.prefetch_factors) > 1 and plan.max_segments > 2
+    keep_one = dataclasses.replace(plan, max_segments=plan.max_segments - 1)
     order: list[WorkerTrial] = []
     skipped: list[str] = []
     candidates: list[int] = []
@@ -138,14 +142,86 @@ def search_online(
     while setting is not None:
         trial = yield setting
         if trial is None:
-            break
+            return choose_online(order, tuning, tuple(skipped), fewest)
         order.append(trial)
         if not candidates:  # the first batch's size bounds the workers memory allows
             limit, notes = worker_limit(hardware, trial.batch_bytes, factor, tuning)
             candidates = list(range(max(limit, prior[0]) + 1))  # every count: the peak may lie between rungs
             skipped.append(f"more than {limit} workers ({'; '.join(notes)})")
-        setting = _next_setting(hardware, candidates, order, tuning, plan, skipped)
-    return choose_online(order, tuning, tuple(skipped), fewest)
+        # an accelerator run whose fastest count waits for data keeps a segment for a deeper prefetch
+        waits = deeper and _prefetch_could_gain(_runs_of(order, _fastest(order)), tuning)
+        setting = _next_setting(hardware, candidates, order, tuning, keep_one if waits else plan, skipped)
+    choice = choose_online(order, tuning, tuple(skipped), fewest)
+    if fewest or not choice.num_workers:
+        return choice  # a CPU run's workers share the model's CPUs: deeper queues only hold memory
+    return (yield from _deeper_prefetch(hardware, tuning, plan, order, choice))
+
+
+def _deeper_prefetch(
+    hardware: HardwareInfo,
+    tuning: WorkerTuning,
+    plan: SegmentPlan,
+    order: list[WorkerTrial],
+    choice: WorkerChoice,
+) -> Generator[Setting, WorkerTrial | None, WorkerChoice]:
+    """An accelerator run's winner at the larger prefetch factors of `tuning`, a segment each
+    while the plan has segments left: kept when more than `tolerance` faster. Only tried when
+    the winner's segments waited for data long enough for removing the wait to gain that much
+    (its `load_share`); the count search's means leave these segments out."""
+    count = choice.num_workers
+    runs = _runs_of(order, count)
+    rate = sum(t.samples_per_s for t in runs) / len(runs)
+    waited = sum(t.load_share for t in runs) / len(runs)
+    best, skipped = choice.prefetch_factor, list(choice.skipped)
+    deeper: list[WorkerTrial] = []
+    factors = tuning.prefetch_factors[1:]
+    if not _prefetch_could_gain(runs, tuning):
+        factors = ()
+        skipped.append(
+            f"a deeper prefetch: {count} workers kept the step waiting {waited:.0%} of the time,"
+            f" too little for more batches in flight to gain {tuning.tolerance:.0%}"
+        )
+    for factor in factors:
+        limit, notes = worker_limit(hardware, runs[0].batch_bytes, factor, tuning)
+        if limit < count or len(order) + len(deeper) >= plan.max_segments:
+            why = "; ".join(notes[1:]) or f"the {plan.max_segments} segments the plan allows are run"
+            skipped.append(f"prefetch {factor}: {why}")
+            break
+        trial = yield Setting(count, factor)
+        if trial is None:
+            break
+        deeper.append(trial)
+        if not trial.ok or trial.samples_per_s <= (1 + tuning.tolerance) * rate:
+            break
+        best, rate = factor, trial.samples_per_s
+    trials = (*order, *deeper)
+    reason = choice.reason
+    if best != choice.prefetch_factor:
+        reason = f"{reason}, with prefetch_factor={best} ({rate:.0f} samples/s)"
+    return choice.replace(
+        prefetch_factor=best,
+        reason=reason,
+        trials=trials,
+        skipped=tuple(skipped),
+        seconds=search_cost(list(trials), rate),
+    )
+
+
+def _runs_of(trials: list[WorkerTrial], count: int | None) -> list[WorkerTrial]:
+    """The segments that ran `count` workers (a probe of the model's threads is no such setting)."""
+    return [t for t in trials if t.num_workers == count and t.threads is None and t.ok]
+
+
+def _fastest(trials: list[WorkerTrial]) -> int | None:
+    """The worker count with the best mean rate so far (the fewer on a tie); ``None`` before any."""
+    ran = mean_rates(trials)
+    return max(sorted(ran), key=ran.__getitem__) if ran else None
+
+
+def _prefetch_could_gain(runs: list[WorkerTrial], tuning: WorkerTuning) -> bool:
+    """Whether `runs` waited for data long enough that removing the wait would gain `tolerance`."""
+    waited = sum(t.load_share for t in runs) / len(runs) if runs else 0.0
+    return 1 / max(1 - waited, 1e-9) > 1 + tuning.tolerance
 
 
 def _next_setting(
@@ -222,12 +298,14 @@ def mean_rates(trials: list[WorkerTrial]) -> dict[int, float]:
 def _next_count(
     candidates: list[int], trials: list[WorkerTrial], tolerance: float, fewest: bool
 ) -> int | None:
-    """The next count to measure, or ``None`` when done: the middle of the wider unmeasured gap
-    beside the fastest count (the peak lies there: the curve rises, flattens and may fall where
-    workers take the training process's CPUs); when `fewest` workers are wanted (a CPU run,
-    whose model needs the CPUs), the gap below the smallest count within `tolerance` of the
-    fastest; then, when the two fastest are within `tolerance` of each other, each once more (one
-    segment's noise must not pick the winner)."""
+    """The next count to measure, or ``None`` when done: the middle of the widest unmeasured gap
+    beside the fastest count or any count within twice `tolerance` of it (the peak lies there:
+    the curve rises, flattens and may fall where workers take the training process's CPUs, and
+    two segments' noise can put the fastest on the wrong side of it; on a flat top the extra
+    segments train at the top's rate); when `fewest` workers are wanted (a CPU run, whose model
+    needs the CPUs), the gap below the smallest count within `tolerance` of the fastest; then,
+    when the two fastest are within `tolerance` of each other, each once more (one segment's noise
+    must not pick the winner)."""
     ran = mean_rates(trials)
     if not ran:
         return None
@@ -238,13 +316,10 @@ def _next_count(
     )
     best = max(ran.values())
     fastest = min(i for i, count in enumerate(candidates) if ran.get(count) == best)
-    below = max((i for i in measured if i < fastest), default=-1)
-    above = min((i for i in measured if i > fastest), default=len(candidates))
-    gaps = [(fastest - below, (below + fastest + 1) // 2 if below < 0 else (below + fastest) // 2)]
-    gaps.append(
-        (above - fastest, len(candidates) - 1 if above == len(candidates) else (fastest + above) // 2)
-    )
-    width, middle = max(gaps)
+    contenders = [
+        i for i, count in enumerate(candidates) if ran.get(count, -1.0) >= (1 - 2 * tolerance) * best
+    ]
+    width, _, middle = max(_gap_beside(peak, measured, len(candidates), fastest) for peak in contenders)
     if width > 1 and middle not in measured:
         return candidates[middle]
     if fewest:
@@ -260,6 +335,20 @@ def _next_count(
         again = min(top, key=lambda count: (times[count], top.index(count)))
         return again if times[again] < 2 else None
     return None
+
+
+def _gap_beside(peak: int, measured: list[int], size: int, fastest: int) -> tuple[int, int, int]:
+    """The wider unmeasured gap beside candidate `peak`: its width, its nearness to the fastest
+    (the tie-break) and its middle."""
+    below = max((i for i in measured if i < peak), default=-1)
+    above = min((i for i in measured if i > peak), default=size)
+    lower = (
+        peak - below,
+        -abs(peak - fastest),
+        (below + peak + 1) // 2 if below < 0 else (below + peak) // 2,
+    )
+    upper = (above - peak, -abs(peak - fastest), size - 1 if above == size else (peak + above) // 2)
+    return max(lower, upper)
 
 
 def choose_online(
