@@ -420,6 +420,43 @@ def test_the_segment_driver_alone_yields_each_batch_once() -> None:
     assert loader.num_workers == settled[0].num_workers
 
 
+class _Slow(Dataset[int]):
+    """Sample ``i`` is ``i``, after 2 ms of loading."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> int:
+        time.sleep(0.002)
+        return index
+
+
+def test_a_deeper_prefetch_segment_loads_each_batch_once_in_order() -> None:
+    """The driver under a GPU machine's search (its properties simulated: this machine has no
+    GPU): nothing but loading runs between batches, so the step always waits for data and the
+    winner gets a real segment of workers at prefetch_factor=4; the epoch is still the sampler's.
+    Each sample takes 2 ms to load, so workers win over the main process."""
+    dataset = _Slow(200)
+    hardware = EXAMPLES["h100"]
+    plan = SegmentPlan(4, 4)
+    settled: list[WorkerChoice] = []
+    prior = prior_setting(hardware, TUNING)
+    start = functools.partial(search_online, hardware, TUNING, plan, prior)
+    search = OnlineSearch(start, plan, TUNING, prior, settled=settled.append)
+    loader = SegmentedDataLoader(dataset, batch_size=3, shuffle=True, online=search)
+    torch.manual_seed(0)
+    seen = [int(i) for batch in loader for i in batch]
+    torch.manual_seed(0)
+    assert seen == [int(i) for batch in DataLoader(dataset, batch_size=3, shuffle=True) for i in batch]
+    (choice,) = settled
+    assert choice.num_workers > 0 and choice.trials[-1].prefetch_factor == 4
+    assert len(choice.trials) <= plan.max_segments
+    assert loader.prefetch_factor == choice.prefetch_factor and loader.num_workers == choice.num_workers
+
+
 def test_an_epoch_dropped_before_its_first_segment_ended_starts_the_search_over() -> None:
     """A tuner that draws one batch of the training loader and drops it settles nothing."""
     _, loader, search, settled = _driver(shuffle=False)

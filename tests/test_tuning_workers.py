@@ -376,3 +376,36 @@ def test_only_worker_counts_that_can_beat_no_workers_are_timed_on_a_cpu_run(
     found, why = workers_worth_measuring(counts, rates, loading, cpus=8, tolerance=0.05)
     assert found == cap
     assert (why == "") == (cap == 8)
+
+
+def test_decide_workers_feeds_an_accelerator_run_at_the_step_rate_it_measured() -> None:
+    """The pure decision over measurement callables: a GPU run (its properties simulated) asks for
+    the step's rate once, and the fewest workers that feed it win; nothing else is measured."""
+    from lightning_boost.workers.decision import WorkerProbes, decide_workers
+
+    asked: list[str] = []
+
+    def loader(workers: int, prefetch: int | None) -> WorkerTrial:
+        asked.append(f"loader {workers}")
+        return WorkerTrial(workers, prefetch, min(300.0 * workers, 3000.0) if workers else 250.0, 0.5, MIB)
+
+    def step_rate() -> float:
+        asked.append("step")
+        return 1500.0
+
+    probes = WorkerProbes(loader, consumer_rate=step_rate)
+    choice = decide_workers(probes, EXAMPLES["h100"], WorkerTuning(), clock=itertools.count().__next__)
+    assert asked[:2] == ["loader 0", "step"] and asked.count("step") == 1
+    assert choice.num_workers == 7 and choice.consumer_samples_per_s == 1500.0  # 7 x 300 > 1500 x 1.25
+    assert choice.seconds > 0
+
+
+def test_decide_workers_stops_after_one_trial_for_a_run_too_short_to_repay_more() -> None:
+    from lightning_boost.workers.decision import WorkerProbes, decide_workers
+
+    def cpu_step(threads: Any) -> Any:
+        raise AssertionError("a short run times no model step")
+
+    probes = WorkerProbes(lambda n, pf: WorkerTrial(n, pf, 1000.0, 1.0, MIB), cpu_step=cpu_step)
+    choice = decide_workers(probes, EXAMPLES["cpu"], WorkerTuning(), workload_samples=100)
+    assert choice.num_workers == 0 and choice.source == "short run" and len(choice.trials) == 1
