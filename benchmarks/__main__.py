@@ -24,6 +24,7 @@ BENCHMARKS = (
     "data_bound",
     "worker_replay",
     "batch_size",
+    "gpu_batch_size",
     "monitor_overhead",
     "guard_overhead",
     "micro_batch",

@@ -108,3 +108,16 @@ def test_fast_dev_run_benchmark_runs_and_writes_nothing() -> None:
 
     (row,) = fast_dev_run.run(pairs=1)
     assert row.ratio > 0 and "files written: 0" in row.detail
+
+
+def test_the_gpu_batch_size_benchmark_runs_at_tiny_size_on_the_cpu(tmp_path, monkeypatch) -> None:
+    """Issue 32's ResNet-50 comparison, here with a small model and images: the path, not the figure."""
+    from benchmarks import gpu_batch_size
+    from lightning_boost.cache import CACHE_DIR_ENV
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
+    speed, tuning = gpu_batch_size.run(
+        arch="resnet18", image=16, max_batch_size=64, steps=5, workers=0, samples=1024, cpu=True
+    )
+    assert speed.ratio > 0 and tuning.ratio > 0 and speed.command == gpu_batch_size.COMMAND
+    assert "AutoBatchSize: batch" in speed.detail and "BatchSizeFinder(binsearch): batch" in speed.detail

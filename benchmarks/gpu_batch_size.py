@@ -1,0 +1,188 @@
+"""AutoBatchSize against Lightning's BatchSizeFinder where batch size matters most: torchvision's
+ResNet-50 at 224 px in bf16 with AdamW on a CUDA GPU (issue 32, criterion 6).
+
+Each tuner gets a fit of its own, `steps` optimizer steps after its search, on random images
+made per index (nothing held in memory, `workers` DataLoader workers, pinned):
+``AutoBatchSize(max_batch_size=...)`` under ``preset("auto")``, and
+``BatchSizeFinder(mode="binsearch")`` under ``precision="bf16-mixed"``. Each fit reports the size
+chosen, its tuning seconds, its training samples/s after the search (steps after a warm-up) and
+its peak allocated memory. The first row's ratio is AutoBatchSize's training samples/s over
+BatchSizeFinder's (target >= 1.0); the second, AutoBatchSize's tuning time over BatchSizeFinder's
+(target <= 0.2). Without a CUDA device it measures nothing and says so (a ResNet-50 at 224 px is
+not a CPU job); the tests run it at a tiny size on the CPU. Run: ``python -m benchmarks gpu_batch_size``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torchvision
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
+
+from benchmarks.batch_size import TimedFinder
+from benchmarks.common import Row
+from lightning_boost import AutoBatchSize
+from lightning_boost.hardware import HardwareInfo
+from lightning_boost.presets import preset
+
+COMMAND = "python -m benchmarks gpu_batch_size"
+GIB = 1024**3
+
+
+class RandomImages(Dataset[tuple[Tensor, int]]):
+    """`samples` images of `size` px, each made from its index (the same on every read)."""
+
+    def __init__(self, samples: int, size: int, classes: int) -> None:
+        self.samples, self.size, self.classes = samples, size, classes
+
+    def __len__(self) -> int:
+        return self.samples
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        generator = torch.Generator().manual_seed(index)
+        return torch.randn(3, self.size, self.size, generator=generator), index % self.classes
+
+
+class Classifier(L.LightningModule):
+    """A torchvision classifier trained with AdamW; ``batch_size`` is what the tuners change."""
+
+    def __init__(self, arch: str, data: Dataset[Any], batch_size: int, workers: int) -> None:
+        super().__init__()
+        self.net: nn.Module = getattr(torchvision.models, arch)(num_classes=1000)
+        self.data, self.batch_size, self.workers = data, batch_size, workers
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        images, labels = batch
+        return nn.functional.cross_entropy(self.net(images), labels)
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    @override
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(
+            self.data,
+            batch_size=self.batch_size,
+            shuffle=True,
+            drop_last=True,
+            num_workers=self.workers,
+            pin_memory=torch.cuda.is_available(),
+            persistent_workers=self.workers > 0,
+        )
+
+
+def run(
+    arch: str = "resnet50",
+    image: int = 224,
+    max_batch_size: int = 4096,
+    steps: int = 25,
+    workers: int = 8,
+    samples: int = 65_536,
+    cpu: bool = False,
+) -> list[Row]:
+    """Both fits on the GPU (`cpu=True`: on the CPU, for tests at a tiny size); no rows without one."""
+    if not cpu and not torch.cuda.is_available():
+        print("gpu_batch_size: needs a CUDA device; nothing measured")
+        return []
+    data = RandomImages(samples, image, 1000)
+    auto = AutoBatchSize(max_batch_size=max_batch_size, retune=True)
+    finder = TimedFinder(mode="binsearch", max_trials=25)
+    with tempfile.TemporaryDirectory() as root:  # BatchSizeFinder writes a checkpoint there
+        strategy = preset("auto", hardware=HardwareInfo.detect())
+        mine = _fit(arch, data, workers, steps, auto, strategy, cpu, root)
+        theirs = _fit(arch, data, workers, steps, finder, "auto", cpu, root, precision="bf16-mixed")
+    assert auto.decision is not None  # the fit puts the configured size back at its end
+    mine |= {"batch_size": auto.decision.batch_size, "tuning_s": auto.decision.seconds}
+    theirs |= {"batch_size": finder.optimal_batch_size, "tuning_s": finder.seconds}
+    device = torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 0.0
+    where = f"{arch} at {image} px, bf16, AdamW, {steps} steps after tuning, {workers} workers"
+    detail = (
+        f"AutoBatchSize: batch {mine['batch_size']}, {mine['samples_per_s']:.0f} samples/s, tuning"
+        f" {mine['tuning_s']:.1f} s, peak {mine['peak_gib']:.1f} GiB; BatchSizeFinder(binsearch): batch"
+        f" {theirs['batch_size']}, {theirs['samples_per_s']:.0f} samples/s, tuning"
+        f" {theirs['tuning_s']:.1f} s, peak {theirs['peak_gib']:.1f} GiB of {device:.1f} GiB; {where}"
+    )
+    return [
+        Row(
+            "batch size on the GPU: AutoBatchSize / BatchSizeFinder, training samples/s (target >= 1.0)",
+            mine["samples_per_s"] / max(theirs["samples_per_s"], 1e-9),
+            detail,
+            COMMAND,
+        ),
+        Row(
+            "batch size on the GPU: AutoBatchSize's tuning time / BatchSizeFinder's (target <= 0.2)",
+            mine["tuning_s"] / max(theirs["tuning_s"], 1e-9),
+            detail,
+            COMMAND,
+        ),
+    ]
+
+
+class AfterTuning(L.Callback):
+    """The end time of each training batch after the tuners' ``on_fit_start`` (their searches run
+    there, inner fits included); stops the fit after `steps` such batches."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = steps
+        self.ends: list[float] = []
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.ends = []
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, idx: int
+    ) -> None:
+        self.ends.append(time.perf_counter())
+        trainer.should_stop = len(self.ends) >= self.steps
+
+    def samples_per_s(self, batch_size: int, warmup: int) -> float:
+        timed = self.ends[warmup:]
+        return batch_size * (len(timed) - 1) / max(timed[-1] - timed[0], 1e-9)
+
+
+def _fit(
+    arch: str,
+    data: Dataset[Any],
+    workers: int,
+    steps: int,
+    tuner: L.Callback,
+    strategy: Any,
+    cpu: bool,
+    root: str,
+    **trainer_kwargs: Any,
+) -> dict[str, Any]:
+    """A long run cut after `steps` batches past `tuner`'s search (so the tuner plans for a real
+    run): its samples/s after a warm-up, at the size its loader trained with, and peak memory."""
+    L.seed_everything(0, verbose=False)
+    timer = AfterTuning(steps)
+    model = Classifier(arch, data, batch_size=32, workers=workers)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    trainer = L.Trainer(
+        accelerator="cpu" if cpu else "gpu",
+        devices=1,
+        strategy=strategy,
+        max_epochs=-1,
+        default_root_dir=root,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[tuner, timer],
+        **trainer_kwargs,
+    )
+    trainer.fit(model)
+    loader = trainer.train_dataloader
+    assert isinstance(loader, DataLoader) and loader.batch_size is not None
+    peak = torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else 0.0
+    return {"samples_per_s": timer.samples_per_s(loader.batch_size, min(3, steps - 2)), "peak_gib": peak}
