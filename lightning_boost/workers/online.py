@@ -12,10 +12,11 @@ On a CPU run that waits little for its data, the second segment trains the model
 threads one worker would leave; when that cannot beat loading in the main process, no worker is
 started (`workers_cannot_win`). Otherwise the search assumes a throughput curve that rises,
 flattens, and may fall again where workers take CPUs from the training process: it bisects the
-unmeasured gaps beside the fastest count (`_next_count`) until they close or the planned segments
-run out, and keeps the fewest workers within `tolerance` of the fastest on a CPU run, the fastest
-on a GPU run (`choose_online`). A GPU run's winner whose segments waited for data then runs a
-segment at each larger prefetch factor of the tuning, kept when faster (`_deeper_prefetch`).
+unmeasured gaps beside the fastest count, and beside any count within twice the tolerance of it
+(`_next_count`), until they close or the planned segments run out, and keeps the fewest workers
+within `tolerance` of the fastest on a CPU run, the fastest on a GPU run (`choose_online`). A GPU
+run's winner whose segments waited for data then runs a segment at each larger prefetch factor
+of the tuning, kept when faster (`_deeper_prefetch`).
 """
 
 from __future__ import annotations
