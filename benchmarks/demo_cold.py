@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from unittest import mock
 
 from benchmarks.common import Row
 from lightning_boost.cache import CACHE_DIR_ENV
@@ -51,16 +52,8 @@ def run(repeats: int = 3, samples: int = 8192, epochs: int = 2) -> list[Row]:
 
 
 def _cold_demo(samples: int, epochs: int, plain_first: bool) -> tuple[DemoRun, DemoRun]:
-    before = os.environ.get(CACHE_DIR_ENV)
-    with tempfile.TemporaryDirectory() as root:
-        os.environ[CACHE_DIR_ENV] = os.path.join(root, "cache")
-        try:
-            return run_demo(samples, epochs, root, say=lambda line: None, quiet=True, plain_first=plain_first)
-        finally:
-            if before is None:
-                os.environ.pop(CACHE_DIR_ENV, None)
-            else:
-                os.environ[CACHE_DIR_ENV] = before
+    with tempfile.TemporaryDirectory() as root, mock.patch.dict(os.environ, {CACHE_DIR_ENV: f"{root}/cache"}):
+        return run_demo(samples, epochs, root, say=lambda line: None, quiet=True, plain_first=plain_first)
 
 
 def _time_to_quality(plain: DemoRun, boosted: DemoRun) -> float:

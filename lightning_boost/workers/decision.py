@@ -21,6 +21,7 @@ from lightning_boost.workers.search import (
     Clock,
     Measure,
     WorkerChoice,
+    WorkerTrial,
     WorkerTuning,
     model_threads,
     not_worth_measuring,
@@ -89,7 +90,7 @@ def decide_workers(
         elif probes.consumer_rate is not None and tuning.target_samples_per_s is None:
             tuning = dataclasses.replace(tuning, target_samples_per_s=probes.consumer_rate())
 
-    def measure_once(num_workers: int, prefetch_factor: int | None) -> Any:
+    def measure_once(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
         return first if num_workers == 0 else probes.loader(num_workers, prefetch_factor)
 
     choice = search_workers(measure_once, hardware, tuning, clock, workload_samples)

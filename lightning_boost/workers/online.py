@@ -150,7 +150,7 @@ def search_online(
             candidates = list(range(max(limit, prior[0]) + 1))  # every count: the peak may lie between rungs
             skipped.append(f"more than {limit} workers ({'; '.join(notes)})")
         # an accelerator run whose fastest count waits for data keeps a segment for a deeper prefetch
-        waits = deeper and _prefetch_could_gain(_runs_of(order, _fastest(order)), tuning)
+        waits = deeper and _prefetch_could_gain(_waited(_runs_of(order, _fastest(order))), tuning)
         setting = _next_setting(hardware, candidates, order, tuning, keep_one if waits else plan, skipped)
     choice = choose_online(order, tuning, tuple(skipped), fewest)
     if fewest or not choice.num_workers:
@@ -172,11 +172,11 @@ def _deeper_prefetch(
     count = choice.num_workers
     runs = _runs_of(order, count)
     rate = sum(t.samples_per_s for t in runs) / len(runs)
-    waited = sum(t.load_share for t in runs) / len(runs)
+    waited = _waited(runs)
     best, skipped = choice.prefetch_factor, list(choice.skipped)
     deeper: list[WorkerTrial] = []
     factors = tuning.prefetch_factors[1:]
-    if not _prefetch_could_gain(runs, tuning):
+    if not _prefetch_could_gain(waited, tuning):
         factors = ()
         skipped.append(
             f"a deeper prefetch: {count} workers kept the step waiting {waited:.0%} of the time,"
@@ -219,9 +219,13 @@ def _fastest(trials: list[WorkerTrial]) -> int | None:
     return max(sorted(ran), key=ran.__getitem__) if ran else None
 
 
-def _prefetch_could_gain(runs: list[WorkerTrial], tuning: WorkerTuning) -> bool:
-    """Whether `runs` waited for data long enough that removing the wait would gain `tolerance`."""
-    waited = sum(t.load_share for t in runs) / len(runs) if runs else 0.0
+def _waited(runs: list[WorkerTrial]) -> float:
+    """The mean share of their time `runs` waited for data (0 without any)."""
+    return sum(t.load_share for t in runs) / len(runs) if runs else 0.0
+
+
+def _prefetch_could_gain(waited: float, tuning: WorkerTuning) -> bool:
+    """Whether removing a wait for data of this share of the time would gain `tolerance`."""
     return 1 / max(1 - waited, 1e-9) > 1 + tuning.tolerance
 
 
