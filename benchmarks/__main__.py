@@ -25,6 +25,7 @@ BENCHMARKS = (
     "worker_replay",
     "batch_size",
     "gpu_batch_size",
+    "noise_scale",
     "monitor_overhead",
     "guard_overhead",
     "micro_batch",

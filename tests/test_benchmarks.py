@@ -83,6 +83,13 @@ def test_cold_demo_benchmark_runs_at_tiny_size_with_a_fresh_cache_each(tmp_path,
     assert not (tmp_path / "kept").exists()  # the user's cache is neither read nor written
 
 
+def test_noise_scale_benchmark_runs_at_tiny_size() -> None:
+    from benchmarks import noise_scale
+
+    (row,) = noise_scale.run(draws=1, samples=256, size=16)
+    assert 0 <= row.ratio <= 1 and "1 draws" in row.detail and row.command == noise_scale.COMMAND
+
+
 def test_batch_size_benchmark_runs_at_tiny_size() -> None:
     from benchmarks import batch_size
 
