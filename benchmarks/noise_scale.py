@@ -1,13 +1,16 @@
 """The gradient noise scale AutoBatchSize reads at a BatchNorm network's initial weights, drawn
-again and again: how often is it hidden, and how often does the larger size's trial resolve it?
+again and again: how often is it hidden after the first trial, and how often would a trial of the
+larger size have resolved it?
 
 The demo's ResNet-18 (BatchNorm, SGD) at one set of initial weights: each draw runs the search's
-first trial (batch 64 and its two halves) and its next one (128) on fresh random batches of the
-demo's training images, as `AutoBatchSize` does on a copy of the model, and fits the noise scale
-after each. The ratio is the share of draws the 128 trial resolved (a resolved noise scale can
-grow the batch, and its learning rate, on one batch's luck); the detail gives the halves' squared
-gradient norm over the whole batch's (about 2 expected without BatchNorm). See
-docs/batch-size.md. Run: ``python -m benchmarks noise_scale``.
+first trial (batch 64, its two halves, and the next batch's gradient added: 32, 64 and 128 at the
+same weights) on fresh random batches of the demo's training images, as `AutoBatchSize` does on a
+copy of the model, and fits the noise scale; then a trial of 128 on its own batches (what the
+search ran before the first trial read the next batch), fitted with the first. The ratio is the
+share of draws the first trial resolved (a resolved noise scale can grow the batch, and its
+learning rate, on one batch's luck); the detail gives the halves' squared gradient norm over the
+whole batch's (about 2 expected without BatchNorm). See docs/batch-size.md. Run:
+``python -m benchmarks noise_scale``.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ def run(draws: int = 12, samples: int = 8192, size: int = 64) -> list[Row]:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     dataset = demo_dataset(samples)
     probe = StepProbe(model, [optimizer], 3, contextlib.nullcontext, contextlib.nullcontext)
-    ratios, hidden, resolved, values = [], 0, 0, []
+    ratios, first_found, both_found = [], [], []
     for draw in range(draws):
         torch.manual_seed(100 + draw)
         batches = sample_batches(dataset, None, size)
@@ -41,19 +44,23 @@ def run(draws: int = 12, samples: int = 8192, size: int = 64) -> list[Row]:
         assert first.half_grad_sq is not None and first.grad_sq is not None
         ratios.append(first.half_grad_sq / first.grad_sq)
         after_first, after_both = noise_of([first], _BUDGET), noise_of([first, second], _BUDGET)
-        hidden += after_first is not None and after_first.lower_bound
+        if after_first is not None and not after_first.lower_bound:
+            first_found.append(after_first.value)
         if after_both is not None and not after_both.lower_bound:
-            resolved += 1
-            values.append(after_both.value)
-    found = ", ".join(f"{value:,.0f}" for value in values) or "none"
+            both_found.append(after_both.value)
     return [
         Row(
-            f"noise scale at BatchNorm initial weights: draws the {2 * size} trial resolved / draws",
-            resolved / draws,
+            "noise scale at BatchNorm initial weights: draws the first trial resolved / draws",
+            len(first_found) / draws,
             f"ResNet-18 (demo), batch {size}, {draws} draws of the trials' batches at one set of initial"
-            f" weights: hidden after the first trial in {hidden}, resolved after the {2 * size} trial in"
-            f" {resolved} (noise scale {found}); the halves' squared gradient norm over the whole"
-            f" batch's {min(ratios):.2f}-{max(ratios):.2f} (about 2 without BatchNorm)",
+            f" weights: resolved by the first trial (sizes {size // 2}, {size}, {2 * size}) in"
+            f" {len(first_found)} (noise scale {_values(first_found)}), with a trial of {2 * size}"
+            f" added in {len(both_found)} ({_values(both_found)}); the halves' squared gradient norm"
+            f" over the whole batch's {min(ratios):.2f}-{max(ratios):.2f} (about 2 without BatchNorm)",
             COMMAND,
         )
     ]
+
+
+def _values(values: list[float]) -> str:
+    return ", ".join(f"{value:,.0f}" for value in values) or "none"

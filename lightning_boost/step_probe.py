@@ -18,7 +18,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import lightning as L
@@ -120,14 +120,20 @@ class StepProbe:
         median timed step lies above the fastest, and ``losses`` the timed steps' training losses
         (after 1, 2, ... optimizer steps: where the module's settings take the loss). With
         `split`, the warm-up's batch is first also run as its two halves (gradients only,
-        untimed): ``half_grad_sq``, the noise scale's second size from one trial.
+        untimed): ``half_grad_sq``, the noise scale's second size from one trial; and the next
+        batch of `following`'s gradient is added to the warm-up's before its optimizer step (one
+        more pass, untimed): ``double_grad_sq``, the squared norm of the two batches' mean
+        gradient, a third size (twice `size`) at the same parameters.
         """
         record: dict[str, Any] = {}
 
         def run(clone: L.LightningModule, optimizers: list[Optimizer], peak: _Peak) -> float:
+            second = None
             if split:
                 record["half_grad_sq"] = self._half_grad_sq(clone, batch, size)
-            return self._train_steps(clone, optimizers, batch, following, peak, record)
+                second = next(following, None) if following is not None else None
+                second = second if split_batch(second, size) is not None else None  # a full batch
+            return self._train_steps(clone, optimizers, batch, following, peak, record, second)
 
         trial = self._trial(size, run)
         return dataclasses.replace(trial, **record) if not trial.oom else trial
@@ -234,15 +240,16 @@ class StepProbe:
         following: Iterator[Any] | None,
         peak: _Peak,
         record: dict[str, Any],
+        second: Any = None,
     ) -> float:
         clone.train()
         peak.reset(batch)
         grads: list[Tensor] = []
         warm_up = time.perf_counter()
-        with peak.saved_tensors():
-            self._train_step(clone, optimizers, batch, peak, grads)  # warm-up: allocations, kernels
+        with peak.saved_tensors():  # warm-up: allocations, kernels
+            self._train_step(clone, optimizers, batch, peak, grads, then=second)
         _synchronize(self.device)
-        slow = time.perf_counter() - warm_up
+        slow = (time.perf_counter() - warm_up) / (1 if second is None else 2)
         count = max(1, min(self.steps, int(TIMED_S / slow)))  # slow steps: fewer, not less precise
         batches = iter(following if following is not None else ())
         losses: list[Tensor] = []
@@ -252,9 +259,11 @@ class StepProbe:
             self.device,
         )
         record["losses"] = tuple(float(loss) for loss in losses)  # one read each, after the timing
-        square = float(grads[0])  # fp16 without its scaler can overflow the norm: then none
-        if math.isfinite(square):
-            record["grad_sq"] = square
+        squares = [float(square) for square in grads]  # fp16 without its scaler can overflow: then none
+        if math.isfinite(squares[0]):
+            record["grad_sq"] = squares[0]
+        if second is not None and math.isfinite(squares[1]):
+            record["double_grad_sq"] = squares[1] / 4  # the sum of two batches' mean gradients, halved
         record["spread"] = statistics.median(times) / min(times) - 1.0
         return min(times)
 
@@ -267,27 +276,44 @@ class StepProbe:
         grads: list[Tensor] | None = None,
         losses: list[Tensor] | None = None,
         context: Callable[[], AbstractContextManager[Any]] | None = None,
+        then: Any = None,
     ) -> None:
+        """One step at `batch`; with `then`, that batch's gradient is added to `batch`'s before
+        the optimizer steps (outside the peak's count: `grads` gets the sum's squared norm too)."""
         with torch.enable_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # `self.log` on a copy without a trainer warns and returns
-            with (context or self.train_context)():
-                output = call_step(clone, "training_step", batch)
-            loss = output.get("loss") if isinstance(output, Mapping) else output
-            if not isinstance(loss, Tensor):
-                raise TypeError(f"`training_step` returned {type(output).__name__}, expected a loss tensor.")
-            if losses is not None:
-                losses.append(loss.detach().float().sum())
-            loss.backward()
-            del output, loss
+            self._backward(clone, batch, context, losses)
             if peak is not None:
                 peak.add_grads(clone)
             if grads is not None:
                 grads.append(_grad_sq(clone))
+            if then is not None:
+                with peak.paused() if peak is not None else nullcontext():
+                    self._backward(clone, then, context, None)
+                if grads is not None:
+                    grads.append(_grad_sq(clone))
             for optimizer in optimizers:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
             if not optimizers:  # timed without them: the gradients must not pile up between steps
                 clone.zero_grad(set_to_none=True)
+
+    def _backward(
+        self,
+        clone: L.LightningModule,
+        batch: Any,
+        context: Callable[[], AbstractContextManager[Any]] | None,
+        losses: list[Tensor] | None,
+    ) -> None:
+        """``training_step`` at `batch` and its loss's backward (gradients accumulate)."""
+        with (context or self.train_context)():
+            output = call_step(clone, "training_step", batch)
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if not isinstance(loss, Tensor):
+            raise TypeError(f"`training_step` returned {type(output).__name__}, expected a loss tensor.")
+        if losses is not None:
+            losses.append(loss.detach().float().sum())
+        loss.backward()
 
     def _validation_step(self, clone: L.LightningModule, batch: Any, peak: _Peak) -> float:
         clone.eval()
@@ -312,6 +338,7 @@ class _Peak:
         self.device = device
         self.cuda = device.type == "cuda"
         self.groups: dict[str, dict[int, int]] = {"resident": {}, "saved": {}, "grads": {}}
+        self.counting = True
 
     def reset(self, batch: Any) -> None:
         if self.cuda:
@@ -326,11 +353,21 @@ class _Peak:
             return
 
         def pack(tensor: Tensor) -> Tensor:
-            self._add("saved", [tensor])
+            if self.counting:
+                self._add("saved", [tensor])
             return tensor
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
             yield
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Tensors saved for backward in here are not counted (a pass the run never makes)."""
+        self.counting = False
+        try:
+            yield
+        finally:
+            self.counting = True
 
     def add_grads(self, clone: torch.nn.Module) -> None:
         self._add("grads", (p.grad for p in clone.parameters() if p.grad is not None))

@@ -29,6 +29,8 @@ class Trial:
             smaller than this is not told apart from noise.
         half_grad_sq: the mean squared gradient norm of one batch's two halves, taken at the
             same parameters as a full-batch one: a second size for the noise scale from one trial.
+        double_grad_sq: the squared norm of the mean gradient of that batch and the next, at the
+            same parameters (a gradient over twice the size): a third size from the same trial.
         losses: the training loss of each timed step (this rank's), in order.
     """
 
@@ -40,6 +42,7 @@ class Trial:
     grad_sq: float | None = None
     spread: float = 0.0
     half_grad_sq: float | None = None
+    double_grad_sq: float | None = None
     losses: tuple[float, ...] = ()
 
     def fits(self, budget_bytes: int) -> bool:
@@ -52,7 +55,17 @@ class Trial:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Trial:
         """From `to_dict`'s form (an older cache's or checkpoint's lacks the gradient fields and `spread`)."""
-        names = ("size", "samples_per_s", "peak_bytes", "oom", "seconds", "grad_sq", "spread", "half_grad_sq")
+        names = (
+            "size",
+            "samples_per_s",
+            "peak_bytes",
+            "oom",
+            "seconds",
+            "grad_sq",
+            "spread",
+            "half_grad_sq",
+            "double_grad_sq",
+        )
         trial = cls(**{key: data[key] for key in names if key in data})
         return dataclasses.replace(trial, losses=tuple(data.get("losses", ())))
 
@@ -71,6 +84,7 @@ def merge(size: int, per_rank: Sequence[Trial]) -> Trial:
         grad_sq=None if oom else mean_known(t.grad_sq for t in per_rank),
         spread=max(t.spread for t in per_rank),
         half_grad_sq=None if oom else mean_known(t.half_grad_sq for t in per_rank),
+        double_grad_sq=None if oom else mean_known(t.double_grad_sq for t in per_rank),
         losses=() if oom else per_rank[0].losses,
     )
 

@@ -3,6 +3,7 @@ rate's rule and warm-up, on scripted measurements (pure) and in real CPU Trainer
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -24,7 +25,8 @@ from lightning_boost.batch_size.goodput import estimate_noise
 from lightning_boost.batch_size.plan import MIN_STEPS_PER_EPOCH, RunPlan
 from lightning_boost.batch_size.search import Limits, choose, next_size, noise_of, search
 from lightning_boost.batch_size.watch import LossWatch, reference_of
-from lightning_boost.testing import tiny_trainer
+from lightning_boost.step_probe import StepProbe
+from lightning_boost.testing import BoringModel, RandomDataset, tiny_trainer
 from lightning_boost.trials import Trial
 
 GIB = 1024**3
@@ -93,6 +95,48 @@ def test_one_trial_split_in_halves_stops_a_search_the_noise_scale_rules_out() ->
     trials, reason = search(fixed_cost(noise=20.0), 64, limits)
     assert [t.size for t in trials] == [64]  # 128 would be (20+64)/(20+128) = 57% efficient
     assert "statistical efficiency" in reason
+
+
+def test_one_trial_reads_three_sizes_at_the_same_parameters() -> None:
+    """The split trial's gradients, checked against autograd on a linear regression (no
+    BatchNorm: a mean loss's gradient over a batch is the mean of its parts'): the batch, its
+    halves, and the batch with the next one, all at the module's own weights; the extra pass is
+    left out of the peak memory estimate and the module is untouched."""
+    model = BoringModel()
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    data = RandomDataset(length=32)
+    first, second = (data.inputs[:8], data.targets[:8]), (data.inputs[8:16], data.targets[8:16])
+    probe = StepProbe(model, [optimizer], 2, contextlib.nullcontext, contextlib.nullcontext)
+    trial = probe.train(first, 8, iter([second]), split=True)
+
+    def grad_sq(inputs: Tensor, targets: Tensor) -> float:
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        return float(sum(g.pow(2).sum() for g in torch.autograd.grad(loss, list(model.parameters()))))
+
+    halves = (grad_sq(first[0][:4], first[1][:4]) + grad_sq(first[0][4:], first[1][4:])) / 2
+    both = grad_sq(torch.cat([first[0], second[0]]), torch.cat([first[1], second[1]]))
+    assert trial.grad_sq == pytest.approx(grad_sq(*first), rel=1e-4)
+    assert trial.half_grad_sq == pytest.approx(halves, rel=1e-4)
+    assert trial.double_grad_sq == pytest.approx(both, rel=1e-4)
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    unsplit = probe.train(first, 8, iter([second]))
+    assert unsplit.double_grad_sq is None and unsplit.peak_bytes == trial.peak_bytes
+    short = probe.train(first, 8, iter([(data.inputs[:5], data.targets[:5])]), split=True)
+    assert short.double_grad_sq is None  # a short next batch is no gradient over twice the size
+
+
+def test_a_noise_scale_hidden_at_the_first_trials_three_sizes_ends_the_search() -> None:
+    """What the demo's BatchNorm ResNet-18 reads at its initial weights: the noise hides the
+    gradient at 32, 64 and 128 alike, so 128 could only be chosen as 75% efficient; no trial of it."""
+    hidden = Trial(64, 1000.0, 1, grad_sq=1.0, half_grad_sq=2.1, double_grad_sq=0.5)
+    limits = Limits(max_size=7168, budget_bytes=GIB, reference=64, min_efficiency=0.8)
+    noise = noise_of([hidden], GIB)
+    assert noise is not None and noise.lower_bound and noise.sizes == (32, 64, 128)
+    size, reason = next_size([hidden], 64, limits)
+    assert size is None and "75%" in reason and "at least 128" in reason
+    resolved = dataclasses.replace(hidden, half_grad_sq=1.9, double_grad_sq=0.55)  # |G|^2 > 0
+    assert next_size([resolved], 64, limits) == (128, "")
 
 
 def test_a_noise_scale_hidden_by_the_noise_is_a_lower_bound_chosen_from_cautiously() -> None:

@@ -83,11 +83,12 @@ class Limits:
 
 def noise_of(trials: Sequence[Trial], budget_bytes: int) -> NoiseScale | None:
     """The gradient noise scale fitted to the fitting trials' squared gradient norms (a trial's
-    halves count at half its size)."""
+    halves count at half its size, its two batches' mean gradient at twice it)."""
     ok = [t for t in trials if t.fits(budget_bytes)]
     return estimate_noise(
         [(t.size, t.grad_sq) for t in ok if t.grad_sq is not None]
         + [(t.size // 2, t.half_grad_sq) for t in ok if t.half_grad_sq is not None]
+        + [(t.size * 2, t.double_grad_sq) for t in ok if t.double_grad_sq is not None]
     )
 
 
@@ -364,8 +365,9 @@ def _between(lower: int, upper: int) -> int | None:
 
 
 def _unresolved(noise: NoiseScale | None) -> bool:
-    """A noise scale known only as a lower bound from the first trial's two sizes: one larger size
-    is measured, whose gradient may resolve it; past that, the bound stands (the search stops)."""
+    """A noise scale known only as a lower bound from two sizes (a first trial that could not read
+    the next batch's gradient): one larger size is measured, whose gradient may resolve it; past
+    three sizes, the bound stands (the search stops)."""
     return noise is not None and noise.lower_bound and len(noise.sizes) < 3
 
 
