@@ -33,11 +33,11 @@ from lightning_boost.workers.online import (
     search_online,
 )
 from lightning_boost.workers.search import WorkerChoice, WorkerTrial
-from lightning_boost.workers.segments import OnlineSearch, SegmentedDataLoader
+from lightning_boost.workers.segments import OnlineSearch, SegmentedDataLoader, _Timing
 
 #: At most 2 workers whatever the machine, so the candidates (0, 1, 2) are the same on every CI box.
 TUNING = WorkerTuning(max_workers=2, timeout_s=20.0)
-SAMPLES = 480  # batch 4: 120 batches an epoch, so 10 % of it holds three segments of 4
+SAMPLES = 960  # batch 4: 240 batches an epoch, so 10 % of it holds three segments of 8 (each times 2 workers)
 
 
 def _run(rate: Any, hardware: Any = None, plan: SegmentPlan | None = None, prior: Any = None) -> Any:
@@ -89,6 +89,34 @@ def test_a_cpu_run_that_waits_for_its_data_goes_to_workers_at_once() -> None:
     assert next(search) == Setting(0)
     following = search.send(WorkerTrial(0, None, 300.0, seconds=1.0, load_share=0.6))
     assert following.num_workers == 2 and following.threads is None  # no probe of the model first
+
+
+def test_a_cpu_run_whose_segments_cannot_time_a_worker_keeps_loading_in_the_main_process() -> None:
+    """The demo's plan: segments of 4 batches. One worker's queue (2 batches) is loaded before its
+    segment starts, leaving one step that loads anything: no worker count is measured, not even
+    the probe of the model's threads that would decide whether to try one."""
+    cpu = EXAMPLES["cpu"].replace(cpus_available=2)
+    search = search_online(cpu, WorkerTuning(), SegmentPlan(4, 3), Setting(0))
+    assert next(search) == Setting(0)
+    with pytest.raises(StopIteration) as stop:
+        search.send(WorkerTrial(0, None, 500.0, seconds=0.5, load_share=0.6))
+    choice = stop.value.value
+    assert choice.num_workers == 0 and len(choice.trials) == 1
+    assert any("1 or more workers: a segment of 4 batches cannot time them" in why for why in choice.skipped)
+
+
+def test_a_segment_leaves_out_the_steps_at_the_batches_its_workers_had_queued() -> None:
+    """Two workers at prefetch 2 hold 4 batches when their segment of 8 starts: the last 4 steps
+    load nothing (here each takes 0.1 s against 0.3 s while loading), so only the first 3 count."""
+    ticks = iter([0.0, 0.0, 0.1, 0.4, 0.4, 0.7, 0.7, 1.0, 1.0, 1.1, 1.1, 1.2, 1.2, 1.3, 1.3, 1.4, 1.4, 9.0])
+    chunk = [[4 * i + j for j in range(4)] for i in range(8)]
+    timing = _Timing(Setting(2, 2), chunk, lambda: next(ticks))
+    assert len(list(timing.run(iter(range(8)), lambda done: iter(())))) == 8
+    trial = timing.trial()
+    assert trial.samples_per_s == pytest.approx(12 / 0.9) and trial.load_share == 0.0
+    alone = _Timing(Setting(0), chunk[:4], iter([0.0, 0.0, 0.1, 0.4, 0.4, 0.7, 0.7, 1.0, 1.0, 9.0]).__next__)
+    list(alone.run(iter(range(4)), lambda done: iter(())))
+    assert alone.trial().samples_per_s == pytest.approx(12 / 0.9)  # no queue: every step counts
 
 
 def _run_prefetch(rate: Any, waited: float, hardware: Any = None) -> tuple[list[Setting], WorkerChoice]:
@@ -394,10 +422,10 @@ def test_a_short_first_epoch_is_not_searched(tmp_path: Path) -> None:
 
 def _driver(shuffle: bool) -> tuple[Dataset[Any], SegmentedDataLoader, OnlineSearch, list[WorkerChoice]]:
     """A `SegmentedDataLoader` over 200 indices, batch 3, with a pending search of three segments
-    on a 2-CPU machine, and the list its settled choice lands in."""
+    of 8 batches on a 2-CPU machine, and the list its settled choice lands in."""
     dataset = TensorDataset(torch.arange(200))
     hardware = EXAMPLES["cpu"].replace(cpus_available=2)
-    plan = SegmentPlan(4, 3)
+    plan = SegmentPlan(8, 3)
     settled: list[WorkerChoice] = []
     start = functools.partial(search_online, hardware, TUNING, plan, Setting(0))
     search = OnlineSearch(start, plan, TUNING, Setting(0), settled=settled.append)

@@ -39,9 +39,13 @@ from lightning_boost.workers.search import (
 
 #: Share of the first epoch (or of the run, when shorter) the search may take.
 SEARCH_SHARE = 0.10
-#: Batches per segment: the first is the setting's start-up (not timed), the others are timed.
+#: Batches per segment: the first is the setting's start-up (not timed), the others are timed, but
+#: for the last ones at the batches its workers had queued when it started (`queue_depth`).
 MIN_SEGMENT_BATCHES = 4
 MAX_SEGMENT_BATCHES = 32
+#: Steps a segment times at least besides its first batch, not counting the steps at the batches its
+#: workers' queue held when it started (loaded while the segment before ran, they time no loading).
+MIN_TIMED_STEPS = 2
 #: A CPU run whose first segment waited for its data less than this share of its time probes the
 #: model at fewer threads before starting any worker (workers can gain it little); above it, the
 #: loader is the bottleneck and worker counts are measured at once.
@@ -93,6 +97,29 @@ def plan_segments(epoch_batches: int | None, run_batches: int | None, cpus: int)
     expected = min(candidates, 2 + math.ceil(math.log2(candidates)))
     per = min(max(budget // expected, MIN_SEGMENT_BATCHES), MAX_SEGMENT_BATCHES)
     return SegmentPlan(per, budget // per)
+
+
+def queue_depth(num_workers: int, prefetch_factor: int | None) -> int:
+    """Batches a loader's workers hold in flight (PyTorch's default factor is 2): a segment's last
+    this many steps run while its workers have nothing left to load.
+
+    Example:
+        >>> queue_depth(0, None), queue_depth(2, 2), queue_depth(3, None)
+        (0, 4, 6)
+    """
+    return num_workers * (prefetch_factor or 2) if num_workers else 0
+
+
+def timeable(num_workers: int, prefetch_factor: int | None, plan: SegmentPlan) -> bool:
+    """Whether a segment of the plan can time this setting's workers loading while the model steps:
+    `MIN_TIMED_STEPS` steps besides the first, before the steps at the batches they had queued.
+
+    Example:
+        >>> plan = SegmentPlan(4, 3)  # the demo's
+        >>> timeable(0, None, plan), timeable(1, 2, plan), timeable(1, 2, SegmentPlan(8, 3))
+        (True, False, True)
+    """
+    return queue_depth(num_workers, prefetch_factor) <= plan.segment_batches - 1 - MIN_TIMED_STEPS
 
 
 def prior_setting(hardware: HardwareInfo, tuning: WorkerTuning) -> Setting:
@@ -149,6 +176,15 @@ def search_online(
             limit, notes = worker_limit(hardware, trial.batch_bytes, factor, tuning)
             candidates = list(range(max(limit, prior[0]) + 1))  # every count: the peak may lie between rungs
             skipped.append(f"more than {limit} workers ({'; '.join(notes)})")
+            if fewest:  # a CPU run's workers take the model's CPUs: only a segment that times it counts
+                untimed = [count for count in candidates if not timeable(count, factor, plan)]
+                candidates = [count for count in candidates if count not in untimed]
+                if untimed:
+                    skipped.append(
+                        f"{untimed[0]} or more workers: a segment of {plan.segment_batches} batches cannot"
+                        f" time them (their queue of {queue_depth(untimed[0], factor)} batches is loaded"
+                        " before it starts, so its steps would show no loading and no contention)"
+                    )
         # an accelerator run whose fastest count waits for data keeps a segment for a deeper prefetch
         waits = deeper and _prefetch_could_gain(_waited(_runs_of(order, _fastest(order))), tuning)
         setting = _next_setting(hardware, candidates, order, tuning, keep_one if waits else plan, skipped)

@@ -26,7 +26,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_boost.workers.loaders import loader_options
-from lightning_boost.workers.online import SegmentPlan, Setting
+from lightning_boost.workers.online import MIN_TIMED_STEPS, SegmentPlan, Setting, queue_depth
 from lightning_boost.workers.search import (
     WorkerChoice,
     WorkerTrial,
@@ -172,7 +172,7 @@ class _Timing:
         self.clock = clock
         self.started = clock()
         self.times: list[float] = []
-        self.waited = 0.0  # in `next`, after the first batch: the host's wait for data
+        self.waits: list[float] = []  # in `next`: the host's wait for each batch (the first's is start-up)
         self.arrived = 0
         self.failed = ""
         self.batch_bytes = 0
@@ -192,8 +192,7 @@ class _Timing:
                 continue
             if not self.failed:
                 self.times.append(self.clock())
-                if self.arrived:
-                    self.waited += self.times[-1] - asked
+                self.waits.append(self.times[-1] - asked if self.arrived else 0.0)
             if self.arrived == 0:
                 self.batch_bytes = tensor_bytes(batch)
             self.arrived += 1
@@ -201,16 +200,21 @@ class _Timing:
 
     def trial(self) -> WorkerTrial:
         """Samples per second from the first batch's arrival to the last's (the steps between
-        included), or the failure."""
+        included), or the failure. The last steps, at the batches the workers' queue held when the
+        segment started (loaded while the segment before ran), are left out when enough steps
+        remain: no loading competes with them, so they would flatter the setting."""
         workers, factor, threads = self.setting
         seconds = self.clock() - self.started
         if self.failed or len(self.times) < 2:
             error = self.failed or "too few batches to time"
             return WorkerTrial(workers, factor, 0.0, seconds, self.batch_bytes, error, threads=threads)
-        samples = sum(len(batch) for batch in self.chunk[: len(self.times) - 1])  # the steps timed
-        span = max(self.times[-1] - self.times[0], 1e-9)
+        last = len(self.times) - 1
+        if last - queue_depth(workers, factor) >= MIN_TIMED_STEPS:
+            last -= queue_depth(workers, factor)
+        samples = sum(len(batch) for batch in self.chunk[:last])  # the steps timed
+        span = max(self.times[last] - self.times[0], 1e-9)
         startup = self.times[0] - self.started
-        share = min(self.waited / span, 1.0)
+        share = min(sum(self.waits[1 : last + 1]) / span, 1.0)
         return WorkerTrial(
             workers, factor, samples / span, seconds, self.batch_bytes, "", startup, threads, share
         )
