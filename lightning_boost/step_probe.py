@@ -263,7 +263,7 @@ class StepProbe:
         if math.isfinite(squares[0]):
             record["grad_sq"] = squares[0]
         if second is not None and math.isfinite(squares[1]):
-            record["double_grad_sq"] = squares[1] / 4  # the sum of two batches' mean gradients, halved
+            record["double_grad_sq"] = squares[1] / 4  # |g_a + g_b|^2 / 4: the squared norm of their mean
         record["spread"] = statistics.median(times) / min(times) - 1.0
         return min(times)
 

@@ -545,6 +545,7 @@ def test_ddp_takes_the_smallest_fit_over_ranks_without_hanging(tmp_path: Path) -
     (finding,) = [f for f in json.loads(report.read_text())["findings"] if f["source"] == "AutoBatchSize"]
     tried = {t["size"]: t for t in finding["data"]["trials"]}
     assert tried[16]["oom"] and not tried[12]["oom"]  # rank 1's OOM is known to rank 0
+    assert tried[8]["double_grad_sq"] is not None  # the first trial's third size, from both ranks
     assert finding["data"]["world_size"] == 2
 
 

@@ -724,17 +724,18 @@ def _gather(trainer: L.Trainer, trial: Trial, failed: bool) -> tuple[list[Trial]
 
     values = torch.tensor(
         [trial.samples_per_s, float(trial.peak_bytes or -1), float(trial.oom), trial.seconds, float(failed),
-         nan_for_none(trial.grad_sq), trial.spread, nan_for_none(trial.half_grad_sq)],
+         nan_for_none(trial.grad_sq), trial.spread, nan_for_none(trial.half_grad_sq),
+         nan_for_none(trial.double_grad_sq)],
         dtype=torch.float64,
         device=trainer.strategy.root_device,
     )  # fmt: skip
-    rows = trainer.strategy.all_gather(values).reshape(-1, 8).tolist()
+    rows = trainer.strategy.all_gather(values).reshape(-1, 9).tolist()
     trials = [
         Trial(
             trial.size, tp, int(peak) if peak >= 0 else None, bool(oom), s, none_for_nan(g), sp,
-            none_for_nan(half),
+            none_for_nan(half), none_for_nan(double),
         )
-        for tp, peak, oom, s, _, g, sp, half in rows
+        for tp, peak, oom, s, _, g, sp, half, double in rows
     ]  # fmt: skip
     return trials, any(row[4] for row in rows)
 
