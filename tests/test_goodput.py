@@ -128,14 +128,17 @@ def test_one_trial_reads_three_sizes_at_the_same_parameters() -> None:
 
 def test_a_noise_scale_hidden_at_the_first_trials_three_sizes_ends_the_search() -> None:
     """What the demo's BatchNorm ResNet-18 reads at its initial weights: the noise hides the
-    gradient at 32, 64 and 128 alike, so 128 could only be chosen as 75% efficient; no trial of it."""
+    gradient at 32, 64 and 128 alike, so 128 could only be chosen as 75% efficient; no trial of it.
+    Twice the size joins the fit only where the others leave it hidden, as the trial of 128 did."""
     hidden = Trial(64, 1000.0, 1, grad_sq=1.0, half_grad_sq=2.1, double_grad_sq=0.5)
     limits = Limits(max_size=7168, budget_bytes=GIB, reference=64, min_efficiency=0.8)
     noise = noise_of([hidden], GIB)
     assert noise is not None and noise.lower_bound and noise.sizes == (32, 64, 128)
     size, reason = next_size([hidden], 64, limits)
     assert size is None and "75%" in reason and "at least 128" in reason
-    resolved = dataclasses.replace(hidden, half_grad_sq=1.9, double_grad_sq=0.55)  # |G|^2 > 0
+    resolved = dataclasses.replace(hidden, half_grad_sq=1.9, double_grad_sq=0.55)  # |G|^2 > 0 at 32, 64
+    resolved_noise = noise_of([resolved], GIB)  # the fit the search made before it read twice the size
+    assert resolved_noise is not None and resolved_noise.sizes == (32, 64) and not resolved_noise.lower_bound
     assert next_size([resolved], 64, limits) == (128, "")
 
 

@@ -83,13 +83,20 @@ class Limits:
 
 def noise_of(trials: Sequence[Trial], budget_bytes: int) -> NoiseScale | None:
     """The gradient noise scale fitted to the fitting trials' squared gradient norms (a trial's
-    halves count at half its size, its two batches' mean gradient at twice it)."""
+    halves count at half its size). Where those leave the gradient hidden by the noise, a trial's
+    two batches' mean gradient joins them at twice its size: it stands in for the trial of the
+    larger size the search would measure for its gradient (without BatchNorm it is exactly that
+    trial's first gradient: the same samples at the same weights), so the search decides as it
+    did with that trial, one pass instead of a trial later."""
     ok = [t for t in trials if t.fits(budget_bytes)]
-    return estimate_noise(
-        [(t.size, t.grad_sq) for t in ok if t.grad_sq is not None]
-        + [(t.size // 2, t.half_grad_sq) for t in ok if t.half_grad_sq is not None]
-        + [(t.size * 2, t.double_grad_sq) for t in ok if t.double_grad_sq is not None]
-    )
+    points = [(t.size, t.grad_sq) for t in ok if t.grad_sq is not None] + [
+        (t.size // 2, t.half_grad_sq) for t in ok if t.half_grad_sq is not None
+    ]
+    noise = estimate_noise(points)
+    doubles = [(t.size * 2, t.double_grad_sq) for t in ok if t.double_grad_sq is not None]
+    if not doubles or (noise is not None and not noise.lower_bound):
+        return noise
+    return estimate_noise(points + doubles)
 
 
 def goodput(trial: Trial, limits: Limits, noise: NoiseScale | None) -> float:
