@@ -208,9 +208,9 @@ class _Timing:
         if self.failed or len(self.times) < 2:
             error = self.failed or "too few batches to time"
             return WorkerTrial(workers, factor, 0.0, seconds, self.batch_bytes, error, threads=threads)
-        last = len(self.times) - 1
-        if last - queue_depth(workers, factor) >= MIN_TIMED_STEPS:
-            last -= queue_depth(workers, factor)
+        last, queued = len(self.times) - 1, queue_depth(workers, factor)
+        if last - queued >= MIN_TIMED_STEPS:
+            last -= queued
         samples = sum(len(batch) for batch in self.chunk[:last])  # the steps timed
         span = max(self.times[last] - self.times[0], 1e-9)
         startup = self.times[0] - self.started
