@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any
+from typing import Any, Protocol
 
 import lightning as L
 import torch
@@ -83,6 +83,23 @@ def sample_batches(
             return
 
 
+class Alternation(Protocol):
+    """Settings a trial's steps alternate between until their times decide which to keep (the
+    CPU's bf16 autocast trial, `presets.autocast.AutocastTrial`)."""
+
+    def context(self, step: int) -> Callable[[], AbstractContextManager[Any]]:
+        """The context step `step` runs under (0: the warm-up)."""
+        ...
+
+    def add(self, seconds: float) -> bool:
+        """The next step's time; whether the alternation has decided."""
+        ...
+
+    def kept_times(self) -> list[float]:
+        """The times of the timed steps at the setting it keeps."""
+        ...
+
+
 class StepProbe:
     """Times training (and validation) steps of copies of `module` at given batches.
 
@@ -111,7 +128,12 @@ class StepProbe:
         self.device = module.device
 
     def train(
-        self, batch: Any, size: int, following: Iterator[Any] | None = None, split: bool = False
+        self,
+        batch: Any,
+        size: int,
+        following: Iterator[Any] | None = None,
+        split: bool = False,
+        alternate: Alternation | None = None,
     ) -> Trial:
         """Warm-up at `batch`, then `steps` timed steps (forward, backward, optimizer step), each at
         the next batch of `following` (`batch` again without it). The trial's ``grad_sq`` is the
@@ -123,7 +145,10 @@ class StepProbe:
         untimed): ``half_grad_sq``, the noise scale's second size from one trial; and the next
         batch of `following`'s gradient is added to the warm-up's before its optimizer step (one
         more pass, untimed): ``double_grad_sq``, the squared norm of the two batches' mean
-        gradient, a third size (twice `size`) at the same parameters.
+        gradient, a third size (twice `size`) at the same parameters. With `alternate`, the
+        warm-up and the timed steps run under its settings, as many as it takes to decide, and
+        the step's time is that of the steps at the setting it keeps (the warm-up's when its
+        budget left none): one trial times both the size and, say, bf16 autocast against fp32.
         """
         record: dict[str, Any] = {}
 
@@ -133,7 +158,7 @@ class StepProbe:
                 record["half_grad_sq"] = self._half_grad_sq(clone, batch, size)
                 second = next(following, None) if following is not None else None
                 second = second if split_batch(second, size) is not None else None  # a full batch
-            return self._train_steps(clone, optimizers, batch, following, peak, record, second)
+            return self._train_steps(clone, optimizers, batch, following, peak, record, second, alternate)
 
         trial = self._trial(size, run)
         return dataclasses.replace(trial, **record) if not trial.oom else trial
@@ -241,23 +266,28 @@ class StepProbe:
         peak: _Peak,
         record: dict[str, Any],
         second: Any = None,
+        alternate: Alternation | None = None,
     ) -> float:
         clone.train()
         peak.reset(batch)
         grads: list[Tensor] = []
+        first = None if alternate is None else alternate.context(0)
         warm_up = time.perf_counter()
         with peak.saved_tensors():  # warm-up: allocations, kernels
-            self._train_step(clone, optimizers, batch, peak, grads, then=second)
+            self._train_step(clone, optimizers, batch, peak, grads, context=first, then=second)
         _synchronize(self.device)
         slow = (time.perf_counter() - warm_up) / (1 if second is None else 2)
-        count = max(1, min(self.steps, int(TIMED_S / slow)))  # slow steps: fewer, not less precise
         batches = iter(following if following is not None else ())
         losses: list[Tensor] = []
-        times = step_times(
-            lambda: self._train_step(clone, optimizers, next(batches, batch), None, losses=losses),
-            count,
-            self.device,
-        )
+
+        def step(context: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
+            self._train_step(clone, optimizers, next(batches, batch), None, losses=losses, context=context)
+
+        if alternate is None:
+            count = max(1, min(self.steps, int(TIMED_S / slow)))  # slow steps: fewer, not less precise
+            times = step_times(step, count, self.device)
+        else:
+            times = self._alternated(step, alternate, slow)
         record["losses"] = tuple(float(loss) for loss in losses)  # one read each, after the timing
         squares = [float(square) for square in grads]  # fp16 without its scaler can overflow: then none
         if math.isfinite(squares[0]):
@@ -266,6 +296,22 @@ class StepProbe:
             record["double_grad_sq"] = squares[1] / 4  # |g_a + g_b|^2 / 4: the squared norm of their mean
         record["spread"] = statistics.median(times) / min(times) - 1.0
         return min(times)
+
+    def _alternated(
+        self,
+        step: Callable[[Callable[[], AbstractContextManager[Any]]], None],
+        alternate: Alternation,
+        warm_up: float,
+    ) -> list[float]:
+        """Steps under `alternate`'s settings (its step 0, the warm-up, took `warm_up` seconds)
+        until it decides; the times of those at the setting it keeps, else the warm-up's."""
+        index, decided = 1, alternate.add(warm_up)
+        while not decided:
+            started = time.perf_counter()
+            step(alternate.context(index))
+            _synchronize(self.device)
+            decided, index = alternate.add(time.perf_counter() - started), index + 1
+        return alternate.kept_times() or [warm_up]
 
     def _train_step(
         self,

@@ -42,9 +42,14 @@ def fixed_cost_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     real = StepProbe.train
 
     def train(
-        self: StepProbe, batch: object, size: int, following: object = None, split: bool = False
+        self: StepProbe,
+        batch: object,
+        size: int,
+        following: object = None,
+        split: bool = False,
+        alternate: object = None,
     ) -> object:
-        trial = real(self, batch, size, following, split)  # type: ignore[arg-type]
+        trial = real(self, batch, size, following, split, alternate)  # type: ignore[arg-type]
         if trial.oom:
             return trial
         return dataclasses.replace(trial, samples_per_s=size / (0.01 + 1e-6 * size), spread=0.0)

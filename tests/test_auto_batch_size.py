@@ -41,8 +41,15 @@ def scripted_throughput(monkeypatch: pytest.MonkeyPatch) -> None:
     spawned processes this patch does not reach: there a fixed step time does the same."""
     real = StepProbe.train
 
-    def train(self: StepProbe, batch: Any, size: int, following: Any = None, split: bool = False) -> Any:
-        trial = real(self, batch, size, following, split)
+    def train(
+        self: StepProbe,
+        batch: Any,
+        size: int,
+        following: Any = None,
+        split: bool = False,
+        alternate: Any = None,
+    ) -> Any:
+        trial = real(self, batch, size, following, split, alternate)
         if trial.oom:
             return trial
         scripted = {"samples_per_s": 1000.0 * size, "grad_sq": None, "half_grad_sq": None, "spread": 0.0}
@@ -286,7 +293,7 @@ def test_resuming_reuses_the_tuned_values(tmp_path: Path, monkeypatch: pytest.Mo
     trainer.save_checkpoint(checkpoint)
     lr = trainer.optimizers[0].param_groups[0]["lr"]
 
-    monkeypatch.setattr(StepProbe, "train", lambda *args: pytest.fail("tuned again after resuming"))
+    monkeypatch.setattr(StepProbe, "train", lambda *args, **kwargs: pytest.fail("tuned again after resuming"))
     resumed_callback = AutoBatchSize(
         max_batch_size=32, target_global_batch_size=64, lr_scaling="linear", **FAST
     )
@@ -314,7 +321,7 @@ def test_a_second_run_reuses_the_cached_result_and_retune_measures_again(
     ]
 
     real = StepProbe.train
-    monkeypatch.setattr(StepProbe, "train", lambda *args: pytest.fail("measured despite the cache"))
+    monkeypatch.setattr(StepProbe, "train", lambda *args, **kwargs: pytest.fail("measured despite the cache"))
     again = AutoBatchSize(max_batch_size=32, lr_scaling="linear", **FAST)
     trainer, _ = fit(tmp_path / "again", again, BoringModel(lr=0.1))
     assert trainer.train_dataloader.batch_size == first.result["batch_size"]

@@ -245,6 +245,81 @@ def test_batch_size_trials_run_at_the_precision_the_run_trains_at(tmp_path: Path
     assert all(trial.samples_per_s > trial.size / 0.05 for trial in batch_size.decision.trials)
 
 
+def test_the_first_batch_size_trial_times_the_autocast_trial_in_its_own_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, _private_tuning_cache: Path
+) -> None:
+    """One trial before the first step, not two: the autocast pairs are the first batch-size
+    trial's timed steps (its warm-up is the fp32 warm-up); no copy is timed for autocast alone."""
+    from lightning_boost import AutoBatchSize
+    from lightning_boost.step_probe import StepProbe
+
+    monkeypatch.setattr(StepProbe, "time_steps", lambda *args: pytest.fail("a separate autocast trial ran"))
+    model = SlowUnder("fp32")
+    model.batch_size = 8
+    batch_size = AutoBatchSize(max_batch_size=16, steps=1, cache_dir=tmp_path / "cache")
+    trainer = tiny_trainer(
+        tmp_path,
+        strategy=preset("auto", hardware=CPU_BF16),
+        callbacks=[batch_size, BoostReport(console=False)],
+        limit_train_batches=None,
+        enable_checkpointing=False,
+    )
+    trainer.fit(model, datamodule=BoringDataModule(length=2048))
+    plugin = trainer.precision_plugin
+    assert isinstance(plugin, MeasuredAutocast) and plugin.choice is not None and plugin.choice.bf16
+    assert batch_size.decision is not None
+    first = batch_size.decision.trials[0]
+    assert first.size == 8 and len(first.losses) == len(plugin.seconds) - 1  # each step after the warm-up
+    assert len(plugin.seconds) == AUTOCAST_WARMUP + 2 * plugin.choice.pairs
+    assert first.samples_per_s > first.size / 0.05  # timed at the kept setting, bf16
+    assert model.autocast_seen[0] and all(model.autocast_seen)  # the run's steps: bf16 from the first
+    (finding,) = [f for f in report_of(trainer).findings if "autocast_bf16" in f.data]
+    assert finding.data["steps"] == len(plugin.seconds)
+    document = json.loads((_private_tuning_cache / "autocast.json").read_text())  # for the next run
+    assert [entry["result"]["bf16"] for entry in document["entries"].values()] == [True]
+
+
+class SlowByRank(BoringModel):
+    """On a trial's copy, rank 0's step sleeps under fp32 and rank 1's under bf16: each rank's own
+    trial would keep another setting. The run's steps log whether autocast was on, as min and max
+    over the ranks."""
+
+    batch_size = 8
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        autocast = torch.is_autocast_enabled("cpu")
+        if self._trainer is None:  # a trial's copy, detached from the trainer
+            if autocast == (torch.distributed.get_rank() == 1):
+                time.sleep(0.05)
+        else:
+            self.log("autocast_min", float(autocast), reduce_fx="min", sync_dist=True)
+            self.log("autocast_max", float(autocast), reduce_fx="max", sync_dist=True)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.ddp
+def test_under_ddp_the_batch_size_trial_settles_autocast_as_rank_zero_measured(tmp_path: Path) -> None:
+    """2 processes over gloo: each rank's first batch-size trial times the autocast pairs; every
+    rank then trains under rank zero's choice (bf16 here), and no rank waits on another."""
+    from lightning_boost import AutoBatchSize
+
+    strategy = preset("fast-ddp", hardware=CPU_BF16, start_method="spawn")
+    batch_size = AutoBatchSize(max_batch_size=16, steps=1, cache_dir=tmp_path / "cache")
+    trainer = tiny_trainer(
+        tmp_path,
+        devices=2,
+        strategy=strategy,
+        callbacks=[batch_size],
+        limit_train_batches=None,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(SlowByRank(), datamodule=BoringDataModule(length=2048))
+    metrics = trainer.callback_metrics
+    assert float(metrics["autocast_min"]) == float(metrics["autocast_max"]) == 1.0  # rank 0's bf16
+
+
 class ShuffledData(L.LightningDataModule):
     """A shuffled loader: its order comes from the run's random generator."""
 

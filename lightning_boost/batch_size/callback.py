@@ -59,7 +59,7 @@ from lightning_boost.batch_size.watch import LossWatch, reference_of
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.fingerprints import describe_dataset, describe_model, hardware_parts
-from lightning_boost.presets.autocast import MeasuredAutocastMixin
+from lightning_boost.presets.autocast import AutocastTrial, MeasuredAutocastMixin
 from lightning_boost.ranks import decided_on_rank_zero
 from lightning_boost.report import BoostWarning, Finding, Severity
 from lightning_boost.step_probe import StepProbe, first_batch, is_oom, sample_batches
@@ -351,12 +351,23 @@ class AutoBatchSize(BoostCallback):
         val_data = _split_data(trainer, "val") if validates else None
         rule = lr_rule([type(o).__name__ for o in trainer.optimizers], self.lr_scaling)
         start = self.init_batch_size or configured
-        _precision_first(trainer, train_data, start, plan.optimizer_steps(configured))
+        autocast = _autocast_trial(trainer, train_data, start, plan.optimizer_steps(configured))
+
+        def train(size: int) -> Trial:  # the first (at `start`) also times the autocast trial's steps
+            nonlocal autocast
+            first = size == start
+            alternate = autocast if first else None
+            trial = _measured(trainer, size, _train_trial(trainer, probe, train_data, size, first, alternate))
+            if alternate is not None:  # every rank, after the trial's all-gather
+                plugin = trainer.precision_plugin
+                assert isinstance(plugin, MeasuredAutocastMixin)  # whose trial `alternate` is
+                plugin.settle_trial(trainer, alternate)
+                autocast = None
+            return trial
+
         with preserved_rng():
             decision = decide(
-                lambda size: _measured(
-                    trainer, size, _train_trial(trainer, probe, train_data, size, split=size == start)
-                ),
+                train,
                 None
                 if val_data is None
                 else lambda size: _measured(trainer, size, _val_trial(trainer, probe, val_data, size)),
@@ -611,29 +622,39 @@ def _plan(trainer: L.Trainer, dataset: Any, world: int) -> RunPlan:
     )
 
 
-def _precision_first(trainer: L.Trainer, data: tuple[Any, Any], size: int, run_steps: int | None) -> None:
-    """A CPU's measured bf16 autocast (`MeasuredAutocast`) decides before the batch-size trials, on
-    the run's first batch at the start size, so the trials time the step at the precision the run
-    trains at (it would decide at the run's first step otherwise, after them)."""
+def _autocast_trial(
+    trainer: L.Trainer, data: tuple[Any, Any], size: int, run_steps: int | None
+) -> AutocastTrial | None:
+    """A CPU's measured bf16 autocast (`MeasuredAutocast`) decides before the batch-size trials
+    time other sizes, so they time the step at the precision the run trains at (it would decide
+    at the run's first step otherwise, after them): from the cache, else in the first trial's
+    own timed steps, at the start size (this trial, handed to it)."""
     plugin = trainer.precision_plugin
-    if isinstance(plugin, MeasuredAutocastMixin) and plugin.choice is None:
-        with preserved_rng():  # a DataLoader's iterator draws its seed from the run's generator
-            batch = first_batch(data[0], data[1], size)
-        batch = moved_as_the_run_moves(trainer.lightning_module, batch)
-        plugin.measure(trainer, batch, float("inf") if run_steps is None else run_steps)
+    if not isinstance(plugin, MeasuredAutocastMixin) or plugin.choice is not None:
+        return None
+    with preserved_rng():  # a DataLoader's iterator draws its seed from the run's generator
+        batch = first_batch(data[0], data[1], size)
+    batch = moved_as_the_run_moves(trainer.lightning_module, batch)  # the cache key: its shapes
+    return plugin.begin_trial(trainer, batch, float("inf") if run_steps is None else run_steps)
 
 
 def _train_trial(
-    trainer: L.Trainer, probe: StepProbe, data: tuple[Any, Any], size: int, split: bool
+    trainer: L.Trainer,
+    probe: StepProbe,
+    data: tuple[Any, Any],
+    size: int,
+    split: bool,
+    alternate: AutocastTrial | None = None,
 ) -> Callable[[], Trial]:
     """Training steps at `size`, each on other samples drawn at random from the training set;
-    with `split`, the first batch's halves too (the noise scale from this one trial)."""
+    with `split`, the first batch's halves too (the noise scale from this one trial); with
+    `alternate`, its steps alternate fp32 and bf16 autocast until that trial decides."""
 
     def trial() -> Trial:
         batches = (trainer.strategy.batch_to_device(b) for b in sample_batches(data[0], data[1], size))
         first = next(batches)
         held = min(size, _samples_in(first) or size)  # an iterable dataset may hold fewer samples
-        return probe.train(first, held, batches, split=split)
+        return probe.train(first, held, batches, split=split, alternate=alternate)
 
     return trial
 

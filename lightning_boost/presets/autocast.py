@@ -5,18 +5,19 @@ bf16 autocast and a small MLP's slower, the casts costing more than its matmuls 
 1.26x, a 32-128-10 MLP 0.74x: `benchmarks/RESULTS.md`). So before the first training step, a
 copy of the model trains on one of the run's own batches, alternating fp32 and bf16 autocast
 step by step (`autocast_setting`; weights, optimizer and RNG of the run untouched), and
-`decide_autocast` keeps the faster. The run's own steps all run at the chosen setting: when fp32
-is kept, the run trains exactly the model plain Lightning trains. Every rank keeps rank zero's
-decision. Manual optimization is not measured (its step needs the trainer): it stays in fp32,
-with a finding.
+`decide_autocast` keeps the faster. With `AutoBatchSize`, its first trial (a copy at the start
+size, timed anyway) runs these alternating steps itself (`begin_trial`, `settle_trial`): one
+trial instead of two before the first step. The run's own steps all run at the chosen setting:
+when fp32 is kept, the run trains exactly the model plain Lightning trains. Every rank keeps rank
+zero's decision. Manual optimization is not measured (its step needs the trainer): it stays in
+fp32, with a finding.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,13 @@ from typing_extensions import override
 from lightning_boost import cache
 from lightning_boost._lightning import hardware_for, moved_as_the_run_moves, preserved_rng
 from lightning_boost.fingerprints import describe_model, hardware_parts
-from lightning_boost.precision import AutocastChoice, autocast_budget, autocast_setting, decide_autocast
+from lightning_boost.precision import (
+    AUTOCAST_WARMUP,
+    AutocastChoice,
+    autocast_budget,
+    autocast_setting,
+    decide_autocast,
+)
 from lightning_boost.ranks import from_rank_zero
 from lightning_boost.report import BoostWarning, Finding, Severity
 from lightning_boost.step_probe import StepProbe, first_batch
@@ -82,47 +89,114 @@ class MeasuredAutocastMixin(_Plugin):
             choice = self._decide(trainer, one_batch(trainer) if batch is None else batch, run_steps)
         self._settle(choice)
 
+    def begin_trial(self, trainer: Any, batch: Any, run_steps: float) -> AutocastTrial | None:
+        """For a trial that times the run's steps on a copy anyway (`AutoBatchSize`'s first, at
+        `batch`'s shapes): ``None`` when the choice needs no trial (made already, in the cache,
+        manual optimization; settled here), else the `AutocastTrial` its timed steps are to run
+        under, for `settle_trial` after it. Every rank calls both, and takes rank zero's path."""
+        if self.choice is not None:
+            return None
+        known: AutocastChoice | None = None
+        key = ""
+        if not trainer.lightning_module.automatic_optimization:
+            known = AutocastChoice(False, None, 0, "manual optimization")
+        else:
+            key = cache.fingerprint(_cache_parts(trainer, batch))
+            known = _cached(cache.default_cache_dir() / CACHE_FILE, key)
+        known = from_rank_zero(self.owner, known)
+        if known is not None:
+            self._apply(known)
+            return None
+        return AutocastTrial(self.autocast_context_manager, run_steps, key)
+
+    def settle_trial(self, trainer: Any, trial: AutocastTrial) -> None:
+        """Rank zero's choice from `trial` on every rank (and in the cache); none when its steps
+        never ran (out of memory): then `measure` decides at the first step, on its own trial."""
+        choice = from_rank_zero(self.owner, trial.choice)
+        if choice is None:
+            return
+        self.seconds = list(trial.seconds)
+        if trainer.is_global_zero:
+            _store(trial.key, choice)
+        self._apply(choice)
+
     def _decide(self, trainer: Any, batch: Any, run_steps: float | None) -> AutocastChoice:
         """An earlier run's decision for this machine, model and batch shape, else the trial's
         (stored for the next run)."""
         if batch is None:
             return AutocastChoice(False, None, 0, "no training batch to time the step on")
-        path, key = cache.default_cache_dir() / CACHE_FILE, cache.fingerprint(_cache_parts(trainer, batch))
-        cached = _cached(path, key)
+        key = cache.fingerprint(_cache_parts(trainer, batch))
+        cached = _cached(cache.default_cache_dir() / CACHE_FILE, key)
         if cached is not None:
             return cached
+        steps = trainer.estimated_stepping_batches if run_steps is None else run_steps
+        trial = AutocastTrial(self.autocast_context_manager, steps, key)
+        probe = StepProbe(
+            trainer.lightning_module, trainer.optimizers, 1, contextlib.nullcontext, contextlib.nullcontext
+        )
+        contexts = map(trial.context, itertools.count())
         try:
-            choice = self._trial(trainer.lightning_module, trainer, batch, run_steps)
+            with contextlib.closing(probe.time_steps(batch, contexts)) as timed:  # frees the copy on return
+                for seconds in timed:
+                    if trial.add(seconds):
+                        break
         except Exception as error:  # the run's own step says so itself, if it is real
             return AutocastChoice(False, None, 0, f"the step failed on a copy of the model ({error!r})")
+        assert trial.choice is not None  # the contexts never end: only a decision stops the loop
+        self.seconds = list(trial.seconds)
         if trainer.is_global_zero:
-            result = {"bf16": choice.bf16, "speedup": choice.speedup, "pairs": choice.pairs}
-            cache.store_entry(path, key, {"result": result})
-        return choice
-
-    def _trial(self, module: Any, trainer: Any, batch: Any, run_steps: float | None) -> AutocastChoice:
-        probe = StepProbe(module, trainer.optimizers, 1, contextlib.nullcontext, contextlib.nullcontext)
-        settings = (autocast_setting(step) for step in itertools.count())
-        contexts = (self.autocast_context_manager if bf16 else contextlib.nullcontext for bf16 in settings)
-        start, budget = time.perf_counter(), None
-        with contextlib.closing(probe.time_steps(batch, contexts)) as steps:  # frees the copy on return
-            for seconds in steps:
-                self.seconds.append(seconds)
-                if budget is None:
-                    steps_planned = trainer.estimated_stepping_batches if run_steps is None else run_steps
-                    budget = autocast_budget(seconds, steps_planned)
-                choice = decide_autocast(self.seconds, final=time.perf_counter() - start > budget)
-                if choice is not None:
-                    return choice
-        raise AssertionError("unreachable: the contexts never end")  # pragma: no cover
+            _store(key, trial.choice)
+        return trial.choice
 
     def _settle(self, choice: AutocastChoice) -> None:
-        bf16 = bool(from_rank_zero(self.owner, choice.bf16))
-        self.choice = choice._replace(bf16=bf16)
-        self.autocast = bf16
-        self.precision = "bf16-mixed" if bf16 else "32-true"
+        self._apply(from_rank_zero(self.owner, choice))
+
+    def _apply(self, choice: AutocastChoice) -> None:
+        """Keep `choice` (every rank's: rank zero's) for the run's steps, with its finding."""
+        self.choice = choice
+        self.autocast = choice.bf16
+        self.precision = "bf16-mixed" if choice.bf16 else "32-true"
         if self.owner is not None:
-            self.owner.findings.append(autocast_finding(self.choice, len(self.seconds)))
+            self.owner.findings.append(autocast_finding(choice, len(self.seconds)))
+
+
+class AutocastTrial:
+    """Training steps alternating fp32 and bf16 autocast (`autocast_setting`), added one by one
+    until `decide_autocast` settles (`choice`) or the trial's time is spent (`autocast_budget`,
+    from the first step's time and `run_steps`). The plugin's own trial times its steps, or
+    `AutoBatchSize`'s first trial does (`StepProbe.train`'s `alternate`); `key` is the cache entry
+    the choice goes to."""
+
+    def __init__(self, bf16: Callable[[], torch.autocast], run_steps: float, key: str = "") -> None:
+        self.bf16 = bf16
+        self.run_steps = run_steps
+        self.key = key
+        self.seconds: list[float] = []
+        self.choice: AutocastChoice | None = None
+        self.budget: float | None = None
+
+    def context(self, step: int) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+        """The setting step `step` (0: the first) runs under."""
+        return self.bf16 if autocast_setting(step) else contextlib.nullcontext
+
+    def add(self, seconds: float) -> bool:
+        """The next step's time; whether the trial has decided."""
+        self.seconds.append(seconds)
+        if self.budget is None:
+            self.budget = autocast_budget(seconds, self.run_steps)
+        self.choice = decide_autocast(self.seconds, final=sum(self.seconds) > self.budget)
+        return self.choice is not None
+
+    def kept_times(self) -> list[float]:
+        """The timed steps (after the warm-ups) run at the setting the choice keeps."""
+        if self.choice is None:
+            return []
+        bf16 = self.choice.bf16
+        return [
+            s
+            for step, s in enumerate(self.seconds)
+            if step >= AUTOCAST_WARMUP and autocast_setting(step) == bf16
+        ]
 
 
 class MeasuredAutocast(MeasuredAutocastMixin, MixedPrecision):
@@ -160,6 +234,11 @@ def _shapes(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_shapes(item) for item in value]
     return type(value).__name__
+
+
+def _store(key: str, choice: AutocastChoice) -> None:
+    result = {"bf16": choice.bf16, "speedup": choice.speedup, "pairs": choice.pairs}
+    cache.store_entry(cache.default_cache_dir() / CACHE_FILE, key, {"result": result})
 
 
 def _cached(path: Path, key: str) -> AutocastChoice | None:
@@ -211,7 +290,7 @@ def autocast_finding(choice: AutocastChoice, steps: int) -> Finding:
         fix = keep_fp32 if choice.bf16 else USE_BF16
         return Finding("preset", "precision and strategy", Severity.INFO, title, detail, fix, data=data)
     detail = (
-        f"before training, {steps} steps of a copy of the model on one of the run's batches alternated"
+        f"before training, {steps} steps of a copy of the model on the run's training batches alternated"
         f" bf16 autocast and fp32 (one warm-up each, then {choice.pairs} timed pairs; median fp32/bf16"
         " step time"
         f" {choice.speedup:.2f}, kept above 1.05); weights, gradients and optimizer state are fp32"
