@@ -279,6 +279,45 @@ def test_the_first_batch_size_trial_times_the_autocast_trial_in_its_own_steps(
     assert [entry["result"]["bf16"] for entry in document["entries"].values()] == [True]
 
 
+class SlowAndShort(SlowUnder):
+    """`SlowUnder("fp32")` whose steps run out of memory above 8 samples (simulated, as a CPU
+    allocator's error would say it: this machine cannot be made to run out)."""
+
+    def __init__(self) -> None:
+        super().__init__("fp32")
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if len(batch[0]) > 8:
+            raise RuntimeError("DefaultCPUAllocator: not enough memory (simulated above 8 samples)")
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_first_trial_out_of_memory_hands_the_autocast_trial_to_the_next_size(tmp_path: Path) -> None:
+    """The start size runs out of memory in its warm-up: the autocast pairs are timed in the next
+    trial, at the size that fits, before any size is timed at a setting the run will not use."""
+    from lightning_boost import AutoBatchSize
+
+    model = SlowAndShort()
+    batch_size = AutoBatchSize(init_batch_size=16, max_batch_size=16, steps=1, cache_dir=tmp_path / "cache")
+    trainer = tiny_trainer(
+        tmp_path,
+        strategy=preset("auto", hardware=CPU_BF16),
+        callbacks=[batch_size],
+        limit_train_batches=None,
+        enable_checkpointing=False,
+    )
+    trainer.fit(model, datamodule=BoringDataModule(length=2048))
+    plugin = trainer.precision_plugin
+    assert isinstance(plugin, MeasuredAutocast) and plugin.choice is not None and plugin.choice.bf16
+    assert batch_size.decision is not None and batch_size.decision.batch_size == 8
+    trials = {trial.size: trial for trial in batch_size.decision.trials}
+    assert trials[16].oom
+    assert len(trials[8].losses) == len(plugin.seconds) - 1  # the pairs were its steps
+    assert all(t.samples_per_s > t.size / 0.05 for t in batch_size.decision.trials if not t.oom)
+    assert all(model.autocast_seen)
+
+
 class SlowByRank(BoringModel):
     """On a trial's copy, rank 0's step sleeps under fp32 and rank 1's under bf16: each rank's own
     trial would keep another setting. The run's steps log whether autocast was on, as min and max

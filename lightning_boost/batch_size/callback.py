@@ -353,16 +353,16 @@ class AutoBatchSize(BoostCallback):
         start = self.init_batch_size or configured
         autocast = _autocast_trial(trainer, train_data, start, plan.optimizer_steps(configured))
 
-        def train(size: int) -> Trial:  # the first (at `start`) also times the autocast trial's steps
+        def train(size: int) -> Trial:  # the first trial also times the autocast trial's steps
             nonlocal autocast
-            first = size == start
-            alternate = autocast if first else None
-            trial = _measured(trainer, size, _train_trial(trainer, probe, train_data, size, first, alternate))
+            alternate = autocast
+            split = size == start
+            trial = _measured(trainer, size, _train_trial(trainer, probe, train_data, size, split, alternate))
             if alternate is not None:  # every rank, after the trial's all-gather
                 plugin = trainer.precision_plugin
                 assert isinstance(plugin, MeasuredAutocastMixin)  # whose trial `alternate` is
                 plugin.settle_trial(trainer, alternate)
-                autocast = None
+                autocast = None if plugin.choice is not None else alternate.again()  # out of memory
             return trial
 
         with preserved_rng():

@@ -111,7 +111,8 @@ class MeasuredAutocastMixin(_Plugin):
 
     def settle_trial(self, trainer: Any, trial: AutocastTrial) -> None:
         """Rank zero's choice from `trial` on every rank (and in the cache); none when its steps
-        never ran (out of memory): then `measure` decides at the first step, on its own trial."""
+        ran out of memory before it decided (`choice` stays ``None``: the next batch-size trial
+        takes `trial.again()`, else `measure` decides at the first step)."""
         choice = from_rank_zero(self.owner, trial.choice)
         if choice is None:
             return
@@ -186,6 +187,11 @@ class AutocastTrial:
             self.budget = autocast_budget(seconds, self.run_steps)
         self.choice = decide_autocast(self.seconds, final=sum(self.seconds) > self.budget)
         return self.choice is not None
+
+    def again(self) -> AutocastTrial:
+        """The same trial, with no step timed yet (for the next batch-size trial, when this one's
+        steps ran out of memory before it decided)."""
+        return AutocastTrial(self.bf16, self.run_steps, self.key)
 
     def kept_times(self) -> list[float]:
         """The timed steps (after the warm-ups) run at the setting the choice keeps."""
