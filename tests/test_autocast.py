@@ -127,6 +127,23 @@ def fit(tmp_path: Path, model: SlowUnder, steps: int = 24) -> tuple[L.Trainer, M
     return trainer, plugin
 
 
+def fit_tuned(
+    tmp_path: Path, model: L.LightningModule, batch_size: L.Callback, *more: L.Callback
+) -> tuple[L.Trainer, MeasuredAutocast]:
+    """`fit` with `batch_size` (an `AutoBatchSize`) on 2048 samples: enough steps for its trials."""
+    trainer = tiny_trainer(
+        tmp_path,
+        strategy=preset("auto", hardware=CPU_BF16),
+        callbacks=[batch_size, *more],
+        limit_train_batches=None,
+        enable_checkpointing=False,
+    )
+    trainer.fit(model, datamodule=BoringDataModule(length=2048))
+    plugin = trainer.precision_plugin
+    assert isinstance(plugin, MeasuredAutocast)
+    return trainer, plugin
+
+
 def report_of(trainer: L.Trainer) -> Report:
     (callback,) = [c for c in trainer.callbacks if isinstance(c, BoostReport)]
     assert callback.report is not None
@@ -228,18 +245,9 @@ def test_batch_size_trials_run_at_the_precision_the_run_trains_at(tmp_path: Path
 
     model = SlowUnder("fp32")
     model.batch_size = 8
-    strategy = preset("auto", hardware=CPU_BF16)
     batch_size = AutoBatchSize(max_batch_size=16, steps=1, cache_dir=tmp_path / "cache")
-    trainer = tiny_trainer(
-        tmp_path,
-        strategy=strategy,
-        callbacks=[batch_size],
-        limit_train_batches=None,
-        enable_checkpointing=False,
-    )
-    trainer.fit(model, datamodule=BoringDataModule(length=2048))
-    plugin = trainer.precision_plugin
-    assert isinstance(plugin, MeasuredAutocast) and plugin.choice is not None and plugin.choice.bf16
+    _, plugin = fit_tuned(tmp_path, model, batch_size)
+    assert plugin.choice is not None and plugin.choice.bf16
     assert batch_size.decision is not None and not batch_size.decision.kept  # it measured
     # a step under fp32 sleeps 50 ms: no batch-size trial was timed at it
     assert all(trial.samples_per_s > trial.size / 0.05 for trial in batch_size.decision.trials)
@@ -257,16 +265,8 @@ def test_the_first_batch_size_trial_times_the_autocast_trial_in_its_own_steps(
     model = SlowUnder("fp32")
     model.batch_size = 8
     batch_size = AutoBatchSize(max_batch_size=16, steps=1, cache_dir=tmp_path / "cache")
-    trainer = tiny_trainer(
-        tmp_path,
-        strategy=preset("auto", hardware=CPU_BF16),
-        callbacks=[batch_size, BoostReport(console=False)],
-        limit_train_batches=None,
-        enable_checkpointing=False,
-    )
-    trainer.fit(model, datamodule=BoringDataModule(length=2048))
-    plugin = trainer.precision_plugin
-    assert isinstance(plugin, MeasuredAutocast) and plugin.choice is not None and plugin.choice.bf16
+    trainer, plugin = fit_tuned(tmp_path, model, batch_size, BoostReport(console=False))
+    assert plugin.choice is not None and plugin.choice.bf16
     assert batch_size.decision is not None
     first = batch_size.decision.trials[0]
     assert first.size == 8 and len(first.losses) == len(plugin.seconds) - 1  # each step after the warm-up
@@ -300,16 +300,8 @@ def test_a_first_trial_out_of_memory_hands_the_autocast_trial_to_the_next_size(t
 
     model = SlowAndShort()
     batch_size = AutoBatchSize(init_batch_size=16, max_batch_size=16, steps=1, cache_dir=tmp_path / "cache")
-    trainer = tiny_trainer(
-        tmp_path,
-        strategy=preset("auto", hardware=CPU_BF16),
-        callbacks=[batch_size],
-        limit_train_batches=None,
-        enable_checkpointing=False,
-    )
-    trainer.fit(model, datamodule=BoringDataModule(length=2048))
-    plugin = trainer.precision_plugin
-    assert isinstance(plugin, MeasuredAutocast) and plugin.choice is not None and plugin.choice.bf16
+    _, plugin = fit_tuned(tmp_path, model, batch_size)
+    assert plugin.choice is not None and plugin.choice.bf16
     assert batch_size.decision is not None and batch_size.decision.batch_size == 8
     trials = {trial.size: trial for trial in batch_size.decision.trials}
     assert trials[16].oom
