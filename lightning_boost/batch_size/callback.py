@@ -627,8 +627,9 @@ def _autocast_trial(
 ) -> AutocastTrial | None:
     """A CPU's measured bf16 autocast (`MeasuredAutocast`) decides before the batch-size trials
     time other sizes, so they time the step at the precision the run trains at (it would decide
-    at the run's first step otherwise, after them): from the cache, else in the first trial's
-    own timed steps, at the start size (this trial, handed to it)."""
+    at the run's first step otherwise, after them): from the cache, else in the timed steps of
+    the first batch-size trial (this trial, handed to it; to the next when that one runs out of
+    memory before deciding)."""
     plugin = trainer.precision_plugin
     if not isinstance(plugin, MeasuredAutocastMixin) or plugin.choice is not None:
         return None

@@ -101,8 +101,7 @@ class MeasuredAutocastMixin(_Plugin):
         if not trainer.lightning_module.automatic_optimization:
             known = AutocastChoice(False, None, 0, "manual optimization")
         else:
-            key = cache.fingerprint(_cache_parts(trainer, batch))
-            known = _cached(cache.default_cache_dir() / CACHE_FILE, key)
+            key, known = _lookup(trainer, batch)
         known = from_rank_zero(self.owner, known)
         if known is not None:
             self._apply(known)
@@ -126,8 +125,7 @@ class MeasuredAutocastMixin(_Plugin):
         (stored for the next run)."""
         if batch is None:
             return AutocastChoice(False, None, 0, "no training batch to time the step on")
-        key = cache.fingerprint(_cache_parts(trainer, batch))
-        cached = _cached(cache.default_cache_dir() / CACHE_FILE, key)
+        key, cached = _lookup(trainer, batch)
         if cached is not None:
             return cached
         steps = trainer.estimated_stepping_batches if run_steps is None else run_steps
@@ -240,6 +238,12 @@ def _shapes(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return [_shapes(item) for item in value]
     return type(value).__name__
+
+
+def _lookup(trainer: Any, batch: Any) -> tuple[str, AutocastChoice | None]:
+    """The cache key of this run's decision (`batch`'s shapes) and an earlier run's decision under it."""
+    key = cache.fingerprint(_cache_parts(trainer, batch))
+    return key, _cached(cache.default_cache_dir() / CACHE_FILE, key)
 
 
 def _store(key: str, choice: AutocastChoice) -> None:
