@@ -1,16 +1,16 @@
-"""bf16 autocast on a CPU, kept only where the model's own training step is faster with it.
+"""bf16 autocast on a CPU, kept unless the model's own training step is slower with it.
 
 A CPU with bf16 dot products (AVX512-BF16, AMX) runs a convolutional network's step faster under
 bf16 autocast and a small MLP's slower, the casts costing more than its matmuls gain (ResNet-18
 1.26x, a 32-128-10 MLP 0.74x: `benchmarks/RESULTS.md`). So before the first training step, a
 copy of the model trains on one of the run's own batches, alternating fp32 and bf16 autocast
 step by step (`autocast_setting`; weights, optimizer and RNG of the run untouched), and
-`decide_autocast` keeps the faster. With `AutoBatchSize`, its first trial (a copy at the start
-size, timed anyway) runs these alternating steps itself (`begin_trial`, `settle_trial`): one
-trial instead of two before the first step. The run's own steps all run at the chosen setting:
-when fp32 is kept, the run trains exactly the model plain Lightning trains. Every rank keeps rank
-zero's decision. Manual optimization is not measured (its step needs the trainer): it stays in
-fp32, with a finding.
+`decide_autocast` keeps bf16 unless its steps are measurably slower. With `AutoBatchSize`, its
+first trial (a copy at the start size, timed anyway) runs these alternating steps itself
+(`begin_trial`, `settle_trial`): one trial instead of two before the first step. The run's own
+steps all run at the chosen setting: when fp32 is kept, the run trains exactly the model plain
+Lightning trains. Every rank keeps rank zero's decision. Manual optimization is not measured (its
+step needs the trainer): it stays in fp32, with a finding.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from lightning_boost import cache
 from lightning_boost._lightning import hardware_for, moved_as_the_run_moves, preserved_rng
 from lightning_boost.fingerprints import describe_model, hardware_parts
 from lightning_boost.precision import (
+    AUTOCAST_MAX_LOSS,
     AUTOCAST_WARMUP,
     AutocastChoice,
     autocast_budget,
@@ -48,8 +49,8 @@ else:
 
 
 class MeasuredAutocastMixin(_Plugin):
-    """``MixedPrecision("bf16-mixed", "cpu")`` that keeps bf16 autocast only if the model's
-    training step is faster with it (`measure`, before the first step); ``precision`` reads
+    """``MixedPrecision("bf16-mixed", "cpu")`` that keeps bf16 autocast unless the model's
+    training step is slower with it (`measure`, before the first step); ``precision`` reads
     ``"32-true"`` until then, and after when it was not.
 
     ``choice`` holds the decision once made. ``owner``, the preset strategy (set when it sets up),
@@ -302,9 +303,8 @@ def autocast_finding(choice: AutocastChoice, steps: int) -> Finding:
     detail = (
         f"before training, {steps} steps of a copy of the model on the run's training batches alternated"
         f" bf16 autocast and fp32 (one warm-up each, then {choice.pairs} timed pairs; median fp32/bf16"
-        " step time"
-        f" {choice.speedup:.2f}, kept above 1.05); weights, gradients and optimizer state are fp32"
-        " either way"
+        f" step time {choice.speedup:.2f}; bf16, the setting this CPU is built for, is kept unless under"
+        f" {1 - AUTOCAST_MAX_LOSS:.2f}); weights, gradients and optimizer state are fp32 either way"
     )
     if choice.bf16:
         title = f"bf16 autocast kept on this CPU: its steps ran {choice.speedup:.2f}x as fast as fp32"
