@@ -1,5 +1,6 @@
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,6 +36,12 @@ def fixed_cost_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     GPU, or a busy CPU), so which size the search reaches does not hang on this shared machine's
     load. The gradients and memory each trial reads stay the real step's: only the clock is scripted.
     """
+    script_trials(monkeypatch, lambda size: {"samples_per_s": size / (0.01 + 1e-6 * size), "spread": 0.0})
+
+
+def script_trials(monkeypatch: pytest.MonkeyPatch, scripted: Callable[[int], dict[str, Any]]) -> None:
+    """`StepProbe.train` runs its real steps (memory, OOMs, gradients, the autocast pairs), then
+    the fields `scripted` gives for the trial's size replace the measured ones (not an OOM's)."""
     import dataclasses
 
     from lightning_boost.step_probe import StepProbe
@@ -43,15 +50,13 @@ def fixed_cost_steps(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def train(
         self: StepProbe,
-        batch: object,
+        batch: Any,
         size: int,
-        following: object = None,
+        following: Any = None,
         split: bool = False,
-        alternate: object = None,
-    ) -> object:
-        trial = real(self, batch, size, following, split, alternate)  # type: ignore[arg-type]
-        if trial.oom:
-            return trial
-        return dataclasses.replace(trial, samples_per_s=size / (0.01 + 1e-6 * size), spread=0.0)
+        alternate: Any = None,
+    ) -> Any:
+        trial = real(self, batch, size, following, split, alternate)
+        return trial if trial.oom else dataclasses.replace(trial, **scripted(size))
 
     monkeypatch.setattr(StepProbe, "train", train)

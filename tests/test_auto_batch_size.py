@@ -28,6 +28,7 @@ from typing_extensions import override
 from lightning_boost import AutoBatchSize, BoostedDataModule, BoostWarning, Severity
 from lightning_boost.step_probe import StepProbe, is_oom
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
+from tests.conftest import script_trials
 
 FAST = {"steps": 1, "tolerance": 0.0}
 pytestmark = pytest.mark.usefixtures("long_planned_run")
@@ -39,23 +40,10 @@ def scripted_throughput(monkeypatch: pytest.MonkeyPatch) -> None:
     peaks and OOMs are real, but no search path asserted here hangs on timer noise (with
     `tolerance=0.0` it did: the CPU-budget test failed about 40 % of runs). DDP tests run in
     spawned processes this patch does not reach: there a fixed step time does the same."""
-    real = StepProbe.train
-
-    def train(
-        self: StepProbe,
-        batch: Any,
-        size: int,
-        following: Any = None,
-        split: bool = False,
-        alternate: Any = None,
-    ) -> Any:
-        trial = real(self, batch, size, following, split, alternate)
-        if trial.oom:
-            return trial
-        scripted = {"samples_per_s": 1000.0 * size, "grad_sq": None, "half_grad_sq": None, "spread": 0.0}
-        return dataclasses.replace(trial, **scripted)
-
-    monkeypatch.setattr(StepProbe, "train", train)
+    script_trials(
+        monkeypatch,
+        lambda size: {"samples_per_s": 1000.0 * size, "grad_sq": None, "half_grad_sq": None, "spread": 0.0},
+    )
 
 
 class OOMModel(BoringModel):
