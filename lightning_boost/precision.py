@@ -21,6 +21,11 @@ AUTOCAST_MAX_LOSS = 0.05
 #: of each order), when every pair gives the same verdict; else the second.
 AUTOCAST_PAIRS = (2, 8)
 
+#: A first pair whose bf16 step is at least this fast (fp32's time over bf16's) keeps bf16 at once:
+#: the trial is there to find models bf16 slows down, and a step that bf16 does not slow is no such
+#: model; only a setting that would replace bf16 needs a pair of each order to agree.
+AUTOCAST_KEEP_AT_ONCE = 1.0
+
 #: Untimed steps first: one fp32, one bf16 (oneDNN builds its bf16 kernels on first use).
 AUTOCAST_WARMUP = 2
 
@@ -101,17 +106,18 @@ def decide_autocast(seconds: Sequence[float], final: bool = False) -> AutocastCh
     """The choice once the trial steps timed so far settle it (``seconds[k]``: step `k`'s time,
     run as `autocast_setting` says), else ``None``. Each pair compares adjacent steps, so a
     machine that slows down for a while hits both settings alike; bf16 is kept unless the median
-    pair is `AUTOCAST_MAX_LOSS` slower with it. The search stops after `AUTOCAST_PAIRS`'s first
-    number when every pair gives the same verdict (each at most that much slower with bf16, or
-    each more), else after its second; `final` (the trial's time is spent) decides on the pairs
+    pair is `AUTOCAST_MAX_LOSS` slower with it. A first pair in which bf16 is not slower
+    (`AUTOCAST_KEEP_AT_ONCE`) keeps it at once; otherwise the search stops after `AUTOCAST_PAIRS`'s
+    first number when every pair gives the same verdict (each at most that much slower with bf16,
+    or each more), else after its second; `final` (the trial's time is spent) decides on the pairs
     there are, and keeps fp32 when there is none.
 
     Example:
-        >>> decide_autocast([0.2, 0.3, 0.10, 0.08, 0.08, 0.10])
-        AutocastChoice(bf16=True, speedup=1.25, pairs=2, why_not='', cached=False)
-        >>> decide_autocast([0.2, 0.3, 0.10, 0.08]) is None  # one pair says little
+        >>> decide_autocast([0.2, 0.3, 0.10, 0.08])  # bf16 not slower: kept after one pair
+        AutocastChoice(bf16=True, speedup=1.25, pairs=1, why_not='', cached=False)
+        >>> decide_autocast([0.2, 0.3, 0.10, 0.104]) is None  # a slower bf16 needs both orders
         True
-        >>> decide_autocast([0.2, 0.3, 0.10, 0.099, 0.101, 0.10])  # alike: the hardware's bf16 stays
+        >>> decide_autocast([0.2, 0.3, 0.10, 0.101, 0.099, 0.10])  # alike: the hardware's bf16 stays
         AutocastChoice(bf16=True, speedup=1.0, pairs=2, why_not='', cached=False)
         >>> decide_autocast([0.2, 0.3, 0.10, 0.13, 0.13, 0.10])  # 0.77x: fp32
         AutocastChoice(bf16=False, speedup=0.769, pairs=2, why_not='', cached=False)
@@ -124,6 +130,8 @@ def decide_autocast(seconds: Sequence[float], final: bool = False) -> AutocastCh
     least, most = AUTOCAST_PAIRS
     if final and not ratios:
         return AutocastChoice(False, None, 0, "steps too slow to time both within the trial's time")
+    if len(ratios) == 1 and ratios[0] >= AUTOCAST_KEEP_AT_ONCE:
+        return AutocastChoice(True, round(ratios[0], 3), 1)
     keep = [r >= 1 - AUTOCAST_MAX_LOSS for r in ratios]  # each pair's own verdict
     agree = all(keep) or not any(keep)
     if not final and (len(ratios) < least or (not agree and len(ratios) < most)):

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lightning_boost import AutoBatchSize, BoostedDataModule, BoostWarning, Severity
+from lightning_boost import AutoBatchSize, AutoMicroBatch, BoostedDataModule, BoostWarning, Severity
 from lightning_boost.step_probe import StepProbe, is_oom
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
 from tests.conftest import script_trials
@@ -354,6 +354,22 @@ def test_validation_that_does_not_fit_steps_the_size_down(tmp_path: Path) -> Non
     assert callback.result["batch_size"] <= 20
     checks = callback.result["validation"]
     assert checks[0]["oom"] and not checks[-1]["oom"] and checks[-1]["size"] == callback.result["batch_size"]
+
+
+def test_validation_is_not_checked_again_at_the_size_the_user_configured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The user's own validation size is what plain Lightning runs too (its sanity check, before
+    the first step): a trial of it on a copy would only delay the run. A size the tuner chose is
+    checked (the test above); one that runs out of memory at the user's size is `AutoMicroBatch`'s
+    (in `boost_callbacks()`), as in a run without `AutoBatchSize`."""
+    script_trials(monkeypatch, lambda size: {"samples_per_s": 1000.0 * min(size, 8), "spread": 0.0})
+    callback = AutoBatchSize(max_batch_size=64, **FAST)
+    model = OOMModel(val_limit=4)  # validation does not fit at the configured 8
+    trainer = tiny_trainer(tmp_path, callbacks=[callback, AutoMicroBatch()], logger=False)
+    trainer.fit(model, datamodule=BoringDataModule(length=256))
+    assert callback.result["batch_size"] == 8 and callback.result["validation"] == []
+    assert trainer.state.finished and trainer.global_step > 0  # validated too: the sanity check at 8
 
 
 class HparamsModel(BoringModel):

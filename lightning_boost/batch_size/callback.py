@@ -135,7 +135,8 @@ class AutoBatchSize(BoostCallback):
             configured size) a larger size may have.
         lr_warmup_steps: optimizer steps over which a raised learning rate rises from the configured
             one (default: a tenth of the planned run).
-        check_validation: also run a validation step at the chosen size, stepping down if it fails.
+        check_validation: also run a validation step at the chosen size (when not the configured
+            one), stepping down if it fails.
         attr_name: the name of the batch-size attribute.
         retune: measure even when the cache holds a result for this machine, model and data.
         cache_dir: where results are cached as JSON (default ``$LIGHTNING_BOOST_CACHE_DIR`` or

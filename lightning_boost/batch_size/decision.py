@@ -147,9 +147,11 @@ def decide(
     lr_rule: str | None,
 ) -> BatchSizeDecision:
     """The batch size for a run, from a training-step trial callable (`measure`) and a validation
-    one (`check`, ``None`` to skip): search, choose by goodput, step down until validation fits,
-    then the accumulation (kept unless `limits.target` is set) and the learning-rate factor from
-    the user's effective batch (`limits.reference`) by `lr_rule`.
+    one (`check`, ``None`` to skip): search, choose by goodput, step down until validation fits
+    (not checked at the `configured` size: that validation is the user's own, which Lightning's
+    sanity check runs before the first step anyway), then the accumulation (kept unless
+    `limits.target` is set) and the learning-rate factor from the user's effective batch
+    (`limits.reference`) by `lr_rule`.
 
     Raises:
         MemoryError: when no size fits, or no fitting size's validation step does.
@@ -168,7 +170,7 @@ def decide(
     if choice is None:
         raise MemoryError(_nothing_fits(trials, limits, reason))
     checks: list[Trial] = []
-    if check is not None:
+    if check is not None and choice.size != configured:
         choice, checks = fitting_validation(check, trials, choice, limits)
     noise = noise_of(trials, limits.budget_bytes)
     effective = limits.effective(choice.size)
