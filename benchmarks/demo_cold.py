@@ -46,8 +46,8 @@ def run(repeats: int = 3, samples: int = 8192, epochs: int = 2) -> list[Row]:
             max(shares),
             f"per repeat: {', '.join(f'{share:.1%}' for share in shares)}"
             f" ({_each([b.before_training_s for _, b in runs], 's')}: the"
-            " batch-size trial with the precision pairs in its steps, the validation check, what the"
-            f" tuners read before training); {setup}",
+            " batch-size trial with the precision pairs in its steps, Lightning's sanity check, what"
+            f" the tuners read before training); {setup}",
             COMMAND,
         ),
     ]
