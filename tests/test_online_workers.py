@@ -197,14 +197,21 @@ def test_a_failed_candidate_is_dropped_and_nothing_ran_falls_back() -> None:
 
 class IndexedData(Dataset[tuple[Tensor, int]]):
     """Sample ``i`` is ``(features, i)``; with `crash_in_workers`, loading in a worker process
-    kills it (a dataset that cannot be loaded in workers), loading in the main process works."""
+    kills it (a dataset that cannot be loaded in workers), loading in the main process works.
+    `load_s` per sample makes the run wait for its data most of the time, so the search goes to
+    workers at once (`PROBE_BELOW`) instead of on the timing of a probe of the model's threads."""
 
     def __init__(
-        self, length: int = SAMPLES, crash_in_workers: bool = False, hang_in_workers: bool = False
+        self,
+        length: int = SAMPLES,
+        crash_in_workers: bool = False,
+        hang_in_workers: bool = False,
+        load_s: float = 0.0,
     ) -> None:
         self.length = length
         self.crash_in_workers = crash_in_workers
         self.hang_in_workers = hang_in_workers
+        self.load_s = load_s
         self.main_pid = os.getpid()
 
     def __len__(self) -> int:
@@ -215,6 +222,8 @@ class IndexedData(Dataset[tuple[Tensor, int]]):
             os._exit(1)
         if self.hang_in_workers and os.getpid() != self.main_pid:
             time.sleep(3600)
+        if self.load_s:
+            time.sleep(self.load_s)
         return torch.full((8,), float(index % 7)), index
 
 
@@ -281,7 +290,7 @@ def _searched(data: BoostedDataModule) -> WorkerChoice:
 def test_each_epoch_trains_the_samplers_batches_in_its_order(
     tmp_path: Path, shuffle: bool, drop_last: bool
 ) -> None:
-    data = Data(IndexedData(SAMPLES + 2), shuffle=shuffle, drop_last=drop_last)
+    data = Data(IndexedData(SAMPLES + 2, load_s=0.001), shuffle=shuffle, drop_last=drop_last)
     model = _fit(tmp_path, data, max_epochs=2)
     choice = _searched(data)
     assert len(choice.trials) == 3 and any(t.num_workers for t in choice.trials)  # settings switched
@@ -318,7 +327,7 @@ def test_len_and_persistent_workers_after_the_search(tmp_path: Path) -> None:
 
 
 def test_a_crashing_worker_drops_its_candidate_and_loses_no_sample(tmp_path: Path) -> None:
-    data = Data(IndexedData(SAMPLES, crash_in_workers=True), shuffle=False)
+    data = Data(IndexedData(SAMPLES, crash_in_workers=True, load_s=0.001), shuffle=False)
     model = _fit(tmp_path, data, max_epochs=1)
     choice = _searched(data)
     assert choice.num_workers == 0
@@ -328,7 +337,7 @@ def test_a_crashing_worker_drops_its_candidate_and_loses_no_sample(tmp_path: Pat
 
 def test_a_hanging_worker_drops_its_candidate_and_loses_no_sample(tmp_path: Path) -> None:
     tuning = WorkerTuning(max_workers=2, timeout_s=1.0)
-    data = Data(IndexedData(SAMPLES, hang_in_workers=True), shuffle=False, worker_tuning=tuning)
+    data = Data(IndexedData(SAMPLES, hang_in_workers=True, load_s=0.001), shuffle=False, worker_tuning=tuning)
     model = _fit(tmp_path, data, max_epochs=1)
     choice = _searched(data)
     assert choice.num_workers == 0 and any("hung" in trial.error for trial in choice.trials), choice.trials
@@ -347,7 +356,7 @@ class _Interrupt(L.Callback):
 
 
 def test_ctrl_c_during_the_search_leaves_no_worker_process(tmp_path: Path) -> None:
-    data = Data(IndexedData(SAMPLES))
+    data = Data(IndexedData(SAMPLES, load_s=0.001))
     with pytest.raises(SystemExit):  # Lightning's answer to a KeyboardInterrupt: it exits the process
         _fit(tmp_path, data, max_epochs=1, callbacks=[_Interrupt()])
     import gc

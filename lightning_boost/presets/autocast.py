@@ -295,14 +295,14 @@ def autocast_finding(choice: AutocastChoice, steps: int) -> Finding:
         title = f"{kept} on this CPU, as an earlier run measured (bf16 step {choice.speedup:.2f}x as fast)"
         detail = (
             f"from the cache ({CACHE_FILE} in the cache directory): an earlier run on this machine timed"
-            f" this model's step on a batch of the same shapes, {choice.pairs} pairs; delete the entry"
+            f" this model's step on a batch of the same shapes, {_pairs(choice.pairs)}; delete the entry"
             " (or point LIGHTNING_BOOST_CACHE_DIR elsewhere) to measure again"
         )
         fix = keep_fp32 if choice.bf16 else USE_BF16
         return Finding("preset", "precision and strategy", Severity.INFO, title, detail, fix, data=data)
     detail = (
         f"before training, {steps} steps of a copy of the model on the run's training batches alternated"
-        f" bf16 autocast and fp32 (one warm-up each, then {choice.pairs} timed pairs; median fp32/bf16"
+        f" bf16 autocast and fp32 (one warm-up each, then {_pairs(choice.pairs)} timed; median fp32/bf16"
         f" step time {choice.speedup:.2f}; bf16, the setting this CPU is built for, is kept unless under"
         f" {1 - AUTOCAST_MAX_LOSS:.2f}); weights, gradients and optimizer state are fp32 either way"
     )
@@ -311,6 +311,11 @@ def autocast_finding(choice: AutocastChoice, steps: int) -> Finding:
         return Finding("preset", "precision and strategy", Severity.INFO, title, detail, keep_fp32, data=data)
     title = f"fp32 kept on this CPU: bf16 autocast steps ran {choice.speedup:.2f}x as fast"
     return Finding("preset", "precision and strategy", Severity.INFO, title, detail, data=data)
+
+
+def _pairs(count: int) -> str:
+    """``"1 pair"``, ``"2 pairs"``."""
+    return f"{count} pair" if count == 1 else f"{count} pairs"
 
 
 def one_batch(trainer: Any) -> Any:
