@@ -11,6 +11,9 @@ is sooner). A boosted run that never reaches it gets ratio 0.
 - ``cnn``: the demo's images (`ClassImages`, with its augmentation) and its small CNN, SGD.
 - ``mlp``: a 32-input classifier with Adam on 7,168 samples, the issue's quickstart trial.
 - ``autoencoder``: a 64-16-64 autoencoder with Adam on data with 8 latent factors (val MSE).
+- ``mlp (12 epochs)``: the MLP trained long enough for `AutoBatchSize` to grow its batch during
+  the run; boosted once more with ``AutoBatchSize(grow=False)``, so the row shows what growing
+  adds.
 
 Run: ``python -m benchmarks time_to_quality``.
 """
@@ -33,6 +36,7 @@ from typing_extensions import override
 
 from benchmarks.common import Row
 from lightning_boost import AutoBatchSize, BoostedDataModule, boost_callbacks, preset
+from lightning_boost.batch_size.decision import BatchSizeDecision
 from lightning_boost.demo import (
     ClassImages,
     Throughput,
@@ -116,6 +120,7 @@ class Workload:
     val: Callable[[], Dataset[Any]]
     epochs: int
     metric: str
+    without_growth: bool = False  # also fit boosted with AutoBatchSize(grow=False)
 
 
 WORKLOADS = (
@@ -129,6 +134,9 @@ WORKLOADS = (
     ),
     Workload("mlp", MLP, lambda: classes(7168, 0), lambda: classes(2048, 1), 3, "val accuracy"),
     Workload("autoencoder", AutoEncoder, lambda: factors(16384, 0), lambda: factors(2048, 1), 3, "val -MSE"),
+    Workload(
+        "mlp (12 epochs)", MLP, lambda: classes(7168, 0), lambda: classes(2048, 1), 12, "val accuracy", True
+    ),
 )
 
 
@@ -143,10 +151,10 @@ class Data(BoostedDataModule):
 
 
 def _fit(
-    workload: Workload, root: Path, seed: int, boosted: bool, cache: Path
+    workload: Workload, root: Path, seed: int, boosted: bool, cache: Path, grow: bool = True
 ) -> tuple[Throughput, AutoBatchSize | None, str]:
     clock = Throughput()
-    tuner = AutoBatchSize(cache_dir=cache) if boosted else None
+    tuner = AutoBatchSize(cache_dir=cache, grow=grow) if boosted else None
     callbacks: list[L.Callback] = [clock]
     if tuner is not None:
         callbacks += [*boost_callbacks(boost_report={"console": False}), tuner]
@@ -175,6 +183,19 @@ def _reach(clock: Throughput, target: float) -> float | None:
     return next((seconds for seconds, value in clock.curve if value >= target), None)
 
 
+def _growth(decision: BatchSizeDecision) -> str:
+    steps = ", ".join(f"{g['from']} to {g['to']} after epoch {g['epoch']}" for g in decision.growth)
+    return f"; grown during the run: {steps}" if steps else ""
+
+
+def _without_growth(fixed: Throughput | None, target: float) -> str:
+    if fixed is None:
+        return ""
+    reached = _reach(fixed, target)
+    when = f"at {reached:.1f} s" if reached is not None else "never"
+    return f" With grow=False: final {fixed.curve[-1][1]:.4g}, plain's final reached {when}."
+
+
 def run() -> list[Row]:
     rows = []
     for workload in WORKLOADS:
@@ -183,6 +204,9 @@ def run() -> list[Row]:
             plain, _, _ = _fit(workload, root / "plain", 0, False, root / "cache")
             again, _, _ = _fit(workload, root / "again", 1, False, root / "cache")
             boosted, tuner, precision = _fit(workload, root / "boosted", 0, True, root / "cache")
+            fixed = None
+            if workload.without_growth:  # a cold cache again: the same start decision, measured
+                fixed, _, _ = _fit(workload, root / "fixed", 0, True, root / "cache-fixed", grow=False)
         target = plain.curve[-1][1]
         noise = abs(again.curve[-1][1] - target)
         plain_s, boosted_s = _reach(plain, target), _reach(boosted, target)
@@ -197,7 +221,8 @@ def run() -> list[Row]:
                 f" {noise:.2g}), boosted {boosted.curve[-1][1]:.4g}; plain's final reached at {plain_s:.1f} s"
                 f" plain, {reached} boosted (tuning {boosted.before_training_s:.1f} s); batch"
                 f" {decision.batch_size}, lr x{decision.lr_factor:.2f}"
-                f" ({decision.kept or decision.stopped}); precision {precision}.",
+                f" ({decision.kept or decision.stopped}){_growth(decision)}; precision {precision}."
+                f"{_without_growth(fixed, target)}",
                 COMMAND,
             )
         )

@@ -259,8 +259,13 @@ def train_loader_built(trainer: L.Trainer) -> bool:
 
 
 def forget_train_loader(trainer: L.Trainer) -> None:
-    """Let the fit loop request its training loader again (at the batch size set since)."""
-    trainer.fit_loop._combined_loader = None
+    """Let the fit loop request its training loader again (at the batch size set since) before its
+    next epoch; the old loader's workers (persistent ones too) are shut down."""
+    loop = trainer.fit_loop
+    if loop._data_fetcher is not None:
+        loop._data_fetcher.teardown()
+        loop._data_fetcher = None
+    loop._combined_loader = None
 
 
 def redo_optimizers(trainer: L.Trainer) -> bool:

@@ -47,13 +47,23 @@ from lightning_boost.batch_size.decision import (
     BatchSizeDecision,
     decide,
     findings,
+    growth_finding,
     kept,
+    noise_reads_finding,
     optimizers_finding,
     restored_finding,
 )
 from lightning_boost.batch_size.evaluation import eval_batch_size
-from lightning_boost.batch_size.goodput import lr_rule, warmup_factor
+from lightning_boost.batch_size.goodput import NoiseScale, lr_rule
 from lightning_boost.batch_size.plan import RunPlan
+from lightning_boost.batch_size.regrow import (
+    GROW_AFTER_STEPS,
+    Growth,
+    NoiseMeter,
+    could_grow,
+    growth_limits,
+    lr_ramp,
+)
 from lightning_boost.batch_size.search import Limits
 from lightning_boost.batch_size.watch import LossWatch, reference_of
 from lightning_boost.callbacks.base import BoostCallback
@@ -106,6 +116,12 @@ class AutoBatchSize(BoostCallback):
     The attribute is put back to the configured size at the end of the fit, so a second fit, a
     resumed run and a reused datamodule scale from the size the user wrote.
 
+    During the run (`grow`), the noise scale is read again from pairs of the run's own consecutive
+    steps (`lightning_boost.batch_size.regrow`), and at an epoch's end the batch grows to a larger
+    measured size once that size's goodput beats the current one's by more than `tolerance`, with
+    the learning rates of its rule, warmed up; the loader is built again at the new size for the
+    next epoch. Runs whose length or schedule is counted in steps or batches are not grown.
+
     The batch size is found as Lightning's tuner finds it: an attribute `attr_name` on the model,
     its ``hparams`` or the datamodule (`BoostedDataModule` has one), read by ``train_dataloader()``.
 
@@ -137,6 +153,8 @@ class AutoBatchSize(BoostCallback):
             one (default: a tenth of the planned run).
         check_validation: also run a validation step at the chosen size (when not the configured
             one), stepping down if it fails.
+        grow: read the gradient noise scale again during the run and grow the batch between
+            epochs when a larger measured size has become worth more (see above).
         attr_name: the name of the batch-size attribute.
         retune: measure even when the cache holds a result for this machine, model and data.
         cache_dir: where results are cached as JSON (default ``$LIGHTNING_BOOST_CACHE_DIR`` or
@@ -167,6 +185,7 @@ class AutoBatchSize(BoostCallback):
         min_efficiency: Fraction = 0.8,
         lr_warmup_steps: Annotated[int, Range(ge=0)] | None = None,
         check_validation: bool = True,
+        grow: bool = True,
         attr_name: Annotated[str, Identifier()] = "batch_size",
         retune: bool = False,
         cache_dir: Directory | None = None,
@@ -195,6 +214,7 @@ class AutoBatchSize(BoostCallback):
         self.min_efficiency = min_efficiency
         self.lr_warmup_steps = lr_warmup_steps
         self.check_validation = check_validation
+        self.grow = grow
         self.attr_name = attr_name
         self.retune = retune
         self.cache_dir = cache_dir
@@ -204,6 +224,7 @@ class AutoBatchSize(BoostCallback):
         self._configured: int | None = None  # the size the user wrote, put back at the end of fit
         self._ramped: list[tuple[dict[str, Any], float]] = []  # (param group, its lr) under warm-up
         self._watch: LossWatch | None = None
+        self._growth: Growth | None = None  # the noise scale read during the run (`grow`)
         self._explicit_attr = attr_name != "batch_size"
         self._not_tuned: Finding | None = None  # why this fit cannot be tuned, found in `setup`
         self._set_state_key(attr_name=attr_name)
@@ -265,6 +286,7 @@ class AutoBatchSize(BoostCallback):
             LossWatch(reference=reference_of(decision), batch_size=decision.batch_size) if changed else None
         )
         self._restored = False
+        self._growth = self._start_growth(trainer, pl_module, decision)
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -285,7 +307,10 @@ class AutoBatchSize(BoostCallback):
         decision = self.decision
         if decision is None:
             return
-        ramp = warmup_factor(trainer.global_step, decision.lr_warmup_steps, decision.lr_factor)
+        if self._growth is not None:
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            self._growth.meter.observe(trainer.global_step, grads)
+        ramp = lr_ramp(decision, trainer.global_step)
         if ramp == 1.0:
             return
         for group in optimizer.param_groups:
@@ -306,12 +331,90 @@ class AutoBatchSize(BoostCallback):
                 self._watch = None
 
     @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Read the noise scale of the epoch's pairs of steps; grow the batch when it pays."""
+        growth, before = self._growth, self.decision
+        last = trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs
+        if growth is None or before is None or last or trainer.should_stop:
+            return
+        epoch_batches = int(trainer.num_training_batches)
+        self.decision = after = growth.epoch_end(
+            before, trainer.current_epoch, trainer.global_step, epoch_batches
+        )
+        if after.batch_size == before.batch_size:
+            return
+        lightning_setattr(pl_module, self.attr_name, after.batch_size)
+        forget_train_loader(trainer)  # built again at the new size before the next epoch
+        _scale_learning_rates(trainer, after.lr_factor / before.lr_factor)
+        self._watch = LossWatch(batch_size=after.batch_size)
+        self.findings.append(growth_finding(after))
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._growth is not None and self._growth.reads and self.decision is not None:
+            self.findings.append(noise_reads_finding(self.decision, self._growth.reads))
+
+    @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
+        self._growth = None
         self._end_ramp()
         if stage == "fit" and self._configured is not None:
             lightning_setattr(pl_module, self.attr_name, self._configured)
             self._configured = None
+
+    def _start_growth(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, decision: BatchSizeDecision
+    ) -> Growth | None:
+        """The batch's growth during the run, when the run is long enough to repay it, a larger size
+        could pay, and nothing in the run stops the batch from growing (else a finding says what)."""
+        if not self.grow or decision.kept:
+            return None
+        data = _split_data(trainer, "train")
+        if data is None:
+            return None
+        plan = _plan(trainer, data[0], trainer.world_size)
+        steps, epoch = plan.optimizer_steps(decision.batch_size), plan.batches_per_epoch(decision.batch_size)
+        if (
+            steps is None
+            or epoch is None
+            or steps - epoch // decision.accumulate_grad_batches < GROW_AFTER_STEPS
+        ):
+            return None
+        cap = self._limits(
+            trainer, pl_module, data[0], trainer.world_size, decision.configured_batch_size
+        ).max_size
+        if not could_grow(decision.trials, growth_limits(decision, self.tolerance), decision.batch_size, cap):
+            return None
+        blocker = _growth_blocker(trainer, decision)
+        if blocker:
+            self.findings.append(
+                Finding(
+                    "AutoBatchSize",
+                    "batch size",
+                    Severity.INFO,
+                    f"Batch size not grown during the run: {blocker}",
+                    detail="A larger size could become worth more once the noise scale read from the run's"
+                    " own steps grows.",
+                )
+            )
+            return None
+        probe = StepProbe(
+            pl_module,
+            trainer.optimizers,
+            self.steps,
+            trainer.precision_plugin.train_step_context,
+            trainer.precision_plugin.val_step_context,
+        )
+
+        def measure(size: int) -> Trial:
+            with preserved_rng():
+                return _measured(trainer, size, _train_trial(trainer, probe, data, size, split=False))
+
+        def share(noise: NoiseScale | None) -> NoiseScale | None:
+            return trainer.strategy.broadcast(noise, src=0) if trainer.world_size > 1 else noise
+
+        return Growth(NoiseMeter(decision.effective_batch_size), cap, self.tolerance, measure, share)
 
     def _end_ramp(self) -> None:
         for group, lr in self._ramped:
@@ -771,6 +874,24 @@ def _budget_text(pl_module: L.LightningModule, callback: AutoBatchSize) -> str:
     if device.type == "cpu":
         return f"{callback.cpu_memory_fraction:.0%} of available RAM per process ({peak})"
     return f"{callback.headroom:.0%} of {device.type.upper()} device memory ({peak})"
+
+
+def _growth_blocker(trainer: L.Trainer, decision: BatchSizeDecision) -> str:
+    """Why this run's batch must not grow between epochs (``""`` when it may)."""
+    strategies = {cls.__name__ for cls in type(trainer.strategy).__mro__}
+    if not strategies & {"SingleDeviceStrategy", "DDPStrategy"} or "DeepSpeedStrategy" in strategies:
+        return f"{type(trainer.strategy).__name__} shards or wraps the gradients the noise scale is read from"
+    if decision.target_global_batch_size is not None:
+        return "`target_global_batch_size` fixes the effective batch"
+    if any(config.interval == "step" for config in trainer.lr_scheduler_configs):
+        return "a learning-rate scheduler steps per optimizer step: a larger batch ends the run mid-schedule"
+    if isinstance(trainer.val_check_interval, int) or not isinstance(trainer.limit_train_batches, float):
+        return "the run counts training batches (`val_check_interval` or `limit_train_batches`)"
+    if trainer.limit_train_batches != 1.0:
+        return "`limit_train_batches` takes part of each epoch"
+    if any(isinstance(c, GradientAccumulationScheduler) for c in callbacks_of(trainer)):
+        return "a GradientAccumulationScheduler sets the accumulation"
+    return ""
 
 
 def _scale_learning_rates(trainer: L.Trainer, factor: float) -> None:

@@ -62,6 +62,12 @@ class BatchSizeDecision:
         eval_batch_size: the evaluation batch size measured (``None``: not measured).
         eval_trials: the evaluation steps measured for it, in order.
         eval_stopped: why its doubling stopped, or why it was not measured.
+        growth: each time the run grew the batch (`lightning_boost.batch_size.regrow`), as a dict:
+            ``epoch`` and optimizer ``step`` after which it grew, ``from`` and ``to`` (batch
+            sizes), the re-read ``noise_scale`` and its ``pairs``, the new size's ``efficiency``
+            (against the reference batch), its trial's ``speedup`` and ``goodput`` over the old
+            size's, ``lr_before`` and ``lr_factor`` (the
+            factors from the reference batch) and the ``warmup_steps`` of the raise.
     """
 
     batch_size: int
@@ -89,6 +95,7 @@ class BatchSizeDecision:
     eval_batch_size: int | None = None
     eval_trials: tuple[Trial, ...] = field(default_factory=tuple)
     eval_stopped: str = ""
+    growth: tuple[dict[str, Any], ...] = field(default_factory=tuple)
 
     @property
     def tuned(self) -> dict[str, Any]:
@@ -116,6 +123,7 @@ class BatchSizeDecision:
         values["trials"] = tuple(Trial.from_dict(t) for t in data.get("trials", ()))
         values["validation"] = tuple(Trial.from_dict(t) for t in data.get("validation", ()))
         values["eval_trials"] = tuple(Trial.from_dict(t) for t in data.get("eval_trials", ()))
+        values["growth"] = tuple(dict(g) for g in data.get("growth", ()))
         return cls(**values)
 
     def replace(self, **changes: Any) -> BatchSizeDecision:
@@ -456,3 +464,52 @@ def format_size(nbytes: int | None) -> str:
         if nbytes >= scale:
             return f"{nbytes / scale:.1f} {unit}"
     return f"{nbytes} B"
+
+
+def growth_finding(decision: BatchSizeDecision) -> Finding:
+    """What the report says about the run's last growth of the batch (`decision.growth[-1]`)."""
+    grew = decision.growth[-1]
+    raised = (
+        f" Learning rates x{grew['lr_factor'] / grew['lr_before']:.3g} ({decision.lr_scaling} rule),"
+        f" warmed up over {grew['warmup_steps']} steps."
+        if grew["lr_factor"] != grew["lr_before"]
+        else ""
+    )
+    return Finding(
+        "AutoBatchSize",
+        "batch size",
+        Severity.INFO,
+        f"Batch size grown from {grew['from']} to {grew['to']} after epoch {grew['epoch']}: the noise"
+        f" scale grew to {grew['noise_scale']:,.0f}",
+        detail=(
+            f"Re-read from {grew['pairs']} pairs of the run's own consecutive steps"
+            f" ({_start_noise(decision)} at the start): {grew['to']} now teaches the model"
+            f" {grew['efficiency']:.0%} as much per sample as the user's batch and its trial ran"
+            f" {grew['speedup']:.2f}x as fast as {grew['from']}'s: {grew['goodput']:.2f}x the goodput."
+            f"{raised}"
+        ),
+        data={"growth": list(decision.growth), "batch_size": decision.batch_size},
+    )
+
+
+def noise_reads_finding(decision: BatchSizeDecision, reads: list[tuple[int, float, int]]) -> Finding:
+    """The noise scales re-read during the run, ``(epoch, noise scale, pairs)`` each."""
+    listed = ", ".join(f"{value:,.0f} after epoch {epoch}" for epoch, value, _ in reads)
+    sizes = [g["to"] for g in decision.growth]
+    outcome = f"the batch grew to {sizes[-1]}" if sizes else f"batch {decision.batch_size} stayed"
+    return Finding(
+        "AutoBatchSize",
+        "batch size",
+        Severity.INFO,
+        f"Gradient noise scale re-read during the run: {listed}; {outcome}",
+        detail=(
+            f"{_start_noise(decision)} at the start. A larger measured size is taken once its goodput"
+            " at the re-read noise scale beats the current size's by more than the tolerance, at"
+            f" {decision.min_efficiency:.0%} efficiency or more."
+        ),
+        data={"noise_reads": [list(read) for read in reads]},
+    )
+
+
+def _start_noise(decision: BatchSizeDecision) -> str:
+    return "unknown" if decision.noise_scale is None else f"{decision.noise_scale:,.0f}"

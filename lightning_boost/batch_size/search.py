@@ -251,9 +251,10 @@ def _next_size(trials: Sequence[Trial], limits: Limits) -> tuple[int | None, str
     return middle, ""
 
 
-def choose(trials: Sequence[Trial], limits: Limits) -> Trial | None:
+def choose(trials: Sequence[Trial], limits: Limits, noise: NoiseScale | None = None) -> Trial | None:
     """The smallest fitting trial whose goodput is within `tolerance` (or the two trials' measured
-    spread, if wider) of the best, among those efficient enough; ``None`` if none fits.
+    spread, if wider) of the best, among those efficient enough; ``None`` if none fits. Efficiency
+    is at `noise`, or at the noise scale the trials' gradients give.
 
     The smallest fitting size is always a candidate, whatever its efficiency: it is the closest
     to what the user wrote.
@@ -271,7 +272,7 @@ def choose(trials: Sequence[Trial], limits: Limits) -> Trial | None:
     ok = sorted((t for t in trials if t.fits(limits.budget_bytes)), key=lambda t: t.size)
     if not ok:
         return None
-    noise = noise_of(trials, limits.budget_bytes)
+    noise = noise or noise_of(trials, limits.budget_bytes)
     candidates = [ok[0], *(t for t in ok[1:] if limits.efficiency(t.size, noise) >= limits.min_efficiency)]
     best = max(candidates, key=lambda t: goodput(t, limits, noise))
     top = goodput(best, limits, noise)
