@@ -25,6 +25,10 @@ AUTOCAST_PAIRS = (2, 8)
 #: the trial is there to find models bf16 slows down, and a step that bf16 does not slow is no such
 #: model; only a setting that would replace bf16 needs a pair of each order to agree.
 AUTOCAST_KEEP_AT_ONCE = 1.0
+#: ... when both of its steps took at least this long (seconds). A shorter step's pair is cheap to
+#: repeat and its noise (the timer, a collection, another process) can hide a loss: the
+#: time-to-quality MLP (1 ms steps, 0.75x with bf16 over 2 pairs) once read 1.11x on its first pair.
+AUTOCAST_AT_ONCE_MIN_S = 0.02
 
 #: Untimed steps first: one fp32, one bf16 (oneDNN builds its bf16 kernels on first use).
 AUTOCAST_WARMUP = 2
@@ -107,7 +111,8 @@ def decide_autocast(seconds: Sequence[float], final: bool = False) -> AutocastCh
     run as `autocast_setting` says), else ``None``. Each pair compares adjacent steps, so a
     machine that slows down for a while hits both settings alike; bf16 is kept unless the median
     pair is `AUTOCAST_MAX_LOSS` slower with it. A first pair in which bf16 is not slower
-    (`AUTOCAST_KEEP_AT_ONCE`) keeps it at once; otherwise the search stops after `AUTOCAST_PAIRS`'s
+    (`AUTOCAST_KEEP_AT_ONCE`), of steps that are not short (`AUTOCAST_AT_ONCE_MIN_S`), keeps it at
+    once; otherwise the search stops after `AUTOCAST_PAIRS`'s
     first number when every pair gives the same verdict (each at most that much slower with bf16,
     or each more), else after its second; `final` (the trial's time is spent) decides on the pairs
     there are, and keeps fp32 when there is none.
@@ -117,20 +122,23 @@ def decide_autocast(seconds: Sequence[float], final: bool = False) -> AutocastCh
         AutocastChoice(bf16=True, speedup=1.25, pairs=1, why_not='', cached=False)
         >>> decide_autocast([0.2, 0.3, 0.10, 0.104]) is None  # a slower bf16 needs both orders
         True
+        >>> decide_autocast([0.002, 0.003, 0.0010, 0.0008]) is None  # so does a 1 ms step
+        True
         >>> decide_autocast([0.2, 0.3, 0.10, 0.101, 0.099, 0.10])  # alike: the hardware's bf16 stays
         AutocastChoice(bf16=True, speedup=1.0, pairs=2, why_not='', cached=False)
         >>> decide_autocast([0.2, 0.3, 0.10, 0.13, 0.13, 0.10])  # 0.77x: fp32
         AutocastChoice(bf16=False, speedup=0.769, pairs=2, why_not='', cached=False)
     """
-    ratios = []
+    ratios, shortest = [], math.inf
     for first in range(AUTOCAST_WARMUP, len(seconds) - 1, 2):
         a, b = seconds[first], seconds[first + 1]
         fp32, bf16 = (b, a) if autocast_setting(first) else (a, b)
         ratios.append(fp32 / bf16 if bf16 > 0 else 1.0)
+        shortest = min(shortest, a, b)
     least, most = AUTOCAST_PAIRS
     if final and not ratios:
         return AutocastChoice(False, None, 0, "steps too slow to time both within the trial's time")
-    if len(ratios) == 1 and ratios[0] >= AUTOCAST_KEEP_AT_ONCE:
+    if len(ratios) == 1 and ratios[0] >= AUTOCAST_KEEP_AT_ONCE and shortest >= AUTOCAST_AT_ONCE_MIN_S:
         return AutocastChoice(True, round(ratios[0], 3), 1)
     keep = [r >= 1 - AUTOCAST_MAX_LOSS for r in ratios]  # each pair's own verdict
     agree = all(keep) or not any(keep)

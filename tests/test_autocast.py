@@ -23,6 +23,7 @@ from lightning_boost import BoostReport, BoostWarning, preset
 from lightning_boost.demo import precision_text
 from lightning_boost.hardware import EXAMPLES
 from lightning_boost.precision import (
+    AUTOCAST_AT_ONCE_MIN_S,
     AUTOCAST_KEEP_AT_ONCE,
     AUTOCAST_MAX_LOSS,
     AUTOCAST_PAIRS,
@@ -58,6 +59,13 @@ def test_a_first_pair_that_bf16_does_not_slow_keeps_it_at_once(bf16: float) -> N
     the second pair would only cost the run another two steps before its first."""
     assert 0.100 / bf16 >= AUTOCAST_KEEP_AT_ONCE
     assert decide_autocast(timed(0.100, bf16, 1)) == AutocastChoice(True, round(0.100 / bf16, 3), 1)
+
+
+def test_a_first_pair_of_short_steps_waits_for_both_orders() -> None:
+    """A 1 ms step's pair is cheap to repeat, and its noise can hide a loss: no verdict on one."""
+    short = AUTOCAST_AT_ONCE_MIN_S / 2
+    assert decide_autocast(timed(short, short * 0.8, 1)) is None
+    assert decide_autocast(timed(short, short * 0.8, AUTOCAST_PAIRS[0])) == AutocastChoice(True, 1.25, 2)
 
 
 @pytest.mark.parametrize("bf16", [0.101, 0.103, 0.14])
