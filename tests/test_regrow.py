@@ -169,7 +169,7 @@ WHOLE: dict[str, Any] = {"limit_train_batches": 1.0, "limit_val_batches": 1.0}
 
 
 def grow_callback(tmp_path: Path) -> AutoBatchSize:
-    return AutoBatchSize(retune=True, cache_dir=tmp_path / "cache")
+    return AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", grow=True)
 
 
 @pytest.mark.usefixtures("fixed_cost_steps")

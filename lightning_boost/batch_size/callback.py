@@ -116,7 +116,7 @@ class AutoBatchSize(BoostCallback):
     The attribute is put back to the configured size at the end of the fit, so a second fit, a
     resumed run and a reused datamodule scale from the size the user wrote.
 
-    During the run (`grow`), the noise scale is read again from pairs of the run's own consecutive
+    With `grow`, during the run the noise scale is read again from pairs of the run's own consecutive
     steps (`lightning_boost.batch_size.regrow`), and at an epoch's end the batch grows to a larger
     measured size once that size's goodput beats the current one's by more than `tolerance`, with
     the learning rates of its rule, warmed up; the loader is built again at the new size for the
@@ -154,7 +154,9 @@ class AutoBatchSize(BoostCallback):
         check_validation: also run a validation step at the chosen size (when not the configured
             one), stepping down if it fails.
         grow: read the gradient noise scale again during the run and grow the batch between
-            epochs when a larger measured size has become worth more (see above).
+            epochs when a larger measured size has become worth more (see above). Off by default:
+            on a run whose last epochs still teach the model, the larger batch can end it short
+            of the fixed batch's model (``docs/batch-size.md``).
         attr_name: the name of the batch-size attribute.
         retune: measure even when the cache holds a result for this machine, model and data.
         cache_dir: where results are cached as JSON (default ``$LIGHTNING_BOOST_CACHE_DIR`` or
@@ -185,7 +187,7 @@ class AutoBatchSize(BoostCallback):
         min_efficiency: Fraction = 0.8,
         lr_warmup_steps: Annotated[int, Range(ge=0)] | None = None,
         check_validation: bool = True,
-        grow: bool = True,
+        grow: bool = False,
         attr_name: Annotated[str, Identifier()] = "batch_size",
         retune: bool = False,
         cache_dir: Directory | None = None,
