@@ -309,7 +309,7 @@ class AutoBatchSize(BoostCallback):
         decision = self.decision
         if decision is None:
             return
-        if self._growth is not None:
+        if self._growth is not None and self._growth.meter.reads(trainer.global_step):
             grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
             self._growth.meter.observe(trainer.global_step, grads)
         ramp = lr_ramp(decision, trainer.global_step)
@@ -401,13 +401,7 @@ class AutoBatchSize(BoostCallback):
                 )
             )
             return None
-        probe = StepProbe(
-            pl_module,
-            trainer.optimizers,
-            self.steps,
-            trainer.precision_plugin.train_step_context,
-            trainer.precision_plugin.val_step_context,
-        )
+        probe = self._probe(trainer, pl_module)
 
         def measure(size: int) -> Trial:
             with preserved_rng():
@@ -417,6 +411,13 @@ class AutoBatchSize(BoostCallback):
             return trainer.strategy.broadcast(noise, src=0) if trainer.world_size > 1 else noise
 
         return Growth(NoiseMeter(decision.effective_batch_size), cap, self.tolerance, measure, share)
+
+    def _probe(self, trainer: L.Trainer, pl_module: L.LightningModule) -> StepProbe:
+        """Trial steps on a copy of the run's model and optimizers, in the run's precision."""
+        plugin = trainer.precision_plugin
+        return StepProbe(
+            pl_module, trainer.optimizers, self.steps, plugin.train_step_context, plugin.val_step_context
+        )
 
     def _end_ramp(self) -> None:
         for group, lr in self._ramped:
@@ -446,13 +447,7 @@ class AutoBatchSize(BoostCallback):
         if cached is not None:
             return cached
         limits = dataclasses.replace(limits, planned_samples=plan.samples_planned(configured))
-        probe = StepProbe(
-            pl_module,
-            trainer.optimizers,
-            self.steps,
-            trainer.precision_plugin.train_step_context,
-            trainer.precision_plugin.val_step_context,
-        )
+        probe = self._probe(trainer, pl_module)
         validates = self.check_validation and overrides(pl_module, "validation_step")
         val_data = _split_data(trainer, "val") if validates else None
         rule = lr_rule([type(o).__name__ for o in trainer.optimizers], self.lr_scaling)

@@ -66,8 +66,8 @@ class BatchSizeDecision:
             ``epoch`` and optimizer ``step`` after which it grew, ``from`` and ``to`` (batch
             sizes), the re-read ``noise_scale`` and its ``pairs``, the new size's ``efficiency``
             (against the reference batch), its trial's ``speedup`` and ``goodput`` over the old
-            size's, ``lr_before`` and ``lr_factor`` (the
-            factors from the reference batch) and the ``warmup_steps`` of the raise.
+            size's, ``lr_before`` and ``lr_factor`` (the factors from the reference batch) and the
+            ``warmup_steps`` of the raise.
     """
 
     batch_size: int

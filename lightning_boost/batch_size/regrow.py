@@ -35,7 +35,8 @@ PAIR_EVERY = 8
 #: Pairs an estimate needs; with fewer, the meter goes on adding.
 MIN_PAIRS = 8
 #: A run with fewer optimizer steps after its first epoch does not grow: the trial of a larger
-#: size (about 8 steps' worth) would cost more than 2 % of the steps a growth could speed up.
+#: size (a warm-up and `AutoBatchSize.steps` timed steps at twice the size: about 8 steps' worth,
+#: estimated, not measured) would cost more than 2 % of the steps a growth could speed up.
 GROW_AFTER_STEPS = 400
 #: Gradient elements held from a pair's first step to its second (16 MiB in fp32); a model with
 #: more holds every n-th element of each gradient, the same ones at both steps.
@@ -65,6 +66,10 @@ class NoiseMeter:
         self._stride = 0
         self._held: list[Tensor] | None = None
         self._sums: Tensor | None = None  # [mean squared norm, squared norm of the mean, pairs]
+
+    def reads(self, step: int) -> bool:
+        """Whether optimizer step `step` is one of a pair (the others need no gradients listed)."""
+        return step % self.every in (0, 1)
 
     def observe(self, step: int, grads: Sequence[Tensor]) -> None:
         """Read the gradients of optimizer step `step` (from 0) if it is one of a pair: no host read."""
@@ -263,7 +268,8 @@ def grown(
     before = next(t for t in decision.trials if t.size == decision.batch_size)
     effective = limits.effective(trial.size)
     factor = lr_factor(decision.lr_scaling, effective, decision.reference_batch_size)
-    gained = limits.efficiency(trial.size, noise) / limits.efficiency(decision.batch_size, noise)
+    reached = limits.efficiency(trial.size, noise)
+    gained = reached / limits.efficiency(decision.batch_size, noise)
     entry = {
         "epoch": epoch,
         "step": step,
@@ -271,7 +277,7 @@ def grown(
         "to": trial.size,
         "noise_scale": noise.value,
         "pairs": pairs,
-        "efficiency": limits.efficiency(trial.size, noise),
+        "efficiency": reached,
         "speedup": trial.samples_per_s / before.samples_per_s,
         "goodput": trial.samples_per_s / before.samples_per_s * gained,
         "lr_before": decision.lr_factor,
@@ -282,7 +288,7 @@ def grown(
         batch_size=trial.size,
         effective_batch_size=effective,
         lr_factor=factor,
-        efficiency=entry["efficiency"],
+        efficiency=reached,
         growth=(*decision.growth, entry),
     )
 
