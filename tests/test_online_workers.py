@@ -533,7 +533,13 @@ def test_two_ranks_search_together_and_each_trains_its_share_once(tmp_path: Path
             assert saved["seen"][str(epoch)] == list(sampler)
 
 
-def test_auto_num_workers_searches_the_users_own_training_loader(tmp_path: Path) -> None:
+@pytest.mark.parametrize("cpus", [None, 16])
+def test_auto_num_workers_searches_the_users_own_training_loader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpus: int | None
+) -> None:
+    if cpus:  # simulated: a 16-CPU machine (the H100's), where max_workers=2 still gets its segments
+        monkeypatch.setattr("lightning_boost.hardware.available_cpus", lambda: cpus)
+
     def fit(callbacks: list[L.Callback]) -> Recorder:
         L.seed_everything(0, verbose=False)
         model = Recorder()

@@ -75,7 +75,9 @@ class SegmentPlan:
 
 def plan_segments(epoch_batches: int | None, run_batches: int | None, cpus: int) -> SegmentPlan:
     """The segments a search may run: `SEARCH_SHARE` of the first epoch, or of the whole run
-    when that is shorter, split among the settings a search of `cpus` candidates measures.
+    when that is shorter, split among the settings a search up to `cpus` workers measures (the
+    CPU budget, or the user's ``max_workers`` when lower: a 16-CPU machine's count of settings
+    would leave segments too short to time the one or two workers the user allowed).
 
     Example:
         >>> plan_segments(128, 256, cpus=2)  # the demo: 12 batches, three segments of 4

@@ -198,7 +198,10 @@ class LoaderTuner:
             if online is not None and online[0] is not None:
                 epoch_batches, samples = online
                 run_batches = None if samples is None else -(-samples // batch_size)
-                plan = plan_segments(epoch_batches, run_batches, hardware.cpus_per_process)
+                most = hardware.cpus_per_process  # the counts a search may try split its segments
+                if self.tuning.max_workers is not None:
+                    most = min(most, self.tuning.max_workers)
+                plan = plan_segments(epoch_batches, run_batches, most)
                 if not plan.why_not:
                     return {"online": dataclasses.asdict(plan)}
                 workers, factor, _ = prior_setting(hardware, self.tuning)
