@@ -347,6 +347,8 @@ def hardware_for(trainer: L.Trainer | None) -> HardwareInfo:
         accelerator = "cuda"
     elif is_lightning(trainer.accelerator, "MPSAccelerator"):
         accelerator = "mps"
+    if accelerator == "cpu" and hardware.is_cuda:  # a Trainer pinned to the CPU on a GPU machine
+        hardware = hardware.on_cpu()
     return hardware.replace(accelerator=accelerator, local_world_size=max(trainer.num_devices, 1))
 
 

@@ -48,6 +48,16 @@ def check_gpu(hw: HardwareInfo) -> list[Finding]:
                 f"torch {hw.torch_version}, CUDA {hw.cuda_version}, cuDNN {hw.cudnn_version}",
             )
         ]
+    if hw.unused_gpus:
+        return [
+            _finding(
+                "environment",
+                "warn",
+                f"{hw.unused_gpus} GPU(s) here, but this run trains on the CPU",
+                "The Trainer was told `accelerator='cpu'`: the GPUs stay idle.",
+                "Leave out `accelerator='cpu'` (or pass `accelerator='gpu'`) to train on them.",
+            )
+        ]
     if hw.nvidia_driver_present and hw.cpu_only_build:
         return [
             _finding(

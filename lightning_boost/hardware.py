@@ -63,6 +63,8 @@ class HardwareInfo:
             ``/proc/driver/nvidia``), whatever torch thinks.
         cuda_error: why CUDA is unusable when torch has CUDA and a driver is present but
             ``torch.cuda.is_available()`` is false.
+        unused_gpus: CUDA devices this machine has that the run leaves idle (a Trainer pinned to
+            the CPU: `on_cpu`).
 
     Example:
         >>> from lightning_boost.hardware import EXAMPLES
@@ -94,6 +96,7 @@ class HardwareInfo:
     cpu_only_build: bool = True
     nvidia_driver_present: bool = False
     cuda_error: str | None = None
+    unused_gpus: Count = 0
 
     def __post_init__(self) -> None:
         per_device = (len(self.compute_capabilities), len(self.device_memory_bytes))
@@ -146,6 +149,27 @@ class HardwareInfo:
     def replace(self, **changes: object) -> HardwareInfo:
         """A copy with some fields changed, e.g. ``hw.replace(local_world_size=2)``."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+    def on_cpu(self) -> HardwareInfo:
+        """This machine as a run on its CPU sees it: no accelerator devices, the CPUs and limits
+        as they are. For ``preset("auto", hardware=HardwareInfo.detect().on_cpu())`` beside a
+        Trainer with ``accelerator="cpu"`` on a GPU machine.
+
+        Example:
+            >>> from lightning_boost.hardware import EXAMPLES
+            >>> cpu = EXAMPLES["h100"].on_cpu()
+            >>> cpu.accelerator, cpu.device_count, cpu.unused_gpus, cpu.supports_bf16, cpu.cpus_available
+            ('cpu', 0, 1, False, 16)
+        """
+        return self.replace(
+            accelerator="cpu",
+            device_names=(),
+            compute_capabilities=(),
+            device_memory_bytes=(),
+            supports_bf16=False,
+            supports_tf32=False,
+            unused_gpus=self.device_count if self.is_cuda else self.unused_gpus,
+        )
 
     def to_dict(self) -> dict[str, object]:
         """Plain JSON-ready dict (tuples become lists)."""

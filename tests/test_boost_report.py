@@ -23,7 +23,7 @@ from lightning_boost import (
     boost_callbacks,
     preset,
 )
-from lightning_boost.hardware import EXAMPLES
+from lightning_boost.hardware import EXAMPLES, HardwareInfo
 from lightning_boost.report import AREAS, SCHEMA_VERSION, Finding, Severity, plot_data
 from lightning_boost.report.callback import attach_report
 from lightning_boost.report.plots import INSTALL_HINT, write_plots
@@ -339,7 +339,8 @@ def test_a_logger_shared_between_runs_gets_one_folder_per_run(tmp_path: Path) ->
 
 def test_the_precision_is_reported_once_when_a_preset_says_why(tmp_path: Path) -> None:
     report = BoostReport(console=False)
-    trainer = tiny_trainer(tmp_path, strategy=preset("auto"), callbacks=[report])
+    strategy = preset("auto", hardware=HardwareInfo.detect().on_cpu())  # the CPU `tiny_trainer` pins
+    trainer = tiny_trainer(tmp_path, strategy=strategy, callbacks=[report])
     trainer.fit(BoringModel(), datamodule=BoringDataModule())
     assert report.report is not None
     precision = [f for f in report.report.findings if "precision" in f.data]

@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,6 +53,22 @@ def test_unusable_cuda_fails_with_the_reason() -> None:
     assert finding.severity is Severity.ERROR
     assert "driver on your system is too old" in finding.detail
     assert "nvidia-smi" in finding.fix and "CUDA_VISIBLE_DEVICES" in finding.fix
+
+
+def test_a_cpu_run_on_a_gpu_machine_warns_that_the_gpu_stays_idle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Simulated: the H100 machine (its HardwareInfo), a Trainer pinned to the CPU. There the report
+    # said "An NVIDIA GPU is visible but CUDA is unusable" (an ERROR) of a working GPU.
+    from lightning_boost._lightning import hardware_for
+    from lightning_boost.testing import tiny_trainer
+
+    monkeypatch.setattr(HardwareInfo, "detect", classmethod(lambda cls: EXAMPLES["h100"]))
+    hardware = hardware_for(tiny_trainer(tmp_path))
+    assert hardware.accelerator == "cpu" and hardware.device_count == 0 and hardware.unused_gpus == 1
+    finding = only(check_gpu(hardware))
+    assert finding.severity is Severity.WARN and "this run trains on the CPU" in finding.title
+    assert "accelerator='cpu'" in finding.fix
 
 
 def test_cpu_box_without_driver_is_ok() -> None:

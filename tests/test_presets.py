@@ -282,7 +282,9 @@ def test_conflicting_trainer_precision_is_an_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
 def test_preset_precision_reaches_the_live_trainer(tmp_path: Path, precision: str) -> None:
-    trainer = tiny_trainer(tmp_path, strategy=preset("auto", precision=precision), precision=precision)
+    on_cpu = HardwareInfo.detect().on_cpu()  # `tiny_trainer` pins the CPU, on a GPU machine too
+    strategy = preset("auto", hardware=on_cpu, precision=precision)
+    trainer = tiny_trainer(tmp_path, strategy=strategy, precision=precision)
     trainer.fit(BoringModel(), datamodule=BoringDataModule())
     assert trainer.precision == precision
     assert trainer.global_step == 4
@@ -428,3 +430,18 @@ def test_on_cuda_the_preset_trains_in_its_precision_with_tf32_and_cudnn_benchmar
     assert model.seen == ("cuda", half, "high" if plan.tf32 else before[0], True)
     assert trainer.precision == plan.precision
     assert (torch.get_float32_matmul_precision(), torch.backends.cudnn.benchmark) == before
+
+
+def test_a_preset_planned_for_the_gpu_beside_a_cpu_trainer_says_how_to_plan_for_the_cpu(
+    tmp_path: Path,
+) -> None:
+    # Simulated: the H100's plan (cuda:0), here where no GPU is. On the GPU machine Lightning said
+    # only "Device should be CPU, got cuda:0 instead."
+    model = BoringModel()
+    before = model.layer.weight.detach().clone()
+    trainer = tiny_trainer(tmp_path, strategy=preset("auto", hardware=EXAMPLES["h100"]))
+    with pytest.raises(ValueError, match=r"accelerator='cpu'.*hardware=HardwareInfo.detect\(\).on_cpu\(\)"):
+        trainer.fit(model, datamodule=BoringDataModule())
+    assert torch.equal(model.layer.weight, before)  # nothing trained
+    planned = preset("auto", hardware=EXAMPLES["h100"].on_cpu())
+    assert planned.plan.options["device"] == "cpu" and planned.plan.precision == "32-true"

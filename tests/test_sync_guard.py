@@ -806,6 +806,77 @@ def test_a_reported_call_is_not_counted_again_as_the_allocators(monkeypatch: pyt
     assert watch.stop() == {"alloc_retry": 1}
 
 
+def test_a_retrys_own_stream_sync_is_the_retry(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Simulated counters, as above: each retry first syncs every stream (the H100's test of a real
+    # retry got both WARNs for it); only the syncs beyond the retries are another finding.
+    from lightning_boost.guards import sync_watch
+
+    counters = {"num_alloc_retries": 0, "num_sync_all_streams": 0}
+    monkeypatch.setattr(sync_watch, "_allocator_counters", lambda: dict(counters))
+    watch = sync_watch.SyncWatch(lambda pattern, frame: None, cuda=True)
+    for retries, syncs, moved in [
+        (2, 2, {"alloc_retry": 2}),
+        (2, 3, {"alloc_retry": 2, "sync_all_streams": 1}),
+    ]:
+        watch._counters = sync_watch._allocator_counters()
+        watch._mode = _Running()  # type: ignore[assignment]
+        counters["num_alloc_retries"] += retries
+        counters["num_sync_all_streams"] += syncs
+        assert watch.stop() == moved
+
+
+class _Counted:
+    """Stands in for a CUDA run's watch: the allocator's stream syncs one checked step saw."""
+
+    def __init__(self, syncs: int) -> None:
+        self.syncs = syncs
+
+    def stop(self) -> dict[str, int]:
+        return {"sync_all_streams": self.syncs}
+
+
+@pytest.mark.parametrize("benchmark", [True, False])
+def test_cudnn_autotuning_a_new_shape_is_told_apart_from_the_allocators_syncs(
+    monkeypatch: pytest.MonkeyPatch, benchmark: bool
+) -> None:
+    # Simulated counters (no GPU here): on the H100 the demo's warm run, whose first steps cuDNN
+    # autotuned under `cudnn.benchmark`, got "The caching allocator synchronized every stream"
+    # (32 over 10 checked steps, at 272 MiB of 80 GiB). A stream sync in a step with a shape seen
+    # before is still the allocator's WARN.
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", benchmark)
+    guard = SyncGuard()
+    for new_shape, syncs in [(True, 30), (False, 0), (False, 2)]:
+        guard._watch = _Counted(syncs)  # type: ignore[assignment]
+        guard._stop_watch(new_shape)
+    findings = {f.data["pattern"]: f for f in guard._make_findings()}
+    if benchmark:
+        assert {p: f.data["count"] for p, f in findings.items()} == {
+            "cudnn_autotune": 30,
+            "sync_all_streams": 2,
+        }
+        assert (
+            findings["cudnn_autotune"].severity is Severity.INFO
+            and "pad or bucket" in findings["cudnn_autotune"].fix
+        )
+    else:
+        assert {p: f.data["count"] for p, f in findings.items()} == {"sync_all_streams": 32}
+    assert findings["sync_all_streams"].severity is Severity.WARN
+
+
+def test_a_checked_step_knows_whether_its_input_shape_is_new(tmp_path: Path) -> None:
+    seen: list[bool] = []
+
+    class Recording(SyncGuard):
+        def _stop_watch(self, new_shape: bool = True) -> None:
+            seen.append(new_shape)
+            super()._stop_watch(new_shape)
+
+    data = BoringDataModule(length=40)  # batches of 8, 8, 8, 8, 8 (then validation's)
+    trainer = tiny_trainer(tmp_path, callbacks=[Recording(every_n_steps=1)], limit_train_batches=5)
+    trainer.fit(BoringModel(), datamodule=data)
+    assert seen[:5] == [True, False, False, False, False]
+
+
 class LoggedItem(BoringModel):
     """Logs `loss.item()`: under torch.compile a graph break, run eagerly, where the guard sees it."""
 

@@ -152,7 +152,8 @@ class SyncGuard(Guard):
         self._groups: dict[tuple[str, ...], SyncGroup] = {}
         self._new: list[SyncGroup] = []
         self._allocator: dict[str, int] = {}
-        self._window: tuple[str, float] | None = None
+        self._window: tuple[str, float, bool] | None = None  # phase, start, a new input shape
+        self._shapes: set[tuple[tuple[int, ...], ...]] = set()
         self._phase = "training"
         self._error: str | None = None
         self._cuda = cuda
@@ -184,7 +185,7 @@ class SyncGuard(Guard):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._close(trainer)
-        self._begin("training", trainer)
+        self._begin("training", trainer, batch)
 
     @override
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -202,7 +203,7 @@ class SyncGuard(Guard):
         if trainer.sanity_checking:
             return
         self._close(trainer)
-        self._begin("validation", trainer)
+        self._begin("validation", trainer, batch)
 
     @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -231,14 +232,16 @@ class SyncGuard(Guard):
         for tensor in host_side(module or torch.nn.Module(), trainer.optimizers):
             self._watch.mark_host(tensor)
 
-    def _begin(self, phase: str, trainer: L.Trainer) -> None:
+    def _begin(self, phase: str, trainer: L.Trainer, batch: Any) -> None:
         self._phase = phase
         now = time.perf_counter()
         checked = self._phases[phase].begin(now) and self._watch is not None
         if phase == "training" and (checked or self.scope == "fit"):  # unchecked steps: no work
             self._mark_host_side(trainer)
         if checked and self._watch is not None:
-            self._window = (phase, now)
+            shapes = batch_shapes(batch)
+            self._window = (phase, now, shapes not in self._shapes)
+            self._shapes.add(shapes)
             self._watch.start()
 
     def _close(self, trainer: L.Trainer, interrupted: bool = False) -> None:
@@ -248,10 +251,10 @@ class SyncGuard(Guard):
                 each.last_begin = None
         if self._window is None:
             return
-        phase, start = self._window
+        phase, start, new_shape = self._window
         self._window = None
         if self.scope == "steps":
-            self._stop_watch()
+            self._stop_watch(new_shape)
         self._phases[phase].end_check(time.perf_counter() - start)
         if self.mode == "error":
             self._raise_if_found(trainer, self._phases[phase])
@@ -289,10 +292,17 @@ class SyncGuard(Guard):
             self._finish(trainer.lightning_module)
             raise SyncError(self._error or "SyncGuard: another rank found a host-device sync in its step.")
 
-    def _stop_watch(self) -> None:
-        if self._watch is not None:
-            for pattern, count in self._watch.stop().items():  # the allocator's syncs (CUDA)
-                self._allocator[pattern] = self._allocator.get(pattern, 0) + count
+    def _stop_watch(self, new_shape: bool = True) -> None:
+        """Add the allocator's syncs (CUDA) since the watch started. Under ``cudnn.benchmark``,
+        cuDNN empties the cache to try its algorithms on each input shape it has not seen: a
+        stream sync in a step with a new shape is that (a whole fit's watch: assumed so)."""
+        if self._watch is None:
+            return
+        counts = self._watch.stop()
+        if new_shape and torch.backends.cudnn.benchmark and "sync_all_streams" in counts:
+            counts["cudnn_autotune"] = counts.pop("sync_all_streams")
+        for pattern, count in counts.items():
+            self._allocator[pattern] = self._allocator.get(pattern, 0) + count
 
     @override
     def _finish(self, pl_module: L.LightningModule | None) -> None:
@@ -326,7 +336,7 @@ class SyncGuard(Guard):
                 Finding(
                     source,
                     "syncs",
-                    Severity.WARN,
+                    Severity.INFO if pattern == "cudnn_autotune" else Severity.WARN,
                     f"{PATTERNS[pattern].what} ({count / max(steps, 1):.3g}x per checked step)",
                     f"{count} time(s) over {steps} checked training step(s), by the CUDA allocator's"
                     " counters.",
@@ -366,3 +376,18 @@ def _error_message(group: SyncGroup, pattern: str) -> str:
     site = group.attribution.site
     where = f" at {site.location} in {group.attribution.hook}: `{group.code}`" if site else ""
     return f"SyncGuard: {PATTERNS[pattern].what}{where}. {group.fix()}"
+
+
+def batch_shapes(batch: Any) -> tuple[tuple[int, ...], ...]:
+    """The shapes of the tensors in `batch` (nested in tuples, lists and dicts), in order.
+
+    Example:
+        >>> batch_shapes({"x": torch.zeros(4, 3), "y": [torch.zeros(4), "label"]})
+        ((4, 3), (4,))
+    """
+    if isinstance(batch, torch.Tensor):
+        return (tuple(batch.shape),)
+    items = batch.values() if isinstance(batch, dict) else batch
+    if isinstance(items, (list, tuple)) or isinstance(batch, dict):
+        return tuple(shape for item in items for shape in batch_shapes(item))
+    return ()

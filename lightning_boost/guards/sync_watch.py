@@ -256,12 +256,12 @@ class SyncWatch:
         self._counters = _allocator_counters()
 
     def _counter_deltas(self) -> dict[str, int]:
+        """The counters' moves since `start`; a retry syncs every stream before it frees the cache,
+        so that sync is the retry's (one finding), and only the syncs beyond the retries are others."""
         now = _allocator_counters()
-        return {
-            ALLOCATOR_COUNTERS[key]: now[key] - self._counters.get(key, 0)
-            for key in ALLOCATOR_COUNTERS
-            if now.get(key, 0) > self._counters.get(key, 0)
-        }
+        moved = {value: now[key] - self._counters.get(key, 0) for key, value in ALLOCATOR_COUNTERS.items()}
+        moved["sync_all_streams"] -= moved["alloc_retry"]
+        return {pattern: count for pattern, count in moved.items() if count > 0}
 
 
 def host_side(module: torch.nn.Module, optimizers: Iterable[Optimizer]) -> Iterator[torch.Tensor]:

@@ -190,6 +190,14 @@ PATTERNS: dict[str, Pattern] = {
         Pattern(
             "sync_all_streams", "The caching allocator synchronized every stream to free memory", _ALLOCATOR
         ),
+        Pattern(
+            "cudnn_autotune",
+            "cuDNN's autotuner (`cudnn.benchmark`) emptied the allocator's cache to try its algorithms on"
+            " a new input shape (a sync of every stream)",
+            "Nothing to do for a few shapes: each is tuned once. Inputs whose shape changes from step to"
+            " step pay it again and again: pad or bucket them to a few shapes, or turn it off"
+            " (`preset(..., cudnn_benchmark=False)`).",
+        ),
     )
 }
 

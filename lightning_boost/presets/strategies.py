@@ -43,6 +43,22 @@ def check_precision(user_flag: str, plan: PresetPlan) -> None:
     )
 
 
+def cpu_trainer_error(name: str, device: str) -> str:
+    """What a Trainer pinned to the CPU is told about a preset planned for the machine's GPU
+    (Lightning's own words would be "Device should be CPU, got cuda:0 instead").
+
+    Example:
+        >>> print(cpu_trainer_error("auto", "cuda:0"))
+        `strategy=preset('auto')` was planned for cuda:0, ...hardware=HardwareInfo.detect().on_cpu())`...
+    """
+    return (
+        f"`strategy=preset({name!r})` was planned for {device}, the device this machine has, but the"
+        " Trainer runs on the CPU (`accelerator='cpu'`). To train on the CPU, plan the preset for it:"
+        f" `preset({name!r}, hardware=HardwareInfo.detect().on_cpu())` (from `lightning_boost.hardware"
+        f" import HardwareInfo`); to train on {device}, leave out `accelerator='cpu'`."
+    )
+
+
 def apply_speed_flags(tf32: bool, cudnn_benchmark: bool) -> dict[str, Any]:
     """Turn on TF32 matmuls and cudnn.benchmark as asked; return what to put back."""
     saved = {"matmul": torch.get_float32_matmul_precision(), "benchmark": torch.backends.cudnn.benchmark}
@@ -191,6 +207,13 @@ class PresetSingleDevice(PresetStrategy):
         device = plan.options["device"]
         super().__init__(device=device, precision_plugin=self._preset_precision(plan))  # type: ignore[call-arg]
         self.plan, self.findings = plan, list(plan.findings)
+
+    @override
+    def setup_environment(self) -> None:
+        device = self.root_device
+        if type(self.accelerator).__name__ == "CPUAccelerator" and device.type != "cpu":
+            raise ValueError(cpu_trainer_error(self.plan.name, str(device)))
+        super().setup_environment()
 
 
 class PresetDDPStrategy(PresetDDP, DDPStrategy):
