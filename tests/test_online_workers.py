@@ -50,7 +50,9 @@ def _run(rate: Any, hardware: Any = None, plan: SegmentPlan | None = None, prior
             measured.append(setting[0])
             workers, factor, threads = setting
             value = rate(workers) if threads is None else rate(("threads", threads))
-            setting = search.send(WorkerTrial(workers, factor, value, seconds=1.0, threads=threads))
+            value, share = value if isinstance(value, tuple) else (value, 0.0)  # samples/s, data wait
+            trial = WorkerTrial(workers, factor, value, seconds=1.0, threads=threads, load_share=share)
+            setting = search.send(trial)
     except StopIteration as stop:
         return measured, stop.value
 
@@ -78,9 +80,26 @@ def test_a_cpu_run_probes_the_model_before_starting_any_worker() -> None:
     measured, choice = _run(resnet.__getitem__, cpu, prior=(0, None))
     assert measured == [0, 0] and choice.num_workers == 0
     assert any("cannot beat loading in the main process" in why for why in choice.skipped)
-    data_bound = {0: 280.0, 1: 480.0, 2: 470.0, ("threads", 1): 900.0}
+    # loading in the main process beside the model on 1 thread: 250 samples/s, 70 % of it waiting
+    data_bound = {0: 280.0, 1: 480.0, 2: 470.0, ("threads", 1): (250.0, 0.7)}
     measured, choice = _run(data_bound.__getitem__, cpu, prior=(0, None))
     assert measured == [0, 0, 2, 1, 1, 2] and choice.num_workers == 1  # a near tie: each once more
+    assert choice.threads is None
+
+
+@pytest.mark.parametrize("plan", [SegmentPlan(8, 8), SegmentPlan(4, 3)], ids=["workers timed", "too short"])
+def test_a_small_model_faster_on_fewer_threads_keeps_them(plan: SegmentPlan) -> None:
+    """The time-to-quality MLP on 2 CPUs as its segments measured it: 18k samples/s on both
+    threads, 29k on one (a 1 ms step loses more to starting a second thread than it gains). The
+    probe's thread count wins, also where segments too short to time a worker measure no count."""
+    cpu = EXAMPLES["cpu"].replace(cpus_available=2)
+    mlp = {0: (18000.0, 0.15), 1: (14000.0, 0.2), 2: (13000.0, 0.2), ("threads", 1): (29000.0, 0.1)}
+    measured, choice = _run(mlp.__getitem__, cpu, plan, prior=(0, None))
+    assert measured[:2] == [0, 0] and len(measured) <= plan.max_segments
+    assert (choice.num_workers, choice.threads) == (0, 1)
+    assert "the model on 1 thread(s)" in choice.reason
+    even = {**mlp, ("threads", 1): (18500.0, 0.1)}  # within the tolerance: all threads kept
+    assert _run(even.__getitem__, cpu, plan, prior=(0, None))[1].threads is None
 
 
 def test_a_cpu_run_that_waits_for_its_data_goes_to_workers_at_once() -> None:
@@ -93,8 +112,8 @@ def test_a_cpu_run_that_waits_for_its_data_goes_to_workers_at_once() -> None:
 
 def test_a_cpu_run_whose_segments_cannot_time_a_worker_keeps_loading_in_the_main_process() -> None:
     """The demo's plan: segments of 4 batches. One worker's queue (2 batches) is loaded before its
-    segment starts, leaving one step that loads anything: no worker count is measured, not even
-    the probe of the model's threads that would decide whether to try one."""
+    segment starts, leaving one step that loads anything: no worker count is measured (a run that
+    waits this long for its data runs no probe of the model's threads either)."""
     cpu = EXAMPLES["cpu"].replace(cpus_available=2)
     search = search_online(cpu, WorkerTuning(), SegmentPlan(4, 3), Setting(0))
     assert next(search) == Setting(0)
@@ -117,6 +136,23 @@ def test_a_segment_leaves_out_the_steps_at_the_batches_its_workers_had_queued() 
     alone = _Timing(Setting(0), chunk[:4], iter([0.0, 0.0, 0.1, 0.4, 0.4, 0.7, 0.7, 1.0, 1.0, 9.0]).__next__)
     list(alone.run(iter(range(4)), lambda done: iter(())))
     assert alone.trial().samples_per_s == pytest.approx(12 / 0.9)  # no queue: every step counts
+
+
+def test_the_runs_first_segment_leaves_out_its_first_step() -> None:
+    """The fit's first step builds the optimizer's state (12 ms against 2 ms on the time-to-quality
+    MLP): in the run's first segment it would count against the setting the run starts at."""
+    ticks = [0.0, 0.0, 0.0, 0.012, 0.012, 0.014, 0.014, 0.016, 0.016, 0.018, 0.018, 9.0]  # started, then
+    # (asked, arrived) per batch
+    chunk = [[4 * i + j for j in range(4)] for i in range(5)]
+    first = _Timing(Setting(0), chunk, iter(ticks).__next__, warmup=1)
+    list(first.run(iter(range(5)), lambda done: iter(())))
+    assert first.trial().samples_per_s == pytest.approx(12 / 0.006)  # steps 1-3: 2 ms each
+    later = _Timing(Setting(0), chunk, iter(ticks).__next__)
+    list(later.run(iter(range(5)), lambda done: iter(())))
+    assert later.trial().samples_per_s == pytest.approx(16 / 0.018)
+    short = _Timing(Setting(0), chunk[:3], iter([*ticks[:7], 9.0]).__next__, warmup=1)
+    list(short.run(iter(range(3)), lambda done: iter(())))
+    assert short.trial().samples_per_s == pytest.approx(8 / 0.014)  # two steps: both needed
 
 
 def _run_prefetch(rate: Any, waited: float, hardware: Any = None) -> tuple[list[Setting], WorkerChoice]:
@@ -386,6 +422,42 @@ def test_a_warm_cache_starts_at_the_cached_setting(tmp_path: Path) -> None:
     (choice,) = second.worker_tuner.choices.values()
     assert choice.source == "cache" and choice.num_workers == _searched(first).num_workers
     assert model.seen[0] == _by_hand(tmp_path, max_epochs=1)[0]
+
+
+class _Threads(L.Callback):
+    """torch's intra-op thread count at each training step."""
+
+    def __init__(self) -> None:
+        self.seen: set[int] = set()
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, i: int) -> None:
+        self.seen.add(torch.get_num_threads())
+
+
+def test_a_cached_thread_count_trains_every_step_and_is_put_back(
+    tmp_path: Path, _private_tuning_cache: Path
+) -> None:
+    """Which thread count wins is timing (the pure decision is tested above); here the choice a
+    search stores when the model was faster on 1 thread, read from the cache, trains every step
+    on 1 thread, says so in a finding, and torch's own count is put back after the fit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        _fit(tmp_path, Data(), max_epochs=1)  # a cold run stores its searched choice
+        path = _private_tuning_cache / "workers.json"
+        document = json.loads(path.read_text())
+        (entry,) = document["entries"].values()
+        entry["choice"].update(num_workers=0, prefetch_factor=None, threads=1)
+        path.write_text(json.dumps(document))
+        data, threads = Data(), _Threads()
+        _fit(tmp_path, data, max_epochs=1, callbacks=[threads])
+        (choice,) = data.worker_tuner.choices.values()
+        assert (choice.source, choice.threads, threads.seen) == ("cache", 1, {1})
+        assert any("set_num_threads(1): the model's step measured faster" in f.title for f in data.findings)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_resuming_reuses_the_checkpointed_choice(tmp_path: Path) -> None:

@@ -151,6 +151,8 @@ def choice_findings(source: str, choice: WorkerChoice, loader: str = "") -> list
     label += f"num_workers={choice.num_workers}"
     if choice.num_workers:
         label += f", prefetch_factor={choice.prefetch_factor}"
+    if choice.threads is not None:
+        label += f", the model on {choice.threads} thread(s)"
     measured = "; ".join(
         f"{trial.label}: {trial.samples_per_s:.0f} samples/s" if trial.ok else f"{trial.label}: failed"
         for trial in choice.trials
@@ -231,16 +233,27 @@ def worker_plot(choice: WorkerChoice) -> dict[str, Any] | None:
     )
 
 
-def threads_finding(source: str, threads: int, num_workers: int, hardware: HardwareInfo) -> Finding:
-    return Finding(
-        source,
-        "data",
-        Severity.INFO,
-        f"torch.set_num_threads({threads}) beside {num_workers} DataLoader workers",
-        f"A CPU run has {hardware.cpus_per_process} CPUs per process; model threads spinning on the "
-        "workers' CPUs slow both down, so the model gets the CPUs the workers leave. Restored at teardown.",
-        data={"threads": threads, "num_workers": num_workers},
-    )
+def threads_finding(
+    source: str, threads: int, num_workers: int, hardware: HardwareInfo, measured: bool = False
+) -> Finding:
+    """The model's threads set for a CPU run: those the workers leave, or (`measured`) the fewer
+    the search timed the model faster on."""
+    if measured:
+        title = f"torch.set_num_threads({threads}): the model's step measured faster on fewer threads"
+        why = (
+            f"On the run's own steps the model trained faster on {threads} of the"
+            f" {hardware.cpus_per_process} CPUs per process than on all of them: a small step loses more"
+            " to starting its threads than they add. Restored at teardown."
+        )
+    else:
+        title = f"torch.set_num_threads({threads}) beside {num_workers} DataLoader workers"
+        why = (
+            f"A CPU run has {hardware.cpus_per_process} CPUs per process; model threads spinning on the"
+            " workers' CPUs slow both down, so the model gets the CPUs the workers leave."
+            " Restored at teardown."
+        )
+    data = {"threads": threads, "num_workers": num_workers}
+    return Finding(source, "data", Severity.INFO, title, why, data=data)
 
 
 def open_files_finding(source: str, done: str, hardware: HardwareInfo) -> Finding:

@@ -279,8 +279,9 @@ def _next_setting(
     of its time, first the model alone at the threads one worker would leave (no worker started:
     it trains the run at once), and no worker segment at all when that step alone cannot beat
     loading in the main process (a run that waits longer for its data goes to workers at once);
-    then `_next_count`."""
-    if len(order) >= plan.max_segments or len(candidates) < 2:
+    then `_next_count`. The probe runs even where no worker count can be timed: its threads may
+    win on their own (`choose_online`)."""
+    if len(order) >= plan.max_segments:
         return None
     fewest = hardware.accelerator == "cpu"
     if fewest and order[0].num_workers == 0 and order[0].threads is None:
@@ -292,6 +293,8 @@ def _next_setting(
         if why:
             skipped.append(why)
             return None
+    if len(candidates) < 2:
+        return None
     count = _next_count(candidates, order, tuning.tolerance, fewest)
     factor = tuning.prefetch_factors[0]
     return None if count is None else Setting(count, factor if count else None)
@@ -399,12 +402,18 @@ def choose_online(
 ) -> WorkerChoice:
     """By each count's mean over its segments: the fewest workers within `tolerance` of the
     fastest on a CPU run (the model needs the CPUs), the fastest on a GPU run; no workers when
-    nothing ran.
+    nothing ran. A CPU run's probe of the model on fewer threads (no workers) wins when it beat
+    every count by more than `tolerance`: a small model's step can lose more to starting its
+    threads than they add (`WorkerChoice.threads`).
 
     Example:
         >>> trials = [WorkerTrial(0, None, 400.0), WorkerTrial(2, 2, 430.0), WorkerTrial(1, 2, 420.0)]
         >>> choose_online(trials, WorkerTuning()).num_workers
         1
+        >>> mlp = [WorkerTrial(0, None, 18000.0), WorkerTrial(0, None, 29000.0, threads=1)]
+        >>> choice = choose_online(mlp, WorkerTuning())
+        >>> choice.num_workers, choice.threads
+        (0, 1)
     """
     ran = mean_rates(trials)
     if not ran:
@@ -416,6 +425,15 @@ def choose_online(
     winner = min(near) if fewest else best
     label = next(trial.label for trial in trials if trial.num_workers == best and trial.threads is None)
     where = "on the run's own training steps"
+    probes = [t for t in trials if fewest and t.ok and t.threads is not None and not t.num_workers]
+    probe = max(probes, key=lambda t: t.samples_per_s, default=None)
+    if probe is not None and probe.samples_per_s > (1 + tuning.tolerance) * ran[best]:
+        reason = (
+            f"fastest {where}: the model on {probe.threads} thread(s), loading in the main process"
+            f" ({probe.samples_per_s:.0f} samples/s, against {ran[best]:.0f} at {label})"
+        )
+        cost = search_cost(trials, probe.samples_per_s)
+        return WorkerChoice(0, None, reason, tuple(trials), skipped, cost, "searched", threads=probe.threads)
     if winner == best:
         reason = f"fastest {where} ({ran[best]:.0f} samples/s)"
     else:

@@ -169,6 +169,8 @@ class WorkerChoice:
         source: ``"measured"`` (trials before the fit), ``"searched"`` (on the first epoch's own
             batches), ``"cache"``, ``"checkpoint"``, ``"short run"``, ...
         consumer_samples_per_s: the training step's own rate the loader was held to, when known.
+        threads: a CPU run's model threads when the search measured the model faster on fewer
+            than the workers leave it (a small step that thread start-up outweighs); ``None``: those.
     """
 
     num_workers: int
@@ -179,6 +181,7 @@ class WorkerChoice:
     seconds: float = 0.0
     source: str = "measured"
     consumer_samples_per_s: float | None = None
+    threads: int | None = None
 
     @property
     def failures(self) -> tuple[WorkerTrial, ...]:

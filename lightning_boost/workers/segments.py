@@ -37,6 +37,11 @@ from lightning_boost.workers.search import (
 
 Clock = Callable[[], float]
 
+#: Steps the run's first segment leaves untimed besides its first batch's wait: the fit's first
+#: step builds the optimizer's state and Lightning's first-batch work (the time-to-quality MLP's
+#: took 12 ms against 2 ms later), so it would count against the setting the run starts at.
+WARMUP_STEPS = 1
+
 
 class OnlineSearch:
     """One pending worker search over the first epoch's batches.
@@ -101,7 +106,8 @@ class OnlineSearch:
         try:
             while setting is not None and chunk:
                 self.configure(setting.num_workers, setting.threads)
-                timing = _Timing(setting, chunk, self.clock)
+                warmup = 0 if self._trials else WARMUP_STEPS  # the run's first segment
+                timing = _Timing(setting, chunk, self.clock, warmup)
                 following: tuple[Setting | None, list[list[int]], Iterator[Any]] = (None, [], iter(()))
                 fallback = functools.partial(self._resume, loader, chunk, last_good, next(seeds))
                 for batch in timing.run(stream, fallback):
@@ -158,16 +164,18 @@ class OnlineSearch:
         for loader in [*loaders, *self.followers]:
             apply_setting(loader, self.choice)
         self.followers.clear()
-        self.configure(self.choice.num_workers, None)
+        self.configure(self.choice.num_workers, self.choice.threads)
         self.on_settled(self.choice)
         return self.choice
 
 
 class _Timing:
-    """One segment's batches as they arrive: when each came, and whether its workers failed."""
+    """One segment's batches as they arrive: when each came, and whether its workers failed;
+    the steps of its first `warmup` batches are not timed when enough steps remain."""
 
-    def __init__(self, setting: Setting, chunk: list[list[int]], clock: Clock) -> None:
+    def __init__(self, setting: Setting, chunk: list[list[int]], clock: Clock, warmup: int = 0) -> None:
         self.setting = setting
+        self.warmup = warmup
         self.chunk = chunk
         self.clock = clock
         self.started = clock()
@@ -202,7 +210,8 @@ class _Timing:
         """Samples per second from the first batch's arrival to the last's (the steps between
         included), or the failure. The last steps, at the batches the workers' queue held when the
         segment started (loaded while the segment before ran), are left out when enough steps
-        remain: no loading competes with them, so they would flatter the setting."""
+        remain: no loading competes with them, so they would flatter the setting; so are the steps
+        at the first `warmup` batches."""
         workers, factor, threads = self.setting
         seconds = self.clock() - self.started
         if self.failed or len(self.times) < 2:
@@ -211,10 +220,11 @@ class _Timing:
         last, queued = len(self.times) - 1, queue_depth(workers, factor)
         if last - queued >= MIN_TIMED_STEPS:
             last -= queued
-        samples = sum(len(batch) for batch in self.chunk[:last])  # the steps timed
-        span = max(self.times[last] - self.times[0], 1e-9)
+        first = self.warmup if last - self.warmup >= MIN_TIMED_STEPS else 0
+        samples = sum(len(batch) for batch in self.chunk[first:last])  # the steps timed
+        span = max(self.times[last] - self.times[first], 1e-9)
         startup = self.times[0] - self.started
-        share = min(sum(self.waits[1 : last + 1]) / span, 1.0)
+        share = min(sum(self.waits[first + 1 : last + 1]) / span, 1.0)
         return WorkerTrial(
             workers, factor, samples / span, seconds, self.batch_bytes, "", startup, threads, share
         )

@@ -133,7 +133,7 @@ class LoaderTuner:
         elif key in self.restored:
             self.restored.discard(key)
             self.findings += choice_findings(self.source, choice.replace(source="checkpoint"), loader)
-        self.apply_process_settings(hardware, choice.num_workers)
+        self.apply_process_settings(hardware, choice.num_workers, choice.threads)
         return choice, None
 
     def _online(
@@ -151,7 +151,7 @@ class LoaderTuner:
         def settled(choice: WorkerChoice) -> None:
             self.choices[key] = choice
             self.findings += choice_findings(self.source, choice, loader)
-            self.apply_process_settings(hardware, choice.num_workers)
+            self.apply_process_settings(hardware, choice.num_workers, choice.threads)
             searched = len(choice.trials) >= min(plan.max_segments, 2)
             if searched and (trainer is None or trainer.is_global_zero):
                 path = Path(self.cache_dir or cache.default_cache_dir()) / CACHE_FILE
@@ -276,7 +276,8 @@ class LoaderTuner:
 
     def configure_segment(self, hardware: HardwareInfo, num_workers: int, threads: int | None = None) -> None:
         """Before a search segment at `num_workers`: the open-file limit, and on a CPU run the
-        model's threads on the CPUs the workers leave (all it had, with none), or `threads`."""
+        model's threads on the CPUs the workers leave (all it had, with none), or `threads` (never
+        more than it had)."""
         plan = open_files_plan(hardware, num_workers)
         if plan is not None and self._files_before is None:
             self._files_before = (
@@ -290,14 +291,16 @@ class LoaderTuner:
             self._threads_before = torch.get_num_threads()
         before = self._threads_before
         if threads is None:
-            threads = (
-                min(model_threads(hardware.cpus_per_process, num_workers), before) if num_workers else before
-            )
+            threads = model_threads(hardware.cpus_per_process, num_workers) if num_workers else before
+        threads = min(threads, before)
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
-    def apply_process_settings(self, hardware: HardwareInfo, num_workers: int) -> None:
-        """Open-file limit and, on a CPU run, the model's threads beside the workers."""
+    def apply_process_settings(
+        self, hardware: HardwareInfo, num_workers: int, measured_threads: int | None = None
+    ) -> None:
+        """Open-file limit and, on a CPU run, the model's threads beside the workers, or the
+        `measured_threads` a search found faster (`WorkerChoice.threads`)."""
         plan = open_files_plan(hardware, num_workers)
         if plan is not None:
             if self._files_before is None:  # put back at teardown: they are the process's, not the run's
@@ -306,12 +309,17 @@ class LoaderTuner:
                     torch.multiprocessing.get_sharing_strategy(),
                 )
             self.add_finding(open_files_finding(self.source, apply_open_files_plan(*plan), hardware))
-        threads = compute_threads(hardware, num_workers, torch.get_num_threads())
+        # what the run had before tuning (a search's segments may have set the threads already)
+        before = self._threads_before if self._threads_before is not None else torch.get_num_threads()
+        threads = compute_threads(hardware, num_workers, before)
+        if measured_threads is not None and hardware.accelerator == "cpu":
+            threads = measured_threads if measured_threads < before else None
         if threads is not None:
-            if self._threads_before is None:
-                self._threads_before = torch.get_num_threads()
+            self._threads_before = before
             torch.set_num_threads(threads)
-            self.add_finding(threads_finding(self.source, threads, num_workers, hardware))
+            self.add_finding(
+                threads_finding(self.source, threads, num_workers, hardware, measured_threads is not None)
+            )
 
     def add_finding(self, finding: Finding) -> None:
         """Record `finding` once, however often its cause recurs."""
