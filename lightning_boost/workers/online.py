@@ -50,6 +50,10 @@ MIN_TIMED_STEPS = 2
 #: model at fewer threads before starting any worker (workers can gain it little); above it, the
 #: loader is the bottleneck and worker counts are measured at once.
 PROBE_BELOW = 0.3
+#: A CPU run's probe of the model on fewer threads wins (and its threads stay for the run) when it
+#: leads every worker count by more than the tolerance, both measured twice; measured once, by
+#: this many tolerances (on a busy 2-CPU host two segments of a few steps differ by up to 25 %).
+PROBE_LEAD_ONCE = 4
 
 
 class Setting(NamedTuple):
@@ -284,6 +288,7 @@ def _next_setting(
     if len(order) >= plan.max_segments:
         return None
     fewest = hardware.accelerator == "cpu"
+    factor = tuning.prefetch_factors[0]
     if fewest and order[0].num_workers == 0 and order[0].threads is None:
         probe = next((trial for trial in order if trial.threads is not None), None)
         fewer = model_threads(hardware.cpus_per_process, 1)
@@ -291,13 +296,37 @@ def _next_setting(
             return Setting(0, None, fewer)
         why = workers_cannot_win(order[0], probe, tuning.tolerance)
         if why:
-            skipped.append(why)
-            return None
-    if len(candidates) < 2:
+            if why not in skipped:
+                skipped.append(why)
+            return _confirm_probe(order, tuning.tolerance, factor)
+    count = _next_count(candidates, order, tuning.tolerance, fewest) if len(candidates) > 1 else None
+    if count is None:
+        return _confirm_probe(order, tuning.tolerance, factor) if fewest else None
+    return Setting(count, factor if count else None)
+
+
+def _probe_lead(trials: list[WorkerTrial]) -> tuple[list[WorkerTrial], float, int | None, int]:
+    """A CPU run's probes of the model on fewer threads, their mean rate over the fastest worker
+    count's mean, that count, and the fewer of the two settings' segment counts."""
+    probes = [t for t in trials if t.ok and t.threads is not None and not t.num_workers]
+    ran = mean_rates(trials)
+    if not probes or not ran:
+        return probes, 0.0, None, 0
+    best = max(sorted(ran), key=ran.__getitem__)
+    lead = sum(t.samples_per_s for t in probes) / len(probes) / max(ran[best], 1e-9)
+    return probes, lead, best, min(len(probes), len(_runs_of(trials, best)))
+
+
+def _confirm_probe(order: list[WorkerTrial], tolerance: float, factor: int) -> Setting | None:
+    """When the probe leads every worker count by more than `tolerance` on one segment of
+    either, the one measured once runs again (the fastest count first): one segment's noise must
+    not set the model's threads for the whole run."""
+    probes, lead, best, runs = _probe_lead(order)
+    if best is None or lead <= 1 + tolerance or runs >= 2:
         return None
-    count = _next_count(candidates, order, tuning.tolerance, fewest)
-    factor = tuning.prefetch_factors[0]
-    return None if count is None else Setting(count, factor if count else None)
+    if len(_runs_of(order, best)) < 2:
+        return Setting(best, factor if best else None)
+    return Setting(0, None, probes[0].threads)
 
 
 def workers_cannot_win(alone: WorkerTrial, probe: WorkerTrial | None, tolerance: float) -> str:
@@ -403,8 +432,9 @@ def choose_online(
     """By each count's mean over its segments: the fewest workers within `tolerance` of the
     fastest on a CPU run (the model needs the CPUs), the fastest on a GPU run; no workers when
     nothing ran. A CPU run's probe of the model on fewer threads (no workers) wins when it beat
-    every count by more than `tolerance`: a small model's step can lose more to starting its
-    threads than they add (`WorkerChoice.threads`).
+    every count by more than `tolerance` (`PROBE_LEAD_ONCE` tolerances when either was measured
+    once): a small model's step can lose more to starting its threads than they add
+    (`WorkerChoice.threads`).
 
     Example:
         >>> trials = [WorkerTrial(0, None, 400.0), WorkerTrial(2, 2, 430.0), WorkerTrial(1, 2, 420.0)]
@@ -425,15 +455,16 @@ def choose_online(
     winner = min(near) if fewest else best
     label = next(trial.label for trial in trials if trial.num_workers == best and trial.threads is None)
     where = "on the run's own training steps"
-    probes = [t for t in trials if fewest and t.ok and t.threads is not None and not t.num_workers]
-    probe = max(probes, key=lambda t: t.samples_per_s, default=None)
-    if probe is not None and probe.samples_per_s > (1 + tuning.tolerance) * ran[best]:
+    probes, lead, _, runs = _probe_lead(trials)
+    margin = tuning.tolerance * (1 if runs >= 2 else PROBE_LEAD_ONCE)
+    if fewest and probes and lead > 1 + margin:
+        threads, rate = probes[0].threads, lead * ran[best]
         reason = (
-            f"fastest {where}: the model on {probe.threads} thread(s), loading in the main process"
-            f" ({probe.samples_per_s:.0f} samples/s, against {ran[best]:.0f} at {label})"
+            f"fastest {where}: the model on {threads} thread(s), loading in the main process"
+            f" ({rate:.0f} samples/s, against {ran[best]:.0f} at {label})"
         )
-        cost = search_cost(trials, probe.samples_per_s)
-        return WorkerChoice(0, None, reason, tuple(trials), skipped, cost, "searched", threads=probe.threads)
+        cost = search_cost(trials, rate)
+        return WorkerChoice(0, None, reason, tuple(trials), skipped, cost, "searched", threads=threads)
     if winner == best:
         reason = f"fastest {where} ({ran[best]:.0f} samples/s)"
     else:
