@@ -23,6 +23,7 @@ from typing_extensions import override
 from lightning_boost import AutoNumWorkers, BoostedDataModule, WorkerTuning
 from lightning_boost.hardware import EXAMPLES
 from lightning_boost.testing import BoringModel, tiny_trainer
+from lightning_boost.workers.loaders import SameOrderDataLoader
 from lightning_boost.workers.online import (
     SegmentPlan,
     Setting,
@@ -472,6 +473,53 @@ def test_a_cached_thread_count_trains_every_step_and_is_put_back(
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+class _Draws(L.Callback):
+    """A draw from the global RNG at each training step: what dropout or a random augmentation in
+    the step gets."""
+
+    def __init__(self) -> None:
+        self.draws: list[float] = []
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, i: int) -> None:
+        self.draws.append(float(torch.rand(())))
+
+
+def test_persistent_workers_leave_the_runs_random_draws_as_without_them(
+    tmp_path: Path, _private_tuning_cache: Path
+) -> None:
+    """PyTorch's persistent workers draw no base seed after their first epoch, where a loader
+    without them draws one per iteration (each epoch, each validation run): tuned to 2 persistent
+    workers (from the cache, so the setting is sure), three epochs validating twice each shuffle
+    the same batches and draw the same random numbers as the run told 0 workers by hand."""
+    _fit(tmp_path, Data(val=True), max_epochs=1)  # stores a searched choice
+    path = _private_tuning_cache / "workers.json"
+    document = json.loads(path.read_text())
+    (entry,) = document["entries"].values()
+    entry["choice"].update(num_workers=2, prefetch_factor=2, threads=None)
+    path.write_text(json.dumps(document))
+    runs = {}
+    for name, workers in (("tuned", None), ("by hand", 0)):
+        data, draws = Data(val=True, shuffle=True, num_workers=workers), _Draws()
+        model = _fit(tmp_path / name, data, max_epochs=3, val_check_interval=0.5, callbacks=[draws])
+        runs[name] = (model.seen, draws.draws, data)
+    tuned = runs["tuned"][2].trainer
+    assert tuned is not None and tuned.train_dataloader.num_workers == 2  # type: ignore[union-attr]
+    assert tuned.train_dataloader.persistent_workers  # type: ignore[union-attr]
+    assert runs["tuned"][:2] == runs["by hand"][:2]
+
+
+def test_a_same_order_loader_shuffles_as_a_loader_without_persistent_workers() -> None:
+    def orders(loader_class: type[DataLoader[Any]], **options: Any) -> list[list[int]]:
+        torch.manual_seed(0)
+        loader = loader_class(TensorDataset(torch.arange(32)), batch_size=8, shuffle=True, **options)
+        return [torch.cat([batch[0] for batch in loader]).tolist() for _ in range(3)]
+
+    plain = orders(DataLoader)
+    assert orders(SameOrderDataLoader, num_workers=1, persistent_workers=True) == plain
+    assert orders(DataLoader, num_workers=1, persistent_workers=True) != plain  # PyTorch's own
 
 
 def test_resuming_reuses_the_checkpointed_choice(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ from lightning_boost._lightning import (
 )
 from lightning_boost._validation import Count, Directory, PositiveInt, unknown_choice_error, validated
 from lightning_boost.report import Finding, Severity
-from lightning_boost.workers.loaders import keep_workers_alive
+from lightning_boost.workers.loaders import SameOrderDataLoader, keep_workers_alive
 from lightning_boost.workers.search import WorkerTuning
 from lightning_boost.workers.segments import OnlineSearch, SegmentedDataLoader
 from lightning_boost.workers.tuner import LoaderTuner, epoch_batches, workload
@@ -165,7 +165,9 @@ class BoostedDataMixin(_DataModule):
             return SegmentedDataLoader(
                 dataset, **batching, online=search, persist_after_search=bool(persist), **settings
             )
-        loader = DataLoader(dataset, **batching, **settings)
+        # tuned workers must not change the run's random draws: see `SameOrderDataLoader`
+        loader_class = SameOrderDataLoader if self.num_workers is None else DataLoader
+        loader = loader_class(dataset, **batching, **settings)
         if search is not None:  # an evaluation loader built while the training loader searches
             search.follow(loader)
         return loader

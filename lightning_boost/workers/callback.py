@@ -16,7 +16,9 @@ from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.report import Finding, Severity
 from lightning_boost.workers.loaders import (
     MEASURED_SETTINGS,
+    SameOrderDataLoader,
     cannot_rebuild,
+    draws_each_iteration,
     keep_workers_alive,
     loader_batch_size,
     rebuild_loader,
@@ -117,8 +119,9 @@ class AutoNumWorkers(BoostCallback):
             "prefetch_factor": choice.prefetch_factor,
             "persistent_workers": persistent,
         }
-        if search is None:
-            return rebuild_loader(loader, **options)
+        if search is None:  # the user's own draws from the global RNG kept: see `SameOrderDataLoader`
+            same_order = SameOrderDataLoader if draws_each_iteration(loader) else DataLoader
+            return rebuild_loader(loader, loader_class=same_order, **options)
         persist = keep_workers_alive(1, loader.pin_memory, reload)  # for the winner, once it has workers
         return rebuild_loader(
             loader, loader_class=SegmentedDataLoader, online=search, persist_after_search=persist, **options

@@ -154,6 +154,28 @@ def rebuild_loader(
     return loader_class(loader.dataset, **batching, **options)
 
 
+class SameOrderDataLoader(DataLoader[Any]):
+    """A ``DataLoader`` whose draws from the global RNG do not depend on its worker setting.
+
+    With persistent workers PyTorch reuses the iterator from the second iteration on and draws no
+    new base seed, where a loader without them draws one at every iteration (each epoch, each
+    validation run). This loader draws it then too, so the next epoch's shuffle, and every random
+    draw of the training step after it, are those the run would see with the loader's default
+    settings, whatever workers the tuning chose.
+    """
+
+    def __iter__(self) -> Any:
+        if self.persistent_workers and self.num_workers > 0 and self._iterator is not None:
+            torch.empty((), dtype=torch.int64).random_(generator=self.generator)  # as a new iterator does
+        return super().__iter__()
+
+
+def draws_each_iteration(loader: DataLoader[Any]) -> bool:
+    """Whether `loader` draws a base seed from its generator at every iteration (it keeps no
+    persistent workers), as `SameOrderDataLoader` does whatever its setting."""
+    return not (loader.persistent_workers and loader.num_workers > 0)
+
+
 def loader_options(loader: DataLoader[Any]) -> dict[str, Any]:
     """Every argument of `loader` but its dataset and batching (batch size, sampler, drop_last)."""
     kept = {

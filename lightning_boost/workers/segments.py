@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_boost.workers.loaders import loader_options
+from lightning_boost.workers.loaders import SameOrderDataLoader, loader_options
 from lightning_boost.workers.online import MIN_TIMED_STEPS, SegmentPlan, Setting, queue_depth
 from lightning_boost.workers.search import (
     WorkerChoice,
@@ -268,11 +268,12 @@ def _persists(loader: DataLoader[Any]) -> bool:
     return bool(getattr(loader, "persist_after_search", True))
 
 
-class SegmentedDataLoader(DataLoader[Any]):
+class SegmentedDataLoader(SameOrderDataLoader):
     """A ``DataLoader`` whose first epoch searches worker settings on its own batches (`OnlineSearch`).
 
     Takes every ``DataLoader`` argument, plus `online` (the pending search; ``None``: a plain
-    ``DataLoader``) and `persist_after_search` (keep the winner's workers between epochs).
+    ``DataLoader``) and `persist_after_search` (keep the winner's workers between epochs). Its
+    draws from the global RNG are a loader's without persistent workers (`SameOrderDataLoader`).
     """
 
     def __init__(
