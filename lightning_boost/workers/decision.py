@@ -28,6 +28,7 @@ from lightning_boost.workers.search import (
     search_workers,
     split_cpus,
     worker_candidates,
+    workers_allowed,
     workers_worth_measuring,
 )
 
@@ -107,7 +108,7 @@ def _model_first(
 ) -> tuple[Mapping[int, float], WorkerTuning, list[str]]:
     """A CPU run: the model's step rates at the thread counts the candidates leave, and the
     tuning capped at the most workers that can still win (`workers_worth_measuring`)."""
-    counts = worker_candidates(cpus if tuning.max_workers is None else min(cpus, tuning.max_workers))
+    counts = worker_candidates(workers_allowed(cpus, tuning))
     threads = sorted({model_threads(cpus, count) for count in counts}, reverse=True)
     loading, rates = cpu_step(threads)
     cap, why = workers_worth_measuring(counts, rates, loading, cpus, tuning.tolerance)

@@ -165,7 +165,7 @@ class SameOrderDataLoader(DataLoader[Any]):
     """
 
     def __iter__(self) -> Any:
-        if self.persistent_workers and self.num_workers > 0 and self._iterator is not None:
+        if not draws_each_iteration(self) and self._iterator is not None:
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)  # as a new iterator does
         return super().__iter__()
 

@@ -52,7 +52,8 @@ MIN_TIMED_STEPS = 2
 PROBE_BELOW = 0.3
 #: A CPU run's probe of the model on fewer threads wins (and its threads stay for the run) when it
 #: leads every worker count by more than the tolerance, both measured twice; measured once, by
-#: this many tolerances (on a busy 2-CPU host two segments of a few steps differ by up to 25 %).
+#: this many tolerances (on a busy 2-CPU host two segments of a few steps differed by up to 25 %,
+#: timed by hand).
 PROBE_LEAD_ONCE = 4
 
 

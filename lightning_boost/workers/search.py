@@ -218,6 +218,11 @@ def worker_candidates(max_workers: int) -> list[int]:
     return sorted(n for n in steps | {max_workers} if n <= max_workers)
 
 
+def workers_allowed(cpus: int, tuning: WorkerTuning) -> int:
+    """The most workers a search may try on `cpus` CPUs: all of them, or the user's `max_workers`."""
+    return cpus if tuning.max_workers is None else min(cpus, tuning.max_workers)
+
+
 def worker_limit(
     hardware: HardwareInfo, batch_bytes: int, prefetch_factor: int, tuning: WorkerTuning
 ) -> tuple[int, list[str]]:
@@ -240,7 +245,7 @@ def worker_limit(
     if hardware.accelerator != "cpu":
         cpus = max(cpus - 1, 1)
         note += " - 1 for the training process"
-    limit = cpus if tuning.max_workers is None else min(cpus, tuning.max_workers)
+    limit = workers_allowed(cpus, tuning)
     notes = [f"{note} = {cpus}"]
     if tuning.max_workers is not None and tuning.max_workers < cpus:
         notes.append(f"max_workers={tuning.max_workers}")

@@ -39,7 +39,8 @@ Clock = Callable[[], float]
 
 #: Steps the run's first segment leaves untimed besides its first batch's wait: the fit's first
 #: step builds the optimizer's state and Lightning's first-batch work (the time-to-quality MLP's
-#: took 12 ms against 2 ms later), so it would count against the setting the run starts at.
+#: took 12 ms against 2 ms later, timed by hand once), so it would count against the setting the
+#: run starts at.
 WARMUP_STEPS = 1
 
 

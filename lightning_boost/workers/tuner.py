@@ -46,6 +46,7 @@ from lightning_boost.workers.search import (
     model_threads,
     open_files_plan,
     run_samples,
+    workers_allowed,
 )
 from lightning_boost.workers.segments import OnlineSearch
 
@@ -198,9 +199,8 @@ class LoaderTuner:
             if online is not None and online[0] is not None:
                 epoch_batches, samples = online
                 run_batches = None if samples is None else -(-samples // batch_size)
-                most = hardware.cpus_per_process  # the counts a search may try split its segments
-                if self.tuning.max_workers is not None:
-                    most = min(most, self.tuning.max_workers)
+                # the counts a search may try split its segments
+                most = workers_allowed(hardware.cpus_per_process, self.tuning)
                 plan = plan_segments(epoch_batches, run_batches, most)
                 if not plan.why_not:
                     return {"online": dataclasses.asdict(plan)}
