@@ -96,7 +96,8 @@ def run(
     auto = AutoBatchSize(max_batch_size=max_batch_size, retune=True)
     finder = TimedFinder(mode="binsearch", max_trials=25)
     with tempfile.TemporaryDirectory() as root:  # BatchSizeFinder writes a checkpoint there
-        strategy = preset("auto", hardware=HardwareInfo.detect())
+        hardware = HardwareInfo.detect()
+        strategy = preset("auto", hardware=hardware.on_cpu() if cpu else hardware)
         mine = _fit(arch, data, workers, steps, auto, strategy, cpu, root)
         theirs = _fit(arch, data, workers, steps, finder, "auto", cpu, root, precision="bf16-mixed")
     assert auto.decision is not None  # the fit puts the configured size back at its end

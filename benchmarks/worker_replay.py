@@ -29,7 +29,7 @@ from pathlib import Path
 
 from benchmarks.common import Row
 from lightning_boost.hardware import EXAMPLES, MIB, HardwareInfo
-from lightning_boost.workers.online import plan_segments, prior_setting, search_online
+from lightning_boost.workers.online import plan_segments, search_online, search_start
 from lightning_boost.workers.search import WorkerChoice, WorkerTrial, WorkerTuning, search_workers
 
 COMMAND = "python -m benchmarks worker_replay"
@@ -144,7 +144,9 @@ def replay_online(scenario: Scenario, seed: int, noise: float = NOISE) -> Worker
     tuning = WorkerTuning()
     hardware = scenario.hardware
     plan = plan_segments(10_000, None, hardware.cpus_per_process)
-    search = search_online(hardware, tuning, plan, prior_setting(hardware, tuning))
+    prior = search_start(hardware, tuning, plan)
+    assert prior is not None, f"{plan} times too few of {hardware.cpus_per_process} CPUs' workers"
+    search = search_online(hardware, tuning, plan, prior)
     setting = next(search)
     try:
         while True:

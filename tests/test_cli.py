@@ -17,9 +17,10 @@ from pytorch_lightning.cli import LightningCLI as PlLightningCLI
 
 from lightning_boost import AutoBatchSize, Preset, StepTimeMonitor
 from lightning_boost import pytorch_lightning as pl_boost
+from lightning_boost.hardware import HardwareInfo
 from lightning_boost.presets import PresetDDPStrategy, PresetSingleDeviceStrategy
 from lightning_boost.report.tuned_config import NotWritten, tuned_changes, write_tuned_config
-from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
+from lightning_boost.testing import BoringDataModule, BoringModel, cpu_only, tiny_trainer
 
 
 @pytest.fixture(autouse=True)
@@ -146,7 +147,11 @@ def test_other_instances_get_no_tuned_config_and_a_reason(tmp_path: Path) -> Non
         write_tuned_config(trainer, {})
 
 
-def test_the_readmes_lightning_cli_config_runs(tmp_path: Path) -> None:
+def test_the_readmes_lightning_cli_config_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run on the CPU (`--trainer.accelerator=cpu`): on a GPU machine the preset must plan for the
+    CPU too, so the machine is seen as its CPU side (`HardwareInfo.on_cpu`)."""
+    detect = HardwareInfo.detect
+    monkeypatch.setattr(HardwareInfo, "detect", classmethod(lambda cls: detect().on_cpu()))
     readme = (Path(__file__).parents[1] / "README.md").read_text()
     block = readme.split("With LightningCLI, the same in the config", 1)[1].split("```yaml\n", 1)[1]
     config = tmp_path / "config.yaml"
@@ -157,7 +162,8 @@ def test_the_readmes_lightning_cli_config_runs(tmp_path: Path) -> None:
         "--trainer.enable_progress_bar=false",
         "--trainer.log_every_n_steps=1",
     ]
-    made = LightningCLI(BoringModel, BoringDataModule, run=False, args=args, seed_everything_default=0)
+    with cpu_only():
+        made = LightningCLI(BoringModel, BoringDataModule, run=False, args=args, seed_everything_default=0)
     made.trainer.fit(made.model, datamodule=made.datamodule)
     assert type(made.trainer.strategy) is PresetSingleDeviceStrategy and made.trainer.state.finished
     names = {type(c).__name__ for c in made.trainer.callbacks}

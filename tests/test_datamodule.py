@@ -185,7 +185,9 @@ def test_a_gpu_run_holds_the_loader_to_the_steps_own_rate(
 
 @pytest.mark.gpu
 def test_on_cuda_the_workers_are_searched_on_the_runs_own_bf16_steps(tmp_path: Path) -> None:
-    tuning = WorkerTuning(timeout_s=10.0, prefetch_factors=(2,))
+    # at most 2 workers: 10 % of 256 batches makes segments of 8, which time 2 workers (4 batches
+    # in flight) but not the 15 of a 16-CPU machine's budget (that run keeps the budget, unsearched)
+    tuning = WorkerTuning(max_workers=2, timeout_s=10.0, prefetch_factors=(2,))
     tuned = Indexed(IndexDataset(4096), batch_size=16, worker_tuning=tuning, retune=True)
     model = _fit(tmp_path, tuned, accelerator="cuda", precision="bf16-mixed")  # 256 batches
     (choice,) = tuned.worker_tuner.choices.values()

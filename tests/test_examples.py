@@ -64,7 +64,10 @@ def test_image_classifier_trains_offline_with_the_recommended_setup(tmp_path: Pa
     report = json.loads(Path(result.stdout.strip().splitlines()[-1].removeprefix("report: ")).read_text())
     sources = {f["source"] for f in report["findings"]}
     assert {"CIFAR10Data", "preset", "LossLoggingGuard", "StepTimeMonitor"} <= sources
-    assert "SyncGuard" not in sources  # the recommended way: no sync, its own or Lightning's
+    # the recommended way: no sync, its own or Lightning's; on a GPU, cuDNN's autotuner trying its
+    # algorithms on the first shapes (an INFO, once) is all SyncGuard may say
+    syncs = [f for f in report["findings"] if f["source"] == "SyncGuard"]
+    assert all(f["data"].get("pattern") == "cudnn_autotune" and f["severity"] == "info" for f in syncs)
     assert report["tuned"]["batch_size"] == 32
 
 

@@ -32,6 +32,7 @@ from lightning_boost.workers.online import (
     plan_segments,
     prior_setting,
     search_online,
+    search_start,
 )
 from lightning_boost.workers.search import WorkerChoice, WorkerTrial
 from lightning_boost.workers.segments import OnlineSearch, SegmentedDataLoader, _Timing
@@ -42,9 +43,11 @@ SAMPLES = 960  # batch 4: 240 batches an epoch, so 10 % of it holds three segmen
 
 
 def _run(rate: Any, hardware: Any = None, plan: SegmentPlan | None = None, prior: Any = None) -> Any:
-    plan = plan or SegmentPlan(8, 8)
+    plan = plan or SegmentPlan(32, 8)  # an ImageNet-sized first epoch: times up to 14 workers at factor 2
     hardware = hardware or EXAMPLES["h100"]
-    search = search_online(hardware, WorkerTuning(), plan, prior or prior_setting(hardware, WorkerTuning()))
+    search = search_online(
+        hardware, WorkerTuning(), plan, prior or search_start(hardware, WorkerTuning(), plan)
+    )
     setting, measured = next(search), []
     try:
         while True:
@@ -61,7 +64,7 @@ def _run(rate: Any, hardware: Any = None, plan: SegmentPlan | None = None, prior
 def test_the_search_finds_the_smallest_count_that_feeds_the_step() -> None:
     measured, choice = _run(lambda n: min(300.0 * n, 2000.0) if n else 250.0)
     assert choice.num_workers == 7 and choice.source == "searched"  # 7 x 300 feeds the 2000
-    assert measured[0] == 15 and len(measured) <= 8  # from the prior (the CPU budget) down
+    assert measured[0] == 14 and len(measured) <= 8  # from the most workers a segment times down
 
 
 def test_the_search_sees_workers_slow_the_training_process() -> None:
@@ -174,8 +177,8 @@ def _run_prefetch(rate: Any, waited: float, hardware: Any = None) -> tuple[list[
     """A GPU run's search where `rate(workers, prefetch_factor)` is the training rate and every
     segment waited `waited` of its time for data."""
     hardware = hardware or EXAMPLES["h100"]
-    prior = prior_setting(hardware, WorkerTuning())
-    search = search_online(hardware, WorkerTuning(), SegmentPlan(8, 12), prior)
+    plan = SegmentPlan(32, 12)
+    search = search_online(hardware, WorkerTuning(), plan, search_start(hardware, WorkerTuning(), plan))
     setting, measured = next(search), []
     try:
         while True:
@@ -222,7 +225,7 @@ def test_the_search_bisects_beside_any_count_the_noise_may_hide_the_peak_behind(
 
 
 def test_the_search_stops_at_the_planned_segments() -> None:
-    measured, choice = _run(lambda n: 100.0 * (n + 1), plan=SegmentPlan(8, 2))
+    measured, choice = _run(lambda n: 100.0 * (20 - n), plan=SegmentPlan(32, 2))
     assert len(measured) == 2 and choice.num_workers in measured
 
 
@@ -612,9 +615,10 @@ def test_a_deeper_prefetch_segment_loads_each_batch_once_in_order() -> None:
     Each sample takes 2 ms to load, so workers win over the main process."""
     dataset = _Slow(200)
     hardware = EXAMPLES["h100"]
-    plan = SegmentPlan(4, 4)
+    plan = SegmentPlan(12, 5)  # times 2 workers at prefetch_factor=4 (8 batches in flight)
     settled: list[WorkerChoice] = []
-    prior = prior_setting(hardware, TUNING)
+    prior = search_start(hardware, TUNING, plan)
+    assert prior is not None
     start = functools.partial(search_online, hardware, TUNING, plan, prior)
     search = OnlineSearch(start, plan, TUNING, prior, settled=settled.append)
     loader = SegmentedDataLoader(dataset, batch_size=3, shuffle=True, online=search)
@@ -693,3 +697,15 @@ def test_auto_num_workers_searches_the_users_own_training_loader(
     ]  # the val set: too small
     assert choice.source == "searched" and len(choice.trials) >= 3
     assert searched.seen == fit([]).seen  # plain Lightning, the user's loader untouched: the same order
+
+
+def test_a_gpu_run_still_faster_at_the_most_workers_a_segment_times_keeps_the_cpu_budget() -> None:
+    """128 CPUs: a 10,000-batch epoch's segments time up to 81 workers; a loader still scaling
+    there gets the budget (127), not the last count timed; a plateau keeps its fewest fast count."""
+    hardware = EXAMPLES["h100"].replace(cpus_available=128, cpu_count=128)
+    plan = plan_segments(10_000, None, hardware.cpus_per_process)
+    budget = prior_setting(hardware, WorkerTuning()).num_workers
+    measured, choice = _run(lambda n: 200.0 * n if n else 180.0, hardware, plan)
+    assert max(measured) < budget == choice.num_workers and "still rose" in choice.reason
+    measured, choice = _run(lambda n: min(200.0 * n, 6000.0) if n else 180.0, hardware, plan)
+    assert 30 <= choice.num_workers <= max(measured) < budget  # 30 feed the 6000

@@ -87,6 +87,8 @@ def plan_segments(epoch_batches: int | None, run_batches: int | None, cpus: int)
     Example:
         >>> plan_segments(128, 256, cpus=2)  # the demo: 12 batches, three segments of 4
         SegmentPlan(segment_batches=4, max_segments=3, why_not='')
+        >>> plan_segments(10_000, None, cpus=16)  # segments long enough to time 16 workers
+        SegmentPlan(segment_batches=35, max_segments=28, why_not='')
         >>> plan_segments(20, 40, cpus=2).why_not
         'the first epoch has 20 batches: 10% of it cannot time two settings of 4 batches'
     """
@@ -102,7 +104,8 @@ def plan_segments(epoch_batches: int | None, run_batches: int | None, cpus: int)
         )
     candidates = len(worker_candidates(max(cpus, 1)))
     expected = min(candidates, 2 + math.ceil(math.log2(candidates)))
-    per = min(max(budget // expected, MIN_SEGMENT_BATCHES), MAX_SEGMENT_BATCHES)
+    longest = max(MAX_SEGMENT_BATCHES, queue_depth(cpus, 2) + 1 + MIN_TIMED_STEPS)  # times `cpus` workers
+    per = min(max(budget // expected, MIN_SEGMENT_BATCHES), longest)
     return SegmentPlan(per, budget // per)
 
 
@@ -146,6 +149,49 @@ def prior_setting(hardware: HardwareInfo, tuning: WorkerTuning) -> Setting:
     return Setting(limit, factor) if limit else Setting(0)
 
 
+def search_start(hardware: HardwareInfo, tuning: WorkerTuning, plan: SegmentPlan) -> Setting | None:
+    """The setting a search on `plan`'s segments starts at: the prior when a segment can time it,
+    else the most workers one can time, or ``None`` (no search: the prior stays) when that is under
+    half the prior's. A segment must see the workers' steady rate beyond their queue
+    (`timeable`); a 16-CPU GPU run's 15 workers hold 30 batches in flight, and 4-batch segments
+    read their start-up as up to twice the rate their whole epoch trained at (the H100's
+    `data_bound`, 2026-11-24), so counts it cannot time are not compared, and without half the
+    budget in range the search could not see where more workers stop paying.
+
+    Example:
+        >>> from lightning_boost.hardware import EXAMPLES
+        >>> h100, tuning = EXAMPLES["h100"], WorkerTuning()
+        >>> search_start(h100, tuning, SegmentPlan(4, 6)) is None  # a 256-batch first epoch
+        True
+        >>> tuple(search_start(h100, tuning, SegmentPlan(32, 31)))  # 10,000 batches
+        (14, 2, None)
+        >>> tuple(search_start(EXAMPLES["cpu"], tuning, SegmentPlan(4, 3)))
+        (0, None, None)
+    """
+    prior = prior_setting(hardware, tuning)
+    workers, factor = prior.num_workers, prior.prefetch_factor
+    if timeable(workers, factor, plan):
+        return prior
+    most = max((count for count in range(workers) if timeable(count, factor, plan)), default=0)
+    return Setting(most, factor if most else None) if 2 * most >= workers else None
+
+
+def untimeable_reason(hardware: HardwareInfo, tuning: WorkerTuning, plan: SegmentPlan) -> str:
+    """Why `search_start` found no search (the prior's workers stay).
+
+    Example:
+        >>> from lightning_boost.hardware import EXAMPLES
+        >>> print(untimeable_reason(EXAMPLES["h100"], WorkerTuning(), SegmentPlan(4, 6)))
+        segments of 4 batches (10% of the first epoch) cannot time 8 workers (16 batches in flight)
+    """
+    workers, factor, _ = prior_setting(hardware, tuning)
+    half = -(-workers // 2)
+    return (
+        f"segments of {plan.segment_batches} batches ({SEARCH_SHARE:.0%} of the first epoch) cannot"
+        f" time {half} workers ({queue_depth(half, factor)} batches in flight)"
+    )
+
+
 def search_online(
     hardware: HardwareInfo, tuning: WorkerTuning, plan: SegmentPlan, prior: Setting
 ) -> Generator[Setting, WorkerTrial | None, WorkerChoice]:
@@ -155,7 +201,8 @@ def search_online(
     Example (a scripted run: 16 CPUs, the step takes 2000 samples/s, the loader 300 per worker):
         >>> from lightning_boost.hardware import EXAMPLES
         >>> rate = lambda n: min(300.0 * n, 2000.0) if n else 250.0
-        >>> search = search_online(EXAMPLES["h100"], WorkerTuning(), SegmentPlan(8, 8), (15, 2))
+        >>> plan = SegmentPlan(32, 8)  # 10 % of a 10,000-batch epoch: segments time up to 14 workers
+        >>> search = search_online(EXAMPLES["h100"], WorkerTuning(), plan, (14, 2))
         >>> setting, measured = next(search), []
         >>> try:
         ...     while True:
@@ -164,7 +211,7 @@ def search_online(
         ... except StopIteration as stop:
         ...     choice = stop.value
         >>> measured, choice.num_workers
-        ([15, 7, 11, 3, 9, 5, 13, 8], 7)
+        ([14, 7, 3, 10, 5, 12, 8, 6], 7)
     """
     factor = tuning.prefetch_factors[0]
     fewest = hardware.accelerator == "cpu"
@@ -183,22 +230,56 @@ def search_online(
             limit, notes = worker_limit(hardware, trial.batch_bytes, factor, tuning)
             candidates = list(range(max(limit, prior[0]) + 1))  # every count: the peak may lie between rungs
             skipped.append(f"more than {limit} workers ({'; '.join(notes)})")
-            if fewest:  # a CPU run's workers take the model's CPUs: only a segment that times it counts
-                untimed = [count for count in candidates if not timeable(count, factor, plan)]
-                candidates = [count for count in candidates if count not in untimed]
-                if untimed:
-                    skipped.append(
-                        f"{untimed[0]} or more workers: a segment of {plan.segment_batches} batches cannot"
-                        f" time them (their queue of {queue_depth(untimed[0], factor)} batches is loaded"
-                        " before it starts, so its steps would show no loading and no contention)"
-                    )
+            # only a segment that times a count counts: one shorter than the workers' queue reads
+            # their start-up (every worker's first batch at once), not their rate beside the step
+            untimed = [count for count in candidates if not timeable(count, factor, plan)]
+            candidates = [count for count in candidates if count not in untimed]
+            if untimed:
+                skipped.append(
+                    f"{untimed[0]} or more workers: a segment of {plan.segment_batches} batches cannot"
+                    f" time them (they hold {queue_depth(untimed[0], factor)} batches in flight, so its"
+                    " steps would show their start-up, not their rate beside the training step)"
+                )
         # an accelerator run whose fastest count waits for data keeps a segment for a deeper prefetch
         waits = deeper and _prefetch_could_gain(_waited(_runs_of(order, _fastest(order))), tuning)
         setting = _next_setting(hardware, candidates, order, tuning, keep_one if waits else plan, skipped)
     choice = choose_online(order, tuning, tuple(skipped), fewest)
     if fewest or not choice.num_workers:
         return choice  # a CPU run's workers share the model's CPUs: deeper queues only hold memory
+    budget = prior_setting(hardware, tuning)
+    if max(candidates) < budget.num_workers and _still_rising(mean_rates(order), max(candidates), tuning):
+        return _beyond_the_timed(choice, budget, max(candidates), plan)
     return (yield from _deeper_prefetch(hardware, tuning, plan, order, choice))
+
+
+def _still_rising(ran: dict[int, float], top: int, tuning: WorkerTuning) -> bool:
+    """Whether the rate still rose towards `top` workers (the most a segment times): within twice
+    the tolerance (one segment's noise) of the fastest, and more than the tolerance above the
+    fewest measured at half of `top` or more (a plateau is not rising).
+
+    Example:
+        >>> _still_rising({40: 8000.0, 60: 12000.0, 78: 15400.0, 81: 15100.0}, 81, WorkerTuning())
+        True
+        >>> _still_rising({7: 2000.0, 10: 2000.0, 14: 2000.0}, 14, WorkerTuning())
+        False
+    """
+    lower = [count for count in ran if top // 2 <= count < top]
+    if top not in ran or not lower:
+        return False
+    near_best = ran[top] >= (1 - 2 * tuning.tolerance) * max(ran.values())
+    return near_best and ran[top] > (1 + tuning.tolerance) * ran[min(lower)]
+
+
+def _beyond_the_timed(choice: WorkerChoice, budget: Setting, top: int, plan: SegmentPlan) -> WorkerChoice:
+    """An accelerator run whose rate still rose at the most workers its segments can time keeps
+    the CPU budget's workers (the prior, Lightning's hint)."""
+    reason = (
+        f"the CPU budget: the rate still rose at {top} workers, the most a segment of"
+        f" {plan.segment_batches} batches can time ({choice.reason})"
+    )
+    return dataclasses.replace(
+        choice, num_workers=budget.num_workers, prefetch_factor=budget.prefetch_factor, reason=reason
+    )
 
 
 def _deeper_prefetch(
@@ -226,6 +307,12 @@ def _deeper_prefetch(
             f" too little for more batches in flight to gain {tuning.tolerance:.0%}"
         )
     for factor in factors:
+        if not timeable(count, factor, plan):
+            skipped.append(
+                f"prefetch {factor}: a segment of {plan.segment_batches} batches cannot time {count}"
+                f" workers holding {queue_depth(count, factor)} batches in flight"
+            )
+            break
         limit, notes = worker_limit(hardware, runs[0].batch_bytes, factor, tuning)
         if limit < count or len(order) + len(deeper) >= plan.max_segments:
             why = "; ".join(notes[1:]) or f"the {plan.max_segments} segments the plan allows are run"

@@ -36,7 +36,14 @@ from lightning_boost.workers.decision import (
 )
 from lightning_boost.workers.loaders import cannot_measure, fingerprint_parts, measurement_loaders
 from lightning_boost.workers.model_rates import model_step_rates
-from lightning_boost.workers.online import SegmentPlan, plan_segments, prior_setting, search_online
+from lightning_boost.workers.online import (
+    SegmentPlan,
+    plan_segments,
+    prior_setting,
+    search_online,
+    search_start,
+    untimeable_reason,
+)
 from lightning_boost.workers.search import (
     WorkerChoice,
     WorkerTrial,
@@ -141,7 +148,8 @@ class LoaderTuner:
         self, trainer: L.Trainer | None, hardware: HardwareInfo, key: str, plan: SegmentPlan, loader: str
     ) -> OnlineSearch:
         """The search every rank runs on its own batches, each deciding on rank zero's measurements."""
-        prior = prior_setting(hardware, self.tuning)
+        prior = search_start(hardware, self.tuning, plan)
+        assert prior is not None, "_decide plans a search only where one can start"
         share = None
         if trainer is not None and trainer.world_size > 1:
             strategy = trainer.strategy
@@ -202,10 +210,11 @@ class LoaderTuner:
                 # the counts a search may try split its segments
                 most = workers_allowed(hardware.cpus_per_process, self.tuning)
                 plan = plan_segments(epoch_batches, run_batches, most)
-                if not plan.why_not:
+                if not plan.why_not and search_start(hardware, self.tuning, plan) is not None:
                     return {"online": dataclasses.asdict(plan)}
                 workers, factor, _ = prior_setting(hardware, self.tuning)
-                reason = f"{workers} workers, not searched: {plan.why_not}"
+                why = plan.why_not or untimeable_reason(hardware, self.tuning, plan)
+                reason = f"{workers} workers, not searched: {why}"
                 return WorkerChoice(workers, factor, reason, source="short run").to_dict()
             choice = self._measure(hardware, dataset, batch_size, settings, trainer, workload_samples)
             if choice.source == "measured":  # a short run's shortcut would shortchange a long one
