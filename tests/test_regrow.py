@@ -4,6 +4,7 @@ grow, resume and refuse to grow (trial throughput scripted, gradients and traini
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -20,6 +21,7 @@ from typing_extensions import override
 from lightning_boost import AutoBatchSize
 from lightning_boost.batch_size.decision import BatchSizeDecision
 from lightning_boost.batch_size.regrow import MAX_HELD, MIN_PAIRS, Growth, NoiseMeter, lr_ramp
+from lightning_boost.step_probe import StepProbe
 from lightning_boost.testing import tiny_trainer
 from lightning_boost.trials import Trial
 from tests.test_goodput import MLP, Classes, quiet_trainer
@@ -247,9 +249,29 @@ class RecordedRanks(Recorded):
         path.write_text(repr(self.sizes))
 
 
-@pytest.mark.usefixtures("fixed_cost_steps")
+class FixedCostProbe(StepProbe):
+    """`fixed_cost_steps` for processes `ddp_spawn` starts (a fixture's patch does not reach them):
+    the real trial, timed as a 10 ms step plus 1 µs a sample."""
+
+    @override
+    def train(self, batch: Any, size: int, *args: Any, **kwargs: Any) -> Any:
+        trial = super().train(batch, size, *args, **kwargs)
+        rate = size / (0.01 + 1e-6 * size)
+        return trial if trial.oom else dataclasses.replace(trial, samples_per_s=rate, spread=0.0)
+
+
+class FixedCostGrowth(AutoBatchSize):
+    """`AutoBatchSize(grow=True)` whose trials in every rank are timed by `FixedCostProbe`."""
+
+    @override
+    def _probe(self, trainer: L.Trainer, pl_module: L.LightningModule) -> StepProbe:
+        probe = super()._probe(trainer, pl_module)
+        probe.__class__ = FixedCostProbe
+        return probe
+
+
 def test_ddp_ranks_grow_together(tmp_path: Path) -> None:
-    callback = grow_callback(tmp_path)
+    callback = FixedCostGrowth(retune=True, cache_dir=tmp_path / "cache", grow=True)
     trainer = quiet_trainer(
         tmp_path, [callback], max_epochs=9, accelerator="cpu", devices=2, strategy="ddp_spawn"
     )
