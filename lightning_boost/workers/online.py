@@ -173,7 +173,7 @@ def search_start(hardware: HardwareInfo, tuning: WorkerTuning, plan: SegmentPlan
     if timeable(workers, factor, plan):
         return prior
     most = max((count for count in range(workers) if timeable(count, factor, plan)), default=0)
-    return Setting(most, factor if most else None) if 2 * most >= workers else None
+    return Setting(most, factor if most else None) if most >= _half(workers) else None
 
 
 def untimeable_reason(hardware: HardwareInfo, tuning: WorkerTuning, plan: SegmentPlan) -> str:
@@ -185,11 +185,16 @@ def untimeable_reason(hardware: HardwareInfo, tuning: WorkerTuning, plan: Segmen
         segments of 4 batches (10% of the first epoch) cannot time 8 workers (16 batches in flight)
     """
     workers, factor, _ = prior_setting(hardware, tuning)
-    half = -(-workers // 2)
+    half = _half(workers)
     return (
         f"segments of {plan.segment_batches} batches ({SEARCH_SHARE:.0%} of the first epoch) cannot"
         f" time {half} workers ({queue_depth(half, factor)} batches in flight)"
     )
+
+
+def _half(workers: int) -> int:
+    """The fewest workers a search must be able to time to search below a prior of `workers`."""
+    return -(-workers // 2)
 
 
 def search_online(
