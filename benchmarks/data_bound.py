@@ -3,21 +3,23 @@
 Heavy CPU augmentation (rotation, resized crop, colour jitter, blur) on torchvision FakeData feeds
 a small CNN, so the step waits for data unless workers keep up. Trained in one process, one
 epoch each: plain Lightning defaults (``num_workers=0``), the worker count Lightning's warning
-suggests, `BoostedDataModule` tuning from a cold cache, and an exhaustive sweep of ``num_workers``
-(set by hand on the same `BoostedDataModule`, so only the worker count differs). Then the tuned
-datamodule is built again from the warm cache, timed, and trained once more, and the sweep's best
-setting right after it: the settled row compares those two adjacent epochs (this host has spells,
-minutes long, in which every epoch runs several percent slower, so an epoch of the sweep minutes
-earlier can differ from the same setting's now by more than the settings differ).
+suggests, and an exhaustive sweep of ``num_workers`` (set by hand on the same `BoostedDataModule`,
+so only the worker count differs). Then, `repeats` times, `BoostedDataModule` tuning from a cold
+cache, the sweep's best setting, and the tuned datamodule from the warm cache, the best in the
+middle and the order alternating: the cold and settled rows are medians of each epoch over the
+best setting's beside it. This host has spells, minutes long, in which every epoch runs several
+percent slower (adjacent epochs at one setting have differed by 7-11 %), so an epoch of the sweep
+minutes earlier can differ from the same setting's now by more than the settings differ.
 Run: ``python -m benchmarks data_bound`` (or ``make bench``).
 """
 
 from __future__ import annotations
 
+import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning as L
 from lightning.fabric.utilities.data import suggested_max_num_workers
@@ -30,6 +32,7 @@ from benchmarks.common import Row
 from lightning_boost import BoostedDataModule
 from lightning_boost.demo import SmallCNN, Throughput
 from lightning_boost.hardware import HardwareInfo
+from lightning_boost.workers.search import WorkerChoice
 
 COMMAND = "python -m benchmarks data_bound"
 
@@ -86,7 +89,7 @@ def _fit(data: DataLoader[Any] | BoostedDataModule, root: str) -> float:
     return throughput.samples_per_second
 
 
-def run(samples: int = 32768, batch_size: int = 64) -> list[Row]:
+def run(samples: int = 32768, batch_size: int = 64, repeats: int = 3) -> list[Row]:
     hw = HardwareInfo.detect()
     suggested = suggested_max_num_workers(1)
     rates: dict[str, float] = {}
@@ -98,43 +101,84 @@ def run(samples: int = 32768, batch_size: int = 64) -> list[Row]:
             heavy_fake_data(samples), batch_size, shuffle=True, drop_last=True, num_workers=suggested
         )
         rates["suggested"] = _fit(hinted, root)
-        boosted = HeavyFakeData(samples, batch_size=batch_size, cache_dir=cache, retune=True)
-        rates["boosted"] = _fit(boosted, root)
-        (choice,) = boosted.worker_tuner.choices.values()
         sweep = {n: _fit(HeavyFakeData(samples, batch_size=batch_size, num_workers=n), root)
                  for n in range(hw.cpus_per_process + 1)}  # fmt: skip
-        warm_seconds = _warm_cache_seconds(samples, batch_size, cache, choice.source)
-        warm = HeavyFakeData(samples, batch_size=batch_size, cache_dir=cache)
-        rates["boosted (warm cache)"] = _fit(warm, root)
         best_n = max(sweep, key=lambda n: sweep[n])
-        rates["best again"] = _fit(HeavyFakeData(samples, batch_size=batch_size, num_workers=best_n), root)
-    epoch_seconds = samples / rates["boosted"]
+        reps = [
+            _repeat(samples, batch_size, cache, best_n, root, first_cold=rep % 2 == 0)
+            for rep in range(repeats)
+        ]
+        warm_seconds = _warm_cache_seconds(samples, batch_size, cache, reps[-1].choice.source)
+    cold = statistics.median(rep.cold for rep in reps)
+    choice = reps[0].choice
+    epoch_seconds = samples / cold
     swept = ", ".join(f"{n}: {rate:.0f}" for n, rate in sweep.items())
-    searched = ", ".join(f"{t.num_workers}: {t.samples_per_s:.0f}" for t in choice.trials)
+    searches = "; ".join(_searched(rep.choice) for rep in reps)
     common = (
         f"{samples} FakeData images, heavy CPU augmentation, SmallCNN, batch {batch_size}, one epoch each; "
         f"tuned num_workers={choice.num_workers}, prefetch_factor={choice.prefetch_factor} ({choice.source})"
+        f" in the first of {repeats} cold runs; their median samples/s"
     )
+    cold_ratio = statistics.median(rep.cold / rep.best for rep in reps)
+    warm_ratio = statistics.median(rep.warm / rep.best for rep in reps)
+    pairs = ", ".join(f"{rep.cold:.0f} / {rep.best:.0f} / {rep.warm:.0f}" for rep in reps)
     return [
-        Row("data-bound: boosted / plain defaults", rates["boosted"] / rates["plain"],
-            f"samples/s {rates['boosted']:.0f} vs {rates['plain']:.0f} (num_workers=0); {common}", COMMAND),
-        Row("data-bound: boosted / Lightning's suggested num_workers", rates["boosted"] / rates["suggested"],
-            f"samples/s {rates['boosted']:.0f} vs {rates['suggested']:.0f} (num_workers={suggested})",
-            COMMAND),
+        Row("data-bound: boosted / plain defaults", cold / rates["plain"],
+            f"samples/s {cold:.0f} vs {rates['plain']:.0f} (num_workers=0); {common}", COMMAND),
+        Row("data-bound: boosted / Lightning's suggested num_workers", cold / rates["suggested"],
+            f"samples/s {cold:.0f} vs {rates['suggested']:.0f} (num_workers={suggested}, the model on"
+            " every thread beside it)", COMMAND),
         Row("data-bound: cold first epoch, search included / best of an exhaustive sweep (target >= 0.95)",
-            rates["boosted"] / sweep[best_n],
-            f"boosted samples/s {rates['boosted']:.0f} from a cold cache, the search's segments (samples/s by"
-            f" num_workers: {searched}) inside the epoch; sweep by num_workers {{{swept}}}", COMMAND),
+            cold_ratio,
+            f"median of {repeats} cold epochs over the sweep's best setting (num_workers={best_n}) run"
+            f" beside each, order alternating; samples/s cold / best / warm per repeat: {pairs}; chosen"
+            f" (samples/s by num_workers in the search's segments): {searches}; sweep by num_workers"
+            f" {{{swept}}}", COMMAND),
         Row("data-bound: settled setting's epoch (warm cache) / best of the sweep (target >= 0.97)",
-            rates["boosted (warm cache)"] / rates["best again"],
-            f"samples/s {rates['boosted (warm cache)']:.0f} at the cached num_workers={choice.num_workers}"
-            f" vs {rates['best again']:.0f} at the sweep's best, num_workers={best_n}, in the epoch right"
-            f" after it ({sweep[best_n]:.0f} in the sweep)", COMMAND),
-        Row("data-bound: tuning time / one epoch (target <= 0.10)", choice.seconds / epoch_seconds,
-            f"cold cache: the search's slower segments cost {choice.seconds:.1f} s against the winner's"
-            f" rate, nothing is timed before the fit; epoch {epoch_seconds:.1f} s; warm-cache tuning"
+            warm_ratio,
+            f"median of {repeats}: the warm cache's epoch (the last cold run's choice) over the sweep's"
+            f" best setting's, run beside it (the same pairs as the row above)", COMMAND),
+        Row("data-bound: tuning time / one epoch (target <= 0.10)",
+            max(rep.choice.seconds for rep in reps) / epoch_seconds,
+            f"cold cache, the most of {repeats}: the search's slower segments cost"
+            f" {', '.join(f'{rep.choice.seconds:.1f}' for rep in reps)} s against the winner's rate,"
+            f" nothing is timed before the fit; epoch {epoch_seconds:.1f} s; warm-cache tuning"
             f" {warm_seconds:.2f} s (target <= 1 s)", COMMAND),
     ]  # fmt: skip
+
+
+class _Repeat(NamedTuple):
+    """One repeat's samples/s: the cold-cache epoch, the sweep's best setting, the warm-cache epoch."""
+
+    cold: float
+    best: float
+    warm: float
+    choice: WorkerChoice
+
+
+def _repeat(samples: int, batch_size: int, cache: Path, best_n: int, root: str, first_cold: bool) -> _Repeat:
+    """A cold-cache epoch, the best setting's and a warm-cache epoch, the best in the middle so that
+    both are beside it; `first_cold` sets the order (alternated between repeats, so a host that
+    slows down or speeds up over minutes favours neither)."""
+    rates: dict[str, float] = {}
+    choice: WorkerChoice | None = None
+    for kind in ("cold", "best", "warm") if first_cold else ("warm", "best", "cold"):
+        if kind == "best":
+            rates[kind] = _fit(HeavyFakeData(samples, batch_size=batch_size, num_workers=best_n), root)
+            continue
+        data = HeavyFakeData(samples, batch_size=batch_size, cache_dir=cache, retune=kind == "cold")
+        rates[kind] = _fit(data, root)
+        if kind == "cold":
+            (choice,) = data.worker_tuner.choices.values()
+    assert choice is not None
+    return _Repeat(rates["cold"], rates["best"], rates["warm"], choice)
+
+
+def _searched(choice: WorkerChoice) -> str:
+    """The count chosen and each segment's samples/s by count, e.g. ``"2 from 0: 430, 2: 650"``."""
+    return f"{choice.num_workers} from " + ", ".join(
+        f"{trial.num_workers}: {trial.samples_per_s:.0f}" for trial in choice.trials
+    )
 
 
 def _warm_cache_seconds(samples: int, batch_size: int, cache: Path, cold: str) -> float:

@@ -91,6 +91,21 @@ def test_a_cpu_run_probes_the_model_before_starting_any_worker() -> None:
     assert choice.threads is None
 
 
+def test_a_cpu_tie_goes_past_a_count_whose_steps_waited_for_its_workers() -> None:
+    """`data_bound` on 2 CPUs as its three segments read it: 1 worker within 5 % of 2, but its
+    steps waited 30 % of the time for data (whole epochs trained 12-16 % faster with 2); on a busy
+    spell the 1-worker steps were fed and it stays, as does a clear lead whatever the wait."""
+    cpu = EXAMPLES["cpu"].replace(cpus_available=2)
+    starved = {0: (430.0, 0.7), 1: (650.0, 0.3), 2: (630.0, 0.02)}
+    measured, choice = _run(starved.__getitem__, cpu, SegmentPlan(17, 3), prior=(0, None))
+    assert measured == [0, 2, 1] and choice.num_workers == 2
+    assert "whose steps did not wait for data" in choice.reason
+    fed = {**starved, 1: (650.0, 0.01)}
+    assert _run(fed.__getitem__, cpu, SegmentPlan(17, 3), prior=(0, None))[1].num_workers == 1
+    ahead = {**starved, 1: (720.0, 0.3)}
+    assert _run(ahead.__getitem__, cpu, SegmentPlan(17, 3), prior=(0, None))[1].num_workers == 1
+
+
 @pytest.mark.parametrize("plan", [SegmentPlan(8, 8), SegmentPlan(4, 3)], ids=["workers timed", "too short"])
 def test_a_small_model_faster_on_fewer_threads_keeps_them(plan: SegmentPlan) -> None:
     """The time-to-quality MLP on 2 CPUs as its segments measured it: 18k samples/s on both
