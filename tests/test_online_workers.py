@@ -647,6 +647,36 @@ def test_a_deeper_prefetch_segment_loads_each_batch_once_in_order() -> None:
     assert loader.prefetch_factor == choice.prefetch_factor and loader.num_workers == choice.num_workers
 
 
+class _Where(Dataset[Tensor]):
+    """Sample ``i`` is ``[i, 1 if loaded in the main process else 0]``, after 2 ms of loading."""
+
+    def __len__(self) -> int:
+        return 240
+
+    def __getitem__(self, index: int) -> Tensor:
+        time.sleep(0.002)
+        return torch.tensor([index, torch.utils.data.get_worker_info() is None])
+
+
+def test_a_segment_loading_in_the_main_process_ends_once_loading_dominates() -> None:
+    """Nothing but loading runs between batches, so the first segment (no workers, 8 batches
+    planned) spent all its time loading: after its warm-up step and `MIN_SEGMENT_BATCHES` more it
+    ends, and its two unloaded batches open the next segment; the epoch is still the sampler's."""
+    hardware = EXAMPLES["cpu"].replace(cpus_available=2)
+    plan = SegmentPlan(8, 3)
+    settled: list[WorkerChoice] = []
+    start = functools.partial(search_online, hardware, TUNING, plan, Setting(0))
+    search = OnlineSearch(start, plan, TUNING, Setting(0), settled=settled.append)
+    torch.manual_seed(0)
+    batches = list(SegmentedDataLoader(_Where(), batch_size=3, shuffle=True, online=search))
+    torch.manual_seed(0)
+    expected = [int(i) for batch in DataLoader(range(240), batch_size=3, shuffle=True) for i in batch]
+    assert [int(i) for batch in batches for i in batch[:, 0]] == expected
+    in_main = [bool(batch[:, 1].all()) for batch in batches]
+    assert in_main[:6] == [True] * 6 and not in_main[6]
+    assert settled[0].trials[0].num_workers == 0 and settled[0].trials[1].num_workers == 2
+
+
 def test_an_epoch_dropped_before_its_first_segment_ended_starts_the_search_over() -> None:
     """A tuner that draws one batch of the training loader and drops it settles nothing."""
     _, loader, search, settled = _driver(shuffle=False)

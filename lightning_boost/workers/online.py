@@ -51,6 +51,13 @@ MIN_TIMED_STEPS = 2
 #: model at fewer threads before starting any worker (workers can gain it little); above it, the
 #: loader is the bottleneck and worker counts are measured at once.
 PROBE_BELOW = 0.3
+#: A segment loading in the main process ends once `MIN_SEGMENT_BATCHES` of its steps spent at
+#: least this share of their time loading (its batches go to the next segment). Loading there
+#: takes turns with the step (L + S a batch), workers overlap it (max(L, S c/(c-1)) on c CPUs,
+#: contention aside), so from L >= S workers match it on 2 CPUs and beat it on more: its rate is
+#: still compared, on fewer steps. `data_bound`'s first segment (17 batches, loading 65-72 % of
+#: the time at 0.6-0.7x the winner's rate) cost about 1 s of a 50-60 s epoch.
+LOADER_BOUND = 0.5
 #: A CPU run's probe of the model on fewer threads wins (and its threads stay for the run) when it
 #: leads every worker count by more than the tolerance, both measured twice; measured once, by
 #: this many tolerances (on a busy 2-CPU host two segments of a few steps differed by up to 25 %,

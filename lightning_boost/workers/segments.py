@@ -26,7 +26,14 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_boost.workers.loaders import SameOrderDataLoader, loader_options
-from lightning_boost.workers.online import MIN_TIMED_STEPS, SegmentPlan, Setting, queue_depth
+from lightning_boost.workers.online import (
+    LOADER_BOUND,
+    MIN_SEGMENT_BATCHES,
+    MIN_TIMED_STEPS,
+    SegmentPlan,
+    Setting,
+    queue_depth,
+)
 from lightning_boost.workers.search import (
     WorkerChoice,
     WorkerTrial,
@@ -112,6 +119,9 @@ class OnlineSearch:
                 following: tuple[Setting | None, list[list[int]], Iterator[Any]] = (None, [], iter(()))
                 fallback = functools.partial(self._resume, loader, chunk, last_good, next(seeds))
                 for batch in timing.run(stream, fallback):
+                    if timing.arrived < len(chunk) and timing.loader_bound():  # the rest to the next
+                        batches = itertools.chain(chunk[timing.arrived :], batches)
+                        del chunk[timing.arrived :]  # unloaded: no workers load ahead
                     if timing.arrived == len(chunk):  # the last: decide and start the next before its step
                         following = self._advance(loader, timing, batches, next(seeds))
                     yield batch
@@ -206,6 +216,17 @@ class _Timing:
                 self.batch_bytes = tensor_bytes(batch)
             self.arrived += 1
             yield batch
+
+    def loader_bound(self) -> bool:
+        """Whether this segment loads in the main process (no workers, not a probe of the model's
+        threads) and its last `MIN_SEGMENT_BATCHES` steps, past the first `warmup`, spent at least
+        `LOADER_BOUND` of their time loading: workers match or beat it, so it may end early."""
+        workers, _, threads = self.setting
+        first = self.warmup
+        if workers or threads is not None or self.failed or len(self.times) <= first + MIN_SEGMENT_BATCHES:
+            return False
+        span = self.times[-1] - self.times[first]
+        return sum(self.waits[first + 1 :]) >= LOADER_BOUND * span
 
     def trial(self) -> WorkerTrial:
         """Samples per second from the first batch's arrival to the last's (the steps between
