@@ -661,20 +661,27 @@ class _Where(Dataset[Tensor]):
 def test_a_segment_loading_in_the_main_process_ends_once_loading_dominates() -> None:
     """Nothing but loading runs between batches, so the first segment (no workers, 8 batches
     planned) spent all its time loading: after its warm-up step and `MIN_SEGMENT_BATCHES` more it
-    ends, and its two unloaded batches open the next segment; the epoch is still the sampler's."""
+    ends, and its two unloaded batches open the next segment; the epoch is still the sampler's.
+    Not where ranks share trials: each would end on its own timings, at different batches."""
     hardware = EXAMPLES["cpu"].replace(cpus_available=2)
     plan = SegmentPlan(8, 3)
-    settled: list[WorkerChoice] = []
-    start = functools.partial(search_online, hardware, TUNING, plan, Setting(0))
-    search = OnlineSearch(start, plan, TUNING, Setting(0), settled=settled.append)
-    torch.manual_seed(0)
-    batches = list(SegmentedDataLoader(_Where(), batch_size=3, shuffle=True, online=search))
-    torch.manual_seed(0)
-    expected = [int(i) for batch in DataLoader(range(240), batch_size=3, shuffle=True) for i in batch]
-    assert [int(i) for batch in batches for i in batch[:, 0]] == expected
-    in_main = [bool(batch[:, 1].all()) for batch in batches]
+
+    def epoch(share: Any = None) -> tuple[list[bool], WorkerChoice]:
+        settled: list[WorkerChoice] = []
+        start = functools.partial(search_online, hardware, TUNING, plan, Setting(0))
+        search = OnlineSearch(start, plan, TUNING, Setting(0), share=share, settled=settled.append)
+        torch.manual_seed(0)
+        batches = list(SegmentedDataLoader(_Where(), batch_size=3, shuffle=True, online=search))
+        torch.manual_seed(0)
+        expected = [int(i) for batch in DataLoader(range(240), batch_size=3, shuffle=True) for i in batch]
+        assert [int(i) for batch in batches for i in batch[:, 0]] == expected
+        return [bool(batch[:, 1].all()) for batch in batches], settled[0]
+
+    in_main, choice = epoch()
     assert in_main[:6] == [True] * 6 and not in_main[6]
-    assert settled[0].trials[0].num_workers == 0 and settled[0].trials[1].num_workers == 2
+    assert choice.trials[0].num_workers == 0 and choice.trials[1].num_workers == 2
+    in_main, _ = epoch(share=lambda trial: trial)  # ranks sharing trials switch at the planned batch
+    assert in_main[:8] == [True] * 8 and not in_main[8]
 
 
 def test_an_epoch_dropped_before_its_first_segment_ended_starts_the_search_over() -> None:

@@ -61,7 +61,8 @@ class OnlineSearch:
         tuning: the tuning the search runs with (its `timeout_s` bounds a worker's batch).
         prior: the setting the search starts at (loaders built before it settles use it).
         share: what every rank uses of a trial (rank zero's, broadcast; the identity alone).
-            Called once per segment, at the same batch on every rank.
+            Called once per segment, at the same batch on every rank; with it, no segment ends
+            early (`_Timing.loader_bound`), since that would be each rank's own call.
         configure: applies a setting's process side before its segment: ``configure(num_workers,
             threads)`` sets the model's threads (those the workers leave, or `threads` when given).
         settled: told the choice once the search ends.
@@ -85,6 +86,8 @@ class OnlineSearch:
         self.plan = plan
         self.tuning = tuning
         self.share = share or (lambda trial: trial)
+        # ranks switch settings at the same batch: only a lone process ends a segment on its own timings
+        self.may_end_early = share is None
         self.configure = configure
         self.on_settled = settled
         self.clock = clock
@@ -119,9 +122,9 @@ class OnlineSearch:
                 following: tuple[Setting | None, list[list[int]], Iterator[Any]] = (None, [], iter(()))
                 fallback = functools.partial(self._resume, loader, chunk, last_good, next(seeds))
                 for batch in timing.run(stream, fallback):
-                    if timing.arrived < len(chunk) and timing.loader_bound():  # the rest to the next
+                    if self.may_end_early and timing.arrived < len(chunk) and timing.loader_bound():
                         batches = itertools.chain(chunk[timing.arrived :], batches)
-                        del chunk[timing.arrived :]  # unloaded: no workers load ahead
+                        del chunk[timing.arrived :]  # not loaded yet (no workers), so they open the next
                     if timing.arrived == len(chunk):  # the last: decide and start the next before its step
                         following = self._advance(loader, timing, batches, next(seeds))
                     yield batch
@@ -219,8 +222,9 @@ class _Timing:
 
     def loader_bound(self) -> bool:
         """Whether this segment loads in the main process (no workers, not a probe of the model's
-        threads) and its last `MIN_SEGMENT_BATCHES` steps, past the first `warmup`, spent at least
-        `LOADER_BOUND` of their time loading: workers match or beat it, so it may end early."""
+        threads) and its steps so far, at least `MIN_SEGMENT_BATCHES` past the first `warmup`,
+        spent at least `LOADER_BOUND` of their time loading: workers match or beat it, so it may
+        end early."""
         workers, _, threads = self.setting
         first = self.warmup
         if workers or threads is not None or self.failed or len(self.times) <= first + MIN_SEGMENT_BATCHES:
