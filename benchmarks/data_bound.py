@@ -136,8 +136,8 @@ def run(samples: int = 32768, batch_size: int = 64, repeats: int = 3) -> list[Ro
             f" {{{swept}}}", COMMAND),
         Row("data-bound: settled setting's epoch (warm cache) / best of the sweep (target >= 0.97)",
             warm_ratio,
-            f"median of {repeats}: the warm cache's epoch (the last cold run's choice) over the sweep's"
-            f" best setting's, run beside it (the same pairs as the row above)", COMMAND),
+            f"median of {repeats}: the warm cache's epoch (the choice of the cold run before it) over"
+            f" the sweep's best setting's, run beside it (the same repeats as the row above)", COMMAND),
         Row("data-bound: tuning time / one epoch (target <= 0.10)",
             max(rep.choice.seconds for rep in reps) / epoch_seconds,
             f"cold cache, the most of {repeats}: the search's slower segments cost"
