@@ -6,7 +6,9 @@ Lightning treats it as one, distributed sampler included) whose iteration, while
 hands consecutive runs of them to short-lived loaders at the settings the search asks for. Every
 batch the sampler gives is yielded once, in its order: the batches of a segment are taken from
 the sampler before its loader starts, and a segment whose workers fail hands the batches it had
-not delivered to a loader at the last setting that worked. The global RNG is drawn as a plain
+not delivered to a loader at the last setting that worked; one loading in the main process
+that ends early (`_Timing.loader_bound`) hands its batches, not loaded yet, to the next segment
+in their order. The global RNG is drawn as a plain
 ``DataLoader`` draws it (one base seed, then the sampler), so the epoch's order is the one the
 same run without tuning would have seen; each segment's workers get their own seeds.
 
