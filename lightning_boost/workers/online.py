@@ -55,8 +55,9 @@ PROBE_BELOW = 0.3
 #: least this share of their time loading (its batches go to the next segment). Loading there
 #: takes turns with the step (L + S a batch), workers overlap it (max(L, S c/(c-1)) on c CPUs,
 #: contention aside), so from L >= S workers match it on 2 CPUs and beat it on more: its rate is
-#: still compared, on fewer steps. `data_bound`'s first segment (17 batches, loading 65-72 % of
-#: the time at 0.6-0.7x the winner's rate) cost about 1 s of a 50-60 s epoch.
+#: still compared, on fewer steps. `data_bound`'s first segment (17 batches at 0.6-0.7x the
+#: winner's rate, loading 65-72 % of the time: the waits timed by hand, 2026-11-25) made most of
+#: the search's 1.1-1.6 s cost (its tuning row); with this, 0.4-0.9 s.
 LOADER_BOUND = 0.5
 #: A CPU run's probe of the model on fewer threads wins (and its threads stay for the run) when it
 #: leads every worker count by more than the tolerance, both measured twice; measured once, by
@@ -589,9 +590,11 @@ def _fewest_fed(near: list[int], trials: list[WorkerTrial], tuning: WorkerTuning
     the one above it. The fastest (`best`) when every near count waited so. Loading in the main
     process (no workers) is its own pace, not a wait for workers: kept on a tie as before.
 
-    On `data_bound` (2 CPUs, 2026-11-25) 1 worker's segments waited 24-33 % of their time and read
-    within 5 % of 2 workers', which waited 1-3 %, while whole epochs trained 12-16 % faster with 2;
-    on a busy spell 1 worker waited 1-11 % and read 4-10 % faster, and its whole epochs kept up.
+    On `data_bound` (2 CPUs, 2026-11-25; the waits timed by hand in searches stopped after 70
+    batches, no benchmark row prints them) 1 worker's segments waited 24-33 % of their time and
+    read within 5 % of 2 workers', which waited 1-3 %, while whole epochs trained 12-16 % faster
+    with 2 (its sweeps); on a busy spell 1 worker waited 1-11 % and read 4-10 % faster, and that
+    spell's sweep had 1 worker ahead (580 against 533 samples/s).
 
     Example:
         >>> runs = [WorkerTrial(1, 2, 600.0, load_share=0.3), WorkerTrial(2, 2, 610.0, load_share=0.02)]

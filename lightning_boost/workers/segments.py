@@ -231,8 +231,12 @@ class _Timing:
         first = self.warmup
         if workers or threads is not None or self.failed or len(self.times) <= first + MIN_SEGMENT_BATCHES:
             return False
-        span = self.times[-1] - self.times[first]
-        return sum(self.waits[first + 1 :]) >= LOADER_BOUND * span
+        return self._load_share(first, len(self.times) - 1) >= LOADER_BOUND
+
+    def _load_share(self, first: int, last: int) -> float:
+        """The share of the steps from batch `first` to batch `last` spent waiting for batches."""
+        span = max(self.times[last] - self.times[first], 1e-9)
+        return min(sum(self.waits[first + 1 : last + 1]) / span, 1.0)
 
     def trial(self) -> WorkerTrial:
         """Samples per second from the first batch's arrival to the last's (the steps between
@@ -252,7 +256,7 @@ class _Timing:
         samples = sum(len(batch) for batch in self.chunk[first:last])  # the steps timed
         span = max(self.times[last] - self.times[first], 1e-9)
         startup = self.times[0] - self.started
-        share = min(sum(self.waits[first + 1 : last + 1]) / span, 1.0)
+        share = self._load_share(first, last)
         return WorkerTrial(
             workers, factor, samples / span, seconds, self.batch_bytes, "", startup, threads, share
         )
