@@ -744,6 +744,44 @@ def test_an_evaluation_batch_size_given_by_hand_is_kept(tmp_path: Path) -> None:
     assert not [f for f in callback.findings if f.title.startswith("Evaluation batch size")]
 
 
+@pytest.mark.parametrize(("per_sample_s", "chosen"), [(1e-9, 4), (1.0, 16)], ids=["repaid-never", "repaid"])
+def test_evaluation_sizes_are_measured_only_while_the_runs_validation_can_repay_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, per_sample_s: float, chosen: int
+) -> None:
+    """The fit validates its 32 samples twice (every other epoch of 4). When that takes next to no
+    time at the training size, a larger evaluation batch cannot save what its trial costs: the
+    training size is kept after its own step. At 1 s a sample, the doublings go on as before
+    (to 16: the OOM above it). Evaluation rates are scripted like the other tests' (real steps)."""
+    from lightning_boost.batch_size import callback as module
+
+    monkeypatch.setattr(module, "_measures_eval_sizes", lambda device: True)
+    real = StepProbe.validate
+
+    def validate(self: StepProbe, batch: Any, size: int) -> Any:
+        trial = real(self, batch, size)
+        return trial if trial.oom else dataclasses.replace(trial, samples_per_s=size / per_sample_s)
+
+    monkeypatch.setattr(StepProbe, "validate", validate)
+    boosted = Boosted(batch_size=4, num_workers=0)
+    callback = AutoBatchSize(max_batch_size=4, **FAST)
+    options = {
+        "max_epochs": 4,
+        "check_val_every_n_epoch": 2,
+        "limit_train_batches": 1.0,
+        "limit_val_batches": 1.0,
+    }
+    trainer, _ = fit(tmp_path, callback, OOMModel(val_limit=16), datamodule=boosted, **options)
+    assert boosted.tuned_eval_batch_size == chosen == trainer.val_dataloaders.batch_size
+    decision = callback.decision
+    assert decision is not None
+    if chosen == 4:
+        assert [t.size for t in decision.eval_trials] == [4]
+        assert decision.eval_stopped.startswith("the run evaluates 64 samples")
+        assert decision.eval_stopped.endswith("cannot repay itself")
+    else:
+        assert decision.eval_stopped == "out of memory at 32"
+
+
 def test_evaluation_sizes_are_not_measured_on_a_cpu(tmp_path: Path) -> None:
     boosted = Boosted(batch_size=4, num_workers=0)
     callback = AutoBatchSize(max_batch_size=4, **FAST)

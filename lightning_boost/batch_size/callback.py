@@ -478,7 +478,8 @@ class AutoBatchSize(BoostCallback):
                 rule,
             )
             if val_data is not None and _wants_eval_size(trainer):
-                decision = _with_eval_size(trainer, probe, val_data, decision, limits.budget_bytes)
+                evaluated = _evaluated(trainer, val_data[0], plan.validations(configured))
+                decision = _with_eval_size(trainer, probe, val_data, decision, limits.budget_bytes, evaluated)
         steps = plan.optimizer_steps(decision.batch_size)
         warmup = self.lr_warmup_steps if self.lr_warmup_steps is not None else max(1, (steps or 1000) // 10)
         decision = decision.replace(
@@ -717,6 +718,7 @@ def _plan(trainer: L.Trainer, dataset: Any, world: int) -> RunPlan:
         max_steps=trainer.max_steps,
         limit_batches=trainer.limit_train_batches,
         val_check_interval=trainer.val_check_interval,
+        check_every=trainer.check_val_every_n_epoch,
         accumulate=trainer.accumulate_grad_batches,
         drop_last=drop_last,
         debugging=debugging_mode(trainer),
@@ -787,10 +789,25 @@ def _measures_eval_sizes(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+def _evaluated(trainer: L.Trainer, dataset: Any, runs: int | None) -> float | None:
+    """The samples the fit validates on each rank over its `runs` validations; ``None`` when
+    unknown (no length, a count of batches). A later ``trainer.test`` is not counted."""
+    limit = trainer.limit_val_batches
+    if runs is None or not isinstance(dataset, Sized) or isinstance(limit, int):
+        return None
+    return runs * len(dataset) / trainer.world_size * limit
+
+
 def _with_eval_size(
-    trainer: L.Trainer, probe: StepProbe, val_data: tuple[Any, Any], decision: BatchSizeDecision, budget: int
+    trainer: L.Trainer,
+    probe: StepProbe,
+    val_data: tuple[Any, Any],
+    decision: BatchSizeDecision,
+    budget: int,
+    evaluated: float | None = None,
 ) -> BatchSizeDecision:
-    """`decision` with the evaluation batch size measured on the run's validation data."""
+    """`decision` with the evaluation batch size measured on the run's validation data, for as
+    long as the `evaluated` samples of the fit can repay the trials."""
     if not _measures_eval_sizes(trainer.lightning_module.device):
         return decision.replace(eval_stopped="not measured on a CPU, where a larger batch is not faster")
 
@@ -807,7 +824,7 @@ def _with_eval_size(
 
     dataset = val_data[0]
     limit = len(dataset) if hasattr(dataset, "__len__") else None
-    result = eval_batch_size(measure, decision.batch_size, budget, limit)
+    result = eval_batch_size(measure, decision.batch_size, budget, limit, evaluated)
     return decision.replace(
         eval_batch_size=result.size, eval_trials=result.trials, eval_stopped=result.stopped
     )

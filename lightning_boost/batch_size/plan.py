@@ -33,6 +33,8 @@ class RunPlan:
         max_steps: ``Trainer(max_steps=)``, -1 for none.
         limit_batches: ``Trainer(limit_train_batches=)``: a fraction, or a count of batches.
         val_check_interval: ``Trainer(val_check_interval=)``: a count of batches binds the size.
+        check_every: ``Trainer(check_val_every_n_epoch=)``; ``None``: an integer
+            `val_check_interval` counts batches across epochs.
         accumulate: batches per optimizer step.
         drop_last: the training loader drops the last partial batch.
         debugging: why Lightning runs this fit as a check, not a training (``"fast_dev_run"``,
@@ -44,6 +46,7 @@ class RunPlan:
     max_steps: int = -1
     limit_batches: int | float = 1.0
     val_check_interval: int | float = 1.0
+    check_every: int | None = 1
     accumulate: int = 1
     drop_last: bool = False
     debugging: str = ""
@@ -83,6 +86,31 @@ class RunPlan:
         """Samples the run trains on each rank at `size` (``inf`` when unknown)."""
         steps = self.optimizer_steps(size)
         return math.inf if steps is None else float(steps * self.accumulate * size)
+
+    def validations(self, size: int) -> int | None:
+        """The validation runs of the fit at training batch `size`, as Lightning schedules them
+        (``val_check_batch = max(1, int(batches * val_check_interval))`` for a fraction); ``None``
+        when unknown (no dataset length, no epoch count, `max_steps` ending it sooner).
+
+        Example:
+            >>> RunPlan(16384, max_epochs=2, val_check_interval=0.25).validations(64)
+            8
+            >>> RunPlan(16384, max_epochs=3, val_check_interval=100, check_every=None).validations(64)
+            7
+        """
+        batches = self.batches_per_epoch(size)
+        if batches is None or self.max_epochs is None:
+            return None
+        steps = dataclasses.replace(self, max_steps=-1).optimizer_steps(size)
+        if self.max_steps >= 0 and (steps is None or steps > self.max_steps):
+            return None
+        if isinstance(self.val_check_interval, int):
+            if self.check_every is None:
+                return batches * self.max_epochs // self.val_check_interval
+            per_epoch = batches // self.val_check_interval
+        else:
+            per_epoch = batches // max(1, int(batches * self.val_check_interval))
+        return per_epoch * (self.max_epochs // (self.check_every or 1))
 
     def largest_size(self) -> int | None:
         """The largest batch that leaves each epoch `MIN_STEPS_PER_EPOCH` batches (or an integer
