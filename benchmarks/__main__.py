@@ -26,6 +26,7 @@ BENCHMARKS = (
     "batch_size",
     "gpu_batch_size",
     "noise_scale",
+    "batch_quality",
     "monitor_overhead",
     "guard_overhead",
     "micro_batch",

@@ -9,15 +9,27 @@ copy of the model, and fits the noise scale; then a trial of 128 on its own batc
 search ran before the first trial read the next batch), fitted with the first. The ratio is the
 share of draws the first trial resolved (a resolved noise scale can grow the batch, and its
 learning rate, on one batch's luck); the detail gives the halves' squared gradient norm over the
-whole batch's (about 2 expected without BatchNorm). See docs/batch-size.md. Run:
-``python -m benchmarks noise_scale``.
+whole batch's (about 2 expected without BatchNorm). See docs/batch-size.md.
+
+The second row reads the same initial weights another way: `gradients` per size, each on
+an independent batch, and the mean of their pairwise dot products, an unbiased estimate of
+``|E g_B|^2`` whatever BatchNorm does within a batch (a product of independent batches' noise has
+mean zero), against their mean squared norm ``E|g_B|^2``; the noise scale is
+``B (E|g_B|^2 - |E g_B|^2) / |E g_B|^2``, and its cautious bound takes ``|E g_B|^2`` two
+jackknife standard errors higher. Run: ``python -m benchmarks noise_scale``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import statistics
+from typing import Any
 
+import lightning as L
 import torch
+from torch import Tensor, nn
+from torch.utils.data import Dataset
 
 from benchmarks.common import Row
 from lightning_boost.batch_size.search import noise_of
@@ -28,11 +40,18 @@ COMMAND = "python -m benchmarks noise_scale"
 _BUDGET = 1 << 40  # no memory limit: only the gradients matter here
 
 
-def run(draws: int = 12, samples: int = 8192, size: int = 64) -> list[Row]:
+def run(
+    draws: int = 12,
+    samples: int = 8192,
+    size: int = 64,
+    gradients: int = 8,
+    sizes: tuple[int, ...] = (32, 64, 128, 256),
+) -> list[Row]:
     torch.manual_seed(0)
     model = ValidatedResNet18()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     dataset = demo_dataset(samples)
+    crossed = _cross_row(model, dataset, sizes, gradients)
     probe = StepProbe(model, [optimizer], 3, contextlib.nullcontext, contextlib.nullcontext)
     ratios, first_found, both_found = [], [], []
     for draw in range(draws):
@@ -58,8 +77,55 @@ def run(draws: int = 12, samples: int = 8192, size: int = 64) -> list[Row]:
             f" added in {len(both_found)} ({_values(both_found)}); the halves' squared gradient norm"
             f" over the whole batch's {min(ratios):.2f}-{max(ratios):.2f} (about 2 without BatchNorm)",
             COMMAND,
-        )
+        ),
+        crossed,
     ]
+
+
+def _cross_row(model: L.LightningModule, dataset: Dataset[Any], sizes: tuple[int, ...], batches: int) -> Row:
+    reads = [_crossed(model, dataset, size, batches) for size in sizes]
+    text = "; ".join(
+        f"{size}: |E g|^2 {mean:.3g} of E|g|^2's {square:.4g}, noise scale {_scale(size, square, mean)}"
+        f" (bound {_scale(size, square, bound)})"
+        for size, (mean, square, bound) in zip(sizes, reads, strict=True)
+    )
+    return Row(
+        "noise scale at BatchNorm initial weights from independent batches: sizes resolved / sizes",
+        sum(bound > 0 for _, _, bound in reads) / len(sizes),
+        f"ResNet-18 (demo), the same initial weights, {batches} gradients per size on independent batches"
+        f" (|E g|^2: their pairwise dot products' mean; bound: 2 jackknife standard errors above it): {text}",
+        COMMAND,
+    )
+
+
+def _crossed(
+    model: L.LightningModule, dataset: Dataset[Any], size: int, batches: int
+) -> tuple[float, float, float]:
+    """``|E g|^2`` (the mean of pairwise dot products), ``E|g|^2``, and ``|E g|^2`` two jackknife
+    standard errors higher, from `batches` gradients at `size` on independent batches of `dataset`."""
+    state = {name: value.clone() for name, value in model.state_dict().items()}
+    model.train()
+    grads = []
+    for batch in itertools.islice(sample_batches(dataset, None, size), batches):
+        grads.append(_gradient(model, batch))
+        model.load_state_dict(state)  # BatchNorm's running statistics back
+    products = {(i, j): float(grads[i] @ grads[j]) for i, j in itertools.combinations(range(batches), 2)}
+    mean = statistics.mean(products.values())
+    left_out = [statistics.mean(p for pair, p in products.items() if k not in pair) for k in range(batches)]
+    error = ((batches - 1) / batches * sum((v - statistics.mean(left_out)) ** 2 for v in left_out)) ** 0.5
+    return mean, statistics.mean(float(g @ g) for g in grads), mean + 2 * error
+
+
+def _gradient(model: L.LightningModule, batch: tuple[Tensor, Tensor]) -> Tensor:
+    model.zero_grad(set_to_none=True)
+    images, labels = batch
+    nn.functional.cross_entropy(model(images), labels).backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+
+def _scale(size: int, square: float, mean: float) -> str:
+    """``size (E|g|^2 - |E g|^2) / |E g|^2``; unresolved where that estimate is not positive."""
+    return f"{size * (square - mean) / mean:,.0f}" if mean > 0 else "unresolved"
 
 
 def _values(values: list[float]) -> str:

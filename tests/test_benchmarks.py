@@ -86,8 +86,18 @@ def test_cold_demo_benchmark_runs_at_tiny_size_with_a_fresh_cache_each(tmp_path,
 def test_noise_scale_benchmark_runs_at_tiny_size() -> None:
     from benchmarks import noise_scale
 
-    (row,) = noise_scale.run(draws=1, samples=256, size=16)
+    row, crossed = noise_scale.run(draws=1, samples=256, size=16, gradients=3, sizes=(8, 16))
     assert 0 <= row.ratio <= 1 and "1 draws" in row.detail and row.command == noise_scale.COMMAND
+    assert crossed.ratio in (0.0, 0.5, 1.0) and "3 gradients per size" in crossed.detail
+    assert "8: |E g|^2" in crossed.detail and "16: |E g|^2" in crossed.detail
+
+
+def test_batch_quality_benchmark_runs_at_tiny_size() -> None:
+    from benchmarks import batch_quality
+
+    linear, half = batch_quality.run(samples=256, epochs=1, sizes=(128,))
+    assert linear.ratio > 0 and half.ratio > 0 and linear.command == batch_quality.COMMAND
+    assert "batch 128 at lr 0.1:" in linear.detail and "batch 128 at lr 0.05:" in half.detail
 
 
 def test_batch_size_benchmark_runs_at_tiny_size() -> None:
