@@ -82,8 +82,10 @@ def run(
     ]
 
 
-def _cross_row(model: L.LightningModule, dataset: Dataset[Any], sizes: tuple[int, ...], batches: int) -> Row:
-    reads = [_crossed(model, dataset, size, batches) for size in sizes]
+def _cross_row(
+    model: L.LightningModule, dataset: Dataset[Any], sizes: tuple[int, ...], gradients: int
+) -> Row:
+    reads = [_crossed(model, dataset, size, gradients) for size in sizes]
     text = "; ".join(
         f"{size}: |E g|^2 {mean:.3g} of E|g|^2's {square:.4g}, noise scale {_scale(size, square, mean)}"
         f" (bound {_scale(size, square, bound)})"
@@ -92,27 +94,30 @@ def _cross_row(model: L.LightningModule, dataset: Dataset[Any], sizes: tuple[int
     return Row(
         "noise scale at BatchNorm initial weights from independent batches: sizes resolved / sizes",
         sum(bound > 0 for _, _, bound in reads) / len(sizes),
-        f"ResNet-18 (demo), the same initial weights, {batches} gradients per size on independent batches"
+        f"ResNet-18 (demo), the same initial weights, {gradients} gradients per size on independent batches"
         f" (|E g|^2: their pairwise dot products' mean; bound: 2 jackknife standard errors above it): {text}",
         COMMAND,
     )
 
 
 def _crossed(
-    model: L.LightningModule, dataset: Dataset[Any], size: int, batches: int
+    model: L.LightningModule, dataset: Dataset[Any], size: int, gradients: int
 ) -> tuple[float, float, float]:
     """``|E g|^2`` (the mean of pairwise dot products), ``E|g|^2``, and ``|E g|^2`` two jackknife
-    standard errors higher, from `batches` gradients at `size` on independent batches of `dataset`."""
+    standard errors higher, from `gradients` at `size` on independent batches of `dataset`; the
+    model is left as it was (weights, BatchNorm's running statistics, no gradients)."""
     state = {name: value.clone() for name, value in model.state_dict().items()}
     model.train()
     grads = []
-    for batch in itertools.islice(sample_batches(dataset, None, size), batches):
+    for batch in itertools.islice(sample_batches(dataset, None, size), gradients):
         grads.append(_gradient(model, batch))
         model.load_state_dict(state)  # BatchNorm's running statistics back
-    products = {(i, j): float(grads[i] @ grads[j]) for i, j in itertools.combinations(range(batches), 2)}
+    model.zero_grad(set_to_none=True)
+    n = gradients
+    products = {(i, j): float(grads[i] @ grads[j]) for i, j in itertools.combinations(range(n), 2)}
     mean = statistics.mean(products.values())
-    left_out = [statistics.mean(p for pair, p in products.items() if k not in pair) for k in range(batches)]
-    error = ((batches - 1) / batches * sum((v - statistics.mean(left_out)) ** 2 for v in left_out)) ** 0.5
+    left_out = [statistics.mean(p for pair, p in products.items() if k not in pair) for k in range(n)]
+    error = ((n - 1) / n * sum((v - statistics.mean(left_out)) ** 2 for v in left_out)) ** 0.5
     return mean, statistics.mean(float(g @ g) for g in grads), mean + 2 * error
 
 

@@ -478,7 +478,7 @@ class AutoBatchSize(BoostCallback):
                 rule,
             )
             if val_data is not None and _wants_eval_size(trainer):
-                evaluated = _evaluated(trainer, val_data[0], plan.validations(configured))
+                evaluated = _evaluated(trainer, val_data[0], plan.validations(decision.batch_size))
                 decision = _with_eval_size(trainer, probe, val_data, decision, limits.budget_bytes, evaluated)
         steps = plan.optimizer_steps(decision.batch_size)
         warmup = self.lr_warmup_steps if self.lr_warmup_steps is not None else max(1, (steps or 1000) // 10)
