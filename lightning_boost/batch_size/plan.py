@@ -87,6 +87,11 @@ class RunPlan:
         steps = self.optimizer_steps(size)
         return math.inf if steps is None else float(steps * self.accumulate * size)
 
+    def ends_by_steps(self, size: int) -> bool:
+        """Whether `max_steps` ends the run at `size` before its epochs would (or without them)."""
+        by_epochs = dataclasses.replace(self, max_steps=-1).optimizer_steps(size)
+        return self.max_steps >= 0 and (by_epochs is None or by_epochs > self.max_steps)
+
     def validations(self, size: int) -> int | None:
         """The validation runs of the fit at training batch `size`, as Lightning schedules them
         (``val_check_batch = max(1, int(batches * val_check_interval))`` for a fraction); ``None``
@@ -99,10 +104,7 @@ class RunPlan:
             7
         """
         batches = self.batches_per_epoch(size)
-        if batches is None or self.max_epochs is None:
-            return None
-        steps = dataclasses.replace(self, max_steps=-1).optimizer_steps(size)
-        if self.max_steps >= 0 and (steps is None or steps > self.max_steps):
+        if batches is None or self.max_epochs is None or self.ends_by_steps(size):
             return None
         if isinstance(self.val_check_interval, int):
             if self.check_every is None:
@@ -143,7 +145,6 @@ class RunPlan:
             return f"`{self.debugging}` runs the fit as a check, not a training"
         if not target:
             batches = self.batches_per_epoch(size)
-            epochs_steps = dataclasses.replace(self, max_steps=-1).optimizer_steps(size)
             if (
                 isinstance(self.limit_batches, int)
                 and self.samples is not None
@@ -153,7 +154,7 @@ class RunPlan:
                     f"`limit_train_batches={self.limit_batches}` counts batches: a larger batch would"
                     " train more samples, not the same ones sooner"
                 )
-            if self.max_steps >= 0 and (epochs_steps is None or epochs_steps > self.max_steps):
+            if self.ends_by_steps(size):
                 return (
                     f"`max_steps={self.max_steps}` ends the run by steps: a larger batch would train more"
                     " samples, not the same ones sooner (pass `target_global_batch_size` to re-split it)"
