@@ -609,6 +609,37 @@ def test_the_segment_driver_alone_yields_each_batch_once() -> None:
     assert loader.num_workers == settled[0].num_workers
 
 
+def test_each_loader_starts_with_its_threads_while_the_batch_before_it_steps() -> None:
+    """Every segment's loader, the winner's too, starts while the batch before it still has its
+    step to run; the setting's process side (the model's threads) comes first, so that step does
+    not keep the threads of a setting with fewer workers beside the starting ones (on 2 CPUs, 2
+    model threads beside 2 starting workers made it 330-560 ms against 45). Ranks sharing trials
+    (`share`) switch at the planned batches: segments of exactly 8."""
+    dataset = TensorDataset(torch.arange(200))
+    hardware = EXAMPLES["cpu"].replace(cpus_available=2)
+    plan = SegmentPlan(8, 3)
+    handed: list[int] = []
+    configured: list[tuple[int, int]] = []  # (batches handed to the step so far, workers)
+    settled: list[tuple[int, WorkerChoice]] = []
+    start = functools.partial(search_online, hardware, TUNING, plan, Setting(0))
+    search = OnlineSearch(
+        start,
+        plan,
+        TUNING,
+        Setting(0),
+        share=lambda trial: trial,
+        configure=lambda workers, threads: configured.append((len(handed), workers)),
+        settled=lambda choice: settled.append((len(handed), choice)),
+    )
+    for (batch,) in SegmentedDataLoader(dataset, batch_size=3, online=search):
+        handed.append(len(batch))
+    (at, choice), trials = settled[0], settled[0][1].trials
+    assert len(settled) == 1 and len(trials) == 3
+    assert configured[:3] == [(at, trial.num_workers) for at, trial in zip((0, 7, 15), trials, strict=True)]
+    assert at == 23 and configured[3:] == [(23, choice.num_workers)]
+    assert sum(handed) == len(dataset)
+
+
 class _Slow(Dataset[int]):
     """Sample ``i`` is ``i``, after 2 ms of loading."""
 
