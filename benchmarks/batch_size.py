@@ -6,7 +6,8 @@ measured). Under a memory budget of `budget_gib` per step:
 - the sweep trains a real Lightning fit at every power of two from 8 to `largest` and times the
   steps after a warm-up (best of `rounds` rounds, interleaved), and estimates each size's peak the
   way AutoBatchSize does on CPU (live tensors of a step on a copy of the model);
-- `AutoBatchSize(memory_budget_gib=budget_gib)` chooses a size in a fit of its own;
+- `AutoBatchSize(memory_budget_gib=budget_gib, lr_scaling=None)` chooses a size in a fit of its
+  own (the learning rates kept: random images teach nothing, so only throughput and memory count);
 - `BatchSizeFinder(mode="power")` chooses a size in a fit of its own (it has no memory budget on
   CPU: it grows until OOM, ``max_val`` or the dataset's length).
 
@@ -132,7 +133,9 @@ def run(budget_gib: float = 0.25, largest: int = 512, rounds: int = 2, samples: 
     budget = int(budget_gib * GIB)
     best = max((s for s in sizes if peaks[s] <= budget), key=lambda s: rates[s])
 
-    auto = AutoBatchSize(memory_budget_gib=budget_gib)
+    # throughput and memory alone, as the sweep judges them (by default SGD's learning rates would
+    # stop the search at x4 the configured 32: `lr_capped`)
+    auto = AutoBatchSize(memory_budget_gib=budget_gib, lr_scaling=None)
     L.seed_everything(0, verbose=False)
     _trainer([auto], 1).fit(ResNet18Classifier(), datamodule=Images(samples, 32))
     finder = TimedFinder(mode="power")

@@ -88,7 +88,7 @@ def sizes(callback: AutoBatchSize) -> dict[int, dict[str, Any]]:
 
 @pytest.mark.parametrize("cpu", [False, True], ids=["cuda-oom-type", "cpu-allocator"])
 def test_oom_above_a_size_is_caught_and_the_choice_fits(tmp_path: Path, cpu: bool) -> None:
-    callback = AutoBatchSize(steps=2, tolerance=0.0)
+    callback = AutoBatchSize(steps=2, tolerance=0.0, lr_scaling=None)  # no learning-rate limit
     trainer, datamodule = fit(tmp_path, callback, OOMModel(limit=100, cpu=cpu))
     tried = sizes(callback)
     assert {size for size, trial in tried.items() if trial["oom"]} == {s for s in tried if s > 100}
@@ -98,12 +98,29 @@ def test_oom_above_a_size_is_caught_and_the_choice_fits(tmp_path: Path, cpu: boo
     assert datamodule.batch_size == 8  # the configured size, put back at the end of the fit
     assert not tried[callback.result["batch_size"]]["oom"]
     assert trainer.state.finished
-    finding, lr_warning = callback.findings  # SGD's linear rule: x12 for 8 -> 96, past x4
-    assert finding.area == lr_warning.area == "batch size"
-    assert lr_warning.severity == "warn" and "max_batch_size=32" in lr_warning.fix
+    (finding,) = callback.findings
+    assert finding.area == "batch size"
     assert (
         "out of memory" in finding.detail and f"Batch size {callback.result['batch_size']}" in finding.title
     )
+
+
+def test_no_size_is_chosen_whose_learning_rates_the_rule_fails_at(tmp_path: Path) -> None:
+    """From the configured 8 under SGD's linear rule, 32 is x4 the learning rates: the search
+    stops there and says why (without the limit it measured up to 256 here: x32). A global batch
+    the user asks for is theirs: its factor past x4 is a warning with the fix."""
+    callback = AutoBatchSize(**FAST)
+    fit(tmp_path / "capped", callback)
+    decision = callback.decision
+    assert decision is not None and decision.lr_scaling == "linear"
+    assert max(t.size for t in decision.trials) == decision.batch_size == 32 and decision.lr_factor == 4.0
+    assert "learning rates past x4 under the linear rule" in decision.stopped
+    assert [f.severity for f in callback.findings] == ["info"]
+    asked = AutoBatchSize(**FAST, target_global_batch_size=96)
+    fit(tmp_path / "asked", asked)
+    assert asked.decision is not None and asked.decision.lr_factor == 12.0
+    (lr_warning,) = [f for f in asked.findings if f.severity == "warn"]
+    assert "x12 for batch 96" in lr_warning.title and "max_batch_size=32" in lr_warning.fix
 
 
 class BatchOnly(BoringModel):
@@ -177,7 +194,7 @@ def test_cpu_memory_budget_bounds_the_search(tmp_path: Path, monkeypatch: pytest
 
     small = HardwareInfo.detect().replace(ram_available_bytes=2**18, local_world_size=1)
     monkeypatch.setattr(auto_batch_size, "hardware_for", lambda trainer: small)
-    callback = AutoBatchSize(steps=2, tolerance=0.0)
+    callback = AutoBatchSize(steps=2, tolerance=0.0, lr_scaling=None)  # no learning-rate limit
     model = Squares()
     trainer = tiny_trainer(tmp_path, callbacks=[callback], logger=False, enable_checkpointing=False)
     trainer.fit(model)
@@ -693,7 +710,7 @@ def test_a_stream_shorter_than_the_batch_bounds_the_size_by_what_came_back(tmp_p
         def setup(self, stage: str) -> None:
             self.train_dataset = Stream()
 
-    callback = AutoBatchSize(**FAST)
+    callback = AutoBatchSize(**FAST, lr_scaling=None)  # no learning-rate limit: x4 is 64 here too
     trainer = tiny_trainer(tmp_path, callbacks=[callback], limit_val_batches=0)
     trainer.fit(BoringModel(), datamodule=StreamData(batch_size=16, num_workers=0))
     decision = callback.decision

@@ -64,7 +64,7 @@ from lightning_boost.batch_size.regrow import (
     growth_limits,
     lr_ramp,
 )
-from lightning_boost.batch_size.search import Limits
+from lightning_boost.batch_size.search import Limits, lr_capped
 from lightning_boost.batch_size.watch import LossWatch, reference_of
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
@@ -144,7 +144,8 @@ class AutoBatchSize(BoostCallback):
         lr_scaling: scale the optimizers' learning rates (and schedulers' base rates) by the change
             of the effective batch size from `reference_batch_size`: ``"auto"`` by the optimizers'
             rule (linear for SGD, square root for Adam and other adaptive ones), or ``"linear"``,
-            ``"sqrt"``; ``None`` keeps them. A raised rate is warmed up, and past x4 is a warning.
+            ``"sqrt"``; ``None`` keeps them. A raised rate is warmed up; the search chooses no
+            size past x4 the rates (`lr_capped`), and a target past it is a warning.
         reference_batch_size: the effective batch the learning rates were set for (default: the
             batch size configured, times ``accumulate_grad_batches``, times world size).
         min_efficiency: the least statistical efficiency (progress per sample against the
@@ -383,9 +384,8 @@ class AutoBatchSize(BoostCallback):
             or steps - epoch // decision.accumulate_grad_batches < GROW_AFTER_STEPS
         ):
             return None
-        cap = self._limits(
-            trainer, pl_module, data[0], trainer.world_size, decision.configured_batch_size
-        ).max_size
+        limits = self._limits(trainer, pl_module, data[0], trainer.world_size, decision.configured_batch_size)
+        cap = lr_capped(limits, decision.lr_scaling).max_size
         if not could_grow(decision.trials, growth_limits(decision, self.tolerance), decision.batch_size, cap):
             return None
         blocker = _growth_blocker(trainer, decision)
@@ -451,6 +451,7 @@ class AutoBatchSize(BoostCallback):
         validates = self.check_validation and overrides(pl_module, "validation_step")
         val_data = _split_data(trainer, "val") if validates else None
         rule = lr_rule([type(o).__name__ for o in trainer.optimizers], self.lr_scaling)
+        limits = lr_capped(limits, rule)  # a size the rule's learning rates fail at is not chosen
         start = self.init_batch_size or configured
         autocast = _autocast_trial(trainer, train_data, start, plan.optimizer_steps(configured))
 

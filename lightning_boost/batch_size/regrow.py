@@ -167,7 +167,8 @@ class Growth:
 
     Args:
         meter: reads the run's steps (`observe`).
-        cap: the largest batch the run may take (``max_batch_size``, the data, the run's length).
+        cap: the largest batch the run may take (``max_batch_size``, the data, the run's length,
+            the learning rates' limit: `lr_capped`).
         tolerance: a larger size must beat the current one's goodput by more than this.
         measure: a trial of a size on a copy of the model, as the start's trials (its gradient
             statistics are dropped: they were read at other weights than the start's).
@@ -206,7 +207,8 @@ class Growth:
             trial = self.measure(size)
             trial = dataclasses.replace(trial, grad_sq=None, half_grad_sq=None, double_grad_sq=None)
             decision = decision.replace(trials=(*decision.trials, trial))
-        larger = grown_size(decision.trials, limits, decision.batch_size, noise)
+        within = [t for t in decision.trials if t.size <= self.cap]  # a cache's trials may go past it
+        larger = grown_size(within, limits, decision.batch_size, noise)
         if larger is None:
             return decision
         steps = epoch_batches * decision.batch_size // larger.size // decision.accumulate_grad_batches

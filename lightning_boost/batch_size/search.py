@@ -25,7 +25,7 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lightning_boost.batch_size.goodput import NoiseScale, efficiency, estimate_noise
+from lightning_boost.batch_size.goodput import LR_FACTOR_WARN, NoiseScale, efficiency, estimate_noise
 from lightning_boost.trials import Trial, mean_known, why_failed
 
 #: Learning-rate scaling rules: factor from (effective batch / reference batch).
@@ -52,6 +52,8 @@ class Limits:
             teach the model nearly as much as at the user's size.
         planned_samples: samples the run trains on each rank; a size that cannot save more time
             over them than its trial costs is not measured.
+        max_reason: what sets `max_size` when the search should say so where it stops there
+            (`lr_capped`).
     """
 
     max_size: int
@@ -65,6 +67,7 @@ class Limits:
     target: int | None = None
     min_efficiency: float = 0.0
     planned_samples: float = float("inf")
+    max_reason: str = ""
 
     def effective(self, size: int) -> int:
         """The effective batch at `size` per rank: size x accumulation x world size."""
@@ -221,7 +224,9 @@ def _next_size(trials: Sequence[Trial], limits: Limits) -> tuple[int | None, str
     above = [t for t in failed if t.size > largest.size]
     if not above:
         if largest.size >= limits.max_size:
-            return None, f"the size limit of {limits.max_size}"
+            return None, f"the size limit of {limits.max_size}" + (
+                f" ({limits.max_reason})" if limits.max_reason else ""
+            )
         if _plateaued(ok, limits):
             return (
                 None,
@@ -320,6 +325,34 @@ def accumulation(target_global: int, batch_size: int, world_size: int) -> int:
     below = max(1, target_global // per_step)
     above = below + 1
     return below if abs(target_global - below * per_step) <= abs(above * per_step - target_global) else above
+
+
+def lr_capped(limits: Limits, rule: str | None) -> Limits:
+    """`limits` whose largest size keeps the learning rates within `LR_FACTOR_WARN` (x4) of the
+    reference batch's under `rule`, where the search picks the size itself: past it the rule is
+    known to fail (`python -m benchmarks batch_quality`: the demo's ResNet-18 at batch 512 and
+    SGD's linear x8 ended at 0.76x batch 64's accuracy, at x4 at 0.99x; batch 256 at x4 at 1.00x),
+    so a faster step there would buy a worse model. A `target` global batch is the user's request
+    (its factor stays a warning); without a rule nothing is scaled, so nothing is capped.
+
+    Example:
+        >>> lr_capped(Limits(2**31, 100, reference=64), "linear").max_size
+        256
+        >>> lr_capped(Limits(2**31, 100, reference=64, world=2), "sqrt").max_size  # x16 the batch: x4
+        512
+        >>> lr_capped(Limits(128, 100, reference=64), "linear").max_size  # a lower limit stays
+        128
+        >>> lr_capped(Limits(2**31, 100, reference=64, target=2048), "linear").max_size
+        2147483648
+    """
+    if rule is None or limits.reference is None or limits.target is not None:
+        return limits
+    ratio = {"linear": LR_FACTOR_WARN, "sqrt": LR_FACTOR_WARN**2}[rule]  # LR_RULES inverted at the limit
+    largest = max(1, int(limits.reference * ratio) // (limits.accumulate * limits.world))
+    if largest >= limits.max_size:
+        return limits
+    why = f"larger sizes would need learning rates past x{LR_FACTOR_WARN:g} under the {rule} rule"
+    return dataclasses.replace(limits, max_size=largest, max_reason=why)
 
 
 def lr_factor(rule: str | None, effective: int, reference: int) -> float:
