@@ -6,8 +6,10 @@ measured). Under a memory budget of `budget_gib` per step:
 - the sweep trains a real Lightning fit at every power of two from 8 to `largest` and times the
   steps after a warm-up (best of `rounds` rounds, interleaved), and estimates each size's peak the
   way AutoBatchSize does on CPU (live tensors of a step on a copy of the model);
-- `AutoBatchSize(memory_budget_gib=budget_gib, lr_scaling=None)` chooses a size in a fit of its
-  own (the learning rates kept: random images teach nothing, so only throughput and memory count);
+- `AutoBatchSize(memory_budget_gib=budget_gib, lr_scaling=None)` chooses a size at the start of
+  a fit planned as 10 epochs of `tune_samples` images and stopped after its first step (a run
+  long enough to repay the trials, with room for every swept size; the learning rates kept:
+  random images teach nothing, so only throughput and memory count);
 - `BatchSizeFinder(mode="power")` chooses a size in a fit of its own (it has no memory budget on
   CPU: it grows until OOM, ``max_val`` or the dataset's length).
 
@@ -86,10 +88,18 @@ class TimedFinder(BatchSizeFinder):
         self.seconds = time.perf_counter() - started
 
 
-def _trainer(callbacks: list[L.Callback], batches: int) -> L.Trainer:
+class StopAtFirstStep(L.Callback):
+    """Ends the fit after its first step: what comes before it (the tuning) is what is measured."""
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        trainer.should_stop = True
+
+
+def _trainer(callbacks: list[L.Callback], batches: int | None, epochs: int = 1) -> L.Trainer:
     return L.Trainer(
         accelerator="auto",  # the GPU where there is one: where users train
-        max_epochs=1,
+        max_epochs=epochs,
         limit_train_batches=batches,
         logger=False,
         enable_checkpointing=False,
@@ -121,7 +131,13 @@ def estimated_peak(size: int) -> int:
     return peak
 
 
-def run(budget_gib: float = 0.25, largest: int = 512, rounds: int = 2, samples: int = 2048) -> list[Row]:
+def run(
+    budget_gib: float = 0.25,
+    largest: int = 512,
+    rounds: int = 2,
+    samples: int = 2048,
+    tune_samples: int = 8192,
+) -> list[Row]:
     sizes = [2**k for k in range(3, largest.bit_length()) if 2**k <= largest]
     started = time.perf_counter()
     rates = {size: 0.0 for size in sizes}
@@ -137,7 +153,8 @@ def run(budget_gib: float = 0.25, largest: int = 512, rounds: int = 2, samples: 
     # stop the search at x4 the configured 32: `lr_capped`)
     auto = AutoBatchSize(memory_budget_gib=budget_gib, lr_scaling=None)
     L.seed_everything(0, verbose=False)
-    _trainer([auto], 1).fit(ResNet18Classifier(), datamodule=Images(samples, 32))
+    tuned = _trainer([auto, StopAtFirstStep()], None, epochs=10)  # `limit_train_batches` would keep 32
+    tuned.fit(ResNet18Classifier(), datamodule=Images(tune_samples, 32))
     finder = TimedFinder(mode="power")
     L.seed_everything(0, verbose=False)
     finder_data = Images(samples, 2)

@@ -103,8 +103,9 @@ def test_batch_quality_benchmark_runs_at_tiny_size() -> None:
 def test_batch_size_benchmark_runs_at_tiny_size() -> None:
     from benchmarks import batch_size
 
-    (row,) = batch_size.run(budget_gib=0.25, largest=16, rounds=1, samples=64)
+    (row,) = batch_size.run(budget_gib=0.25, largest=16, rounds=1, samples=64, tune_samples=1024)
     assert row.ratio > 0 and "BatchSizeFinder: 64" in row.detail  # it grows to the dataset's length
+    assert " 0 sizes" not in row.detail and "kept" not in row.detail  # AutoBatchSize measured sizes
 
 
 def test_worker_replay_rows_hold_the_targets() -> None:
