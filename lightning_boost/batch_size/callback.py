@@ -385,7 +385,7 @@ class AutoBatchSize(BoostCallback):
         ):
             return None
         limits = self._limits(trainer, pl_module, data[0], trainer.world_size, decision.configured_batch_size)
-        cap = lr_capped(limits, decision.lr_scaling).max_size
+        cap = lr_capped(limits, decision.lr_scaling, decision.configured_batch_size).max_size
         if not could_grow(decision.trials, growth_limits(decision, self.tolerance), decision.batch_size, cap):
             return None
         blocker = _growth_blocker(trainer, decision)
@@ -451,7 +451,7 @@ class AutoBatchSize(BoostCallback):
         validates = self.check_validation and overrides(pl_module, "validation_step")
         val_data = _split_data(trainer, "val") if validates else None
         rule = lr_rule([type(o).__name__ for o in trainer.optimizers], self.lr_scaling)
-        limits = lr_capped(limits, rule)  # a size the rule's learning rates fail at is not chosen
+        limits = lr_capped(limits, rule, configured)  # no size the rule's learning rates fail at
         start = self.init_batch_size or configured
         autocast = _autocast_trial(trainer, train_data, start, plan.optimizer_steps(configured))
 
