@@ -16,7 +16,12 @@ an independent batch, and the mean of their pairwise dot products, an unbiased e
 ``|E g_B|^2`` whatever BatchNorm does within a batch (a product of independent batches' noise has
 mean zero), against their mean squared norm ``E|g_B|^2``; the noise scale is
 ``B (E|g_B|^2 - |E g_B|^2) / |E g_B|^2``, and its cautious bound takes ``|E g_B|^2`` two
-jackknife standard errors higher. Run: ``python -m benchmarks noise_scale``.
+jackknife standard errors higher.
+
+The third row is what `AutoBatchSize` reads on an accelerator: the first trial with `gradients`
+independent batches' gradients before its steps (`StepProbe.train`'s `cross`), the noise scale
+`noise_of` gives from them (two standard errors of the disjoint pairs on the cautious side), on
+the same draws. Run: ``python -m benchmarks noise_scale``.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from benchmarks.common import Row
+from lightning_boost.batch_size.goodput import efficiency
 from lightning_boost.batch_size.search import noise_of
 from lightning_boost.demo import ValidatedResNet18, demo_dataset
 from lightning_boost.step_probe import StepProbe, sample_batches
@@ -53,7 +59,7 @@ def run(
     dataset = demo_dataset(samples)
     crossed = _cross_row(model, dataset, sizes, gradients)
     probe = StepProbe(model, [optimizer], 3, contextlib.nullcontext, contextlib.nullcontext)
-    ratios, first_found, both_found = [], [], []
+    ratios, first_found, both_found, crossed_found = [], [], [], []
     for draw in range(draws):
         torch.manual_seed(100 + draw)
         batches = sample_batches(dataset, None, size)
@@ -67,6 +73,13 @@ def run(
             first_found.append(after_first.value)
         if after_both is not None and not after_both.lower_bound:
             both_found.append(after_both.value)
+        torch.manual_seed(100 + draw)
+        batches = sample_batches(dataset, None, size)
+        accelerator = noise_of(
+            [probe.train(next(batches), size, batches, split=True, cross=gradients)], _BUDGET
+        )
+        if accelerator is not None and not accelerator.lower_bound:
+            crossed_found.append(accelerator.value)
     return [
         Row(
             "noise scale at BatchNorm initial weights: draws the first trial resolved / draws",
@@ -79,6 +92,14 @@ def run(
             COMMAND,
         ),
         crossed,
+        Row(
+            "noise scale at BatchNorm initial weights, first trial on an accelerator: draws resolved / draws",
+            len(crossed_found) / draws,
+            f"the same {draws} draws, the first trial reading {gradients} independent batches' gradients"
+            f" first (run here on the CPU): noise scale {_values(crossed_found)}; {4 * size} is"
+            f" {_efficiency(crossed_found, 4 * size, size)} efficient against {size} at them",
+            COMMAND,
+        ),
     ]
 
 
@@ -131,6 +152,14 @@ def _gradient(model: L.LightningModule, batch: tuple[Tensor, Tensor]) -> Tensor:
 def _scale(size: int, square: float, mean: float) -> str:
     """``size (E|g|^2 - |E g|^2) / |E g|^2``; unresolved where that estimate is not positive."""
     return f"{size * (square - mean) / mean:,.0f}" if mean > 0 else "unresolved"
+
+
+def _efficiency(noises: list[float], size: int, reference: int) -> str:
+    """The range of `size`'s statistical efficiency against `reference` at these noise scales."""
+    if not noises:
+        return "unknown"
+    low, high = (efficiency(noise, size, reference) for noise in (min(noises), max(noises)))
+    return f"{low:.0%}-{high:.0%}"
 
 
 def _values(values: list[float]) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import itertools
 import math
 import statistics
 import time
@@ -134,6 +135,7 @@ class StepProbe:
         following: Iterator[Any] | None = None,
         split: bool = False,
         alternate: Alternation | None = None,
+        cross: int = 0,
     ) -> Trial:
         """Warm-up at `batch`, then `steps` timed steps (forward, backward, optimizer step), each at
         the next batch of `following` (`batch` again without it). The trial's ``grad_sq`` is the
@@ -149,11 +151,16 @@ class StepProbe:
         warm-up and the timed steps run under its settings, as many as it takes to decide, and
         the step's time is that of the steps at the setting it keeps (the warm-up's when its
         budget left none): one trial times both the size and, say, bf16 autocast against fp32.
+        With `cross`, that many batches of `following` first give their gradients at the same
+        parameters (passes without optimizer steps, untimed): ``batch_grad_sq``, ``cross_grad_sq``
+        and ``cross_se`` (`cross_products`).
         """
         record: dict[str, Any] = {}
 
         def run(clone: L.LightningModule, optimizers: list[Optimizer], peak: _Peak) -> float:
             second = None
+            if cross and following is not None:
+                record.update(self._cross_products(clone, itertools.islice(following, cross)))
             if split:
                 record["half_grad_sq"] = self._half_grad_sq(clone, batch, size)
                 second = next(following, None) if following is not None else None
@@ -234,6 +241,42 @@ class StepProbe:
             id(p): q for p, q in zip(self.module.parameters(), clone.parameters(), strict=True)
         }
         return clone, [copy.deepcopy(optimizer, memo) for optimizer in self.optimizers]
+
+    def _cross_products(self, clone: L.LightningModule, batches: Iterable[Any]) -> dict[str, float]:
+        """`cross_products` of the gradients of `batches` at `clone`'s parameters (one backward
+        each, no optimizer step; two gradient-sized buffers besides the step's own), as the trial's
+        fields; none when a pass fails, runs out of memory with the buffers (the warm-up then tells
+        whether the size fits) or a value is not finite."""
+        clone.train()
+        params = [p for p in clone.parameters() if p.requires_grad]
+        total: list[Tensor] = []
+        previous: list[Tensor] = []
+        squares: list[Tensor] = []
+        crossed: list[Tensor] = []  # each gradient's product with the sum of those before it
+        pairs: list[Tensor] = []
+        try:
+            for batch in batches:
+                clone.zero_grad(set_to_none=True)  # the next backward makes new tensors: kept ones stay
+                with torch.enable_grad(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # `self.log` on a copy without a trainer warns
+                    self._backward(clone, batch, None, None)
+                grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+                squares.append(_dot(grads, grads))
+                if total:
+                    crossed.append(_dot(total, grads))
+                    torch._foreach_add_(total, grads)
+                else:
+                    total = [grad.detach().clone() for grad in grads]
+                if len(squares) % 2 == 0:
+                    pairs.append(_dot(previous, grads))
+                previous = grads
+        except Exception:  # an OOM too: the buffers may be what did not fit
+            return {}
+        finally:
+            clone.zero_grad(set_to_none=True)
+        read = cross_products([float(q) for q in squares], float(sum(crossed)), [float(q) for q in pairs])
+        fields = ("batch_grad_sq", "cross_grad_sq", "cross_se")
+        return {} if read is None else dict(zip(fields, read, strict=True))
 
     def _half_grad_sq(self, clone: L.LightningModule, batch: Any, size: int) -> float | None:
         """The mean squared gradient norm of `batch`'s two halves, at the parameters the warm-up
@@ -483,6 +526,37 @@ def _tensors(value: Any) -> Iterator[Tensor]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _tensors(item)
+
+
+def cross_products(
+    squares: Sequence[float], crossed: float, pairs: Sequence[float]
+) -> tuple[float, float, float] | None:
+    """From the gradients ``g_1 .. g_k`` of independent batches: each one's squared norm
+    (`squares`), the sum of every pair's product (`crossed`) and the products of disjoint pairs
+    ``g_1.g_2, g_3.g_4, ...``, the mean squared norm, the mean product of a pair (an unbiased
+    ``|G|^2``) and its standard error, read from the disjoint pairs (their spread over the root of
+    their count: wider than the all-pairs mean's, so cautious). ``None`` with fewer than two pairs
+    or a value that is not finite.
+
+    Example (4 gradients: (2, 0), (0, 2), (2, 2), (2, 2); their 6 products sum to 24):
+        >>> cross_products([4.0, 4.0, 8.0, 8.0], 24.0, [0.0, 8.0])
+        (6.0, 4.0, 4.0)
+    """
+    k = len(squares)
+    if len(pairs) < 2 or not all(map(math.isfinite, [crossed, *squares, *pairs])):
+        return None
+    return sum(squares) / k, crossed / (k * (k - 1) / 2), statistics.stdev(pairs) / math.sqrt(len(pairs))
+
+
+def _dot(first: Sequence[Tensor], second: Sequence[Tensor]) -> Tensor:
+    """The dot product of two gradients given as tensor lists (each term in float32, summed in
+    float64), on their device."""
+    if not first:
+        return torch.zeros((), dtype=torch.float64)
+    terms = [
+        torch.dot(a.reshape(-1).float(), b.reshape(-1).float()) for a, b in zip(first, second, strict=True)
+    ]
+    return torch.stack(terms).double().sum()
 
 
 def _grad_sq(module: torch.nn.Module) -> Tensor:

@@ -8,6 +8,7 @@ This is the measuring layer below the feature folders (DESIGN.md).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -32,6 +33,11 @@ class Trial:
         double_grad_sq: the squared norm of the mean gradient of that batch and the next, at the
             same parameters (a gradient over twice the size): a third size from the same trial.
         losses: the training loss of each timed step (this rank's), in order.
+        batch_grad_sq: the mean squared gradient norm of several independent batches of `size`
+            at the run's parameters (the first trial on an accelerator); ``None`` when not read.
+        cross_grad_sq: the mean dot product of those batches' gradients, every pair: an
+            unbiased estimate of the true gradient's squared norm (`goodput.cross_noise`).
+        cross_se: its standard error (from disjoint pairs: wider than the mean's own, cautious).
     """
 
     size: int
@@ -44,6 +50,9 @@ class Trial:
     half_grad_sq: float | None = None
     double_grad_sq: float | None = None
     losses: tuple[float, ...] = ()
+    batch_grad_sq: float | None = None
+    cross_grad_sq: float | None = None
+    cross_se: float | None = None
 
     def fits(self, budget_bytes: int) -> bool:
         """Ran without OOM and peaked within `budget_bytes`."""
@@ -65,6 +74,9 @@ class Trial:
             "spread",
             "half_grad_sq",
             "double_grad_sq",
+            "batch_grad_sq",
+            "cross_grad_sq",
+            "cross_se",
         )
         trial = cls(**{key: data[key] for key in names if key in data})
         return dataclasses.replace(trial, losses=tuple(data.get("losses", ())))
@@ -86,7 +98,21 @@ def merge(size: int, per_rank: Sequence[Trial]) -> Trial:
         half_grad_sq=None if oom else mean_known(t.half_grad_sq for t in per_rank),
         double_grad_sq=None if oom else mean_known(t.double_grad_sq for t in per_rank),
         losses=() if oom else per_rank[0].losses,
+        batch_grad_sq=None if oom else mean_known(t.batch_grad_sq for t in per_rank),
+        cross_grad_sq=None if oom else mean_known(t.cross_grad_sq for t in per_rank),
+        cross_se=None if oom else _mean_se([t.cross_se for t in per_rank]),
     )
+
+
+def _mean_se(errors: Sequence[float | None]) -> float | None:
+    """The standard error of the mean of independent estimates with these errors.
+
+    Example:
+        >>> _mean_se([3.0, 4.0]), _mean_se([None, 2.0]), _mean_se([None])
+        (2.5, 2.0, None)
+    """
+    known = [error for error in errors if error is not None]
+    return math.sqrt(sum(error**2 for error in known)) / len(known) if known else None
 
 
 def mean_known(values: Iterable[float | None]) -> float | None:

@@ -66,8 +66,9 @@ def script_trials(monkeypatch: pytest.MonkeyPatch, scripted: Callable[[int], dic
         following: Any = None,
         split: bool = False,
         alternate: Any = None,
+        cross: int = 0,
     ) -> Any:
-        trial = real(self, batch, size, following, split, alternate)
+        trial = real(self, batch, size, following, split, alternate, cross)
         return trial if trial.oom else dataclasses.replace(trial, **scripted(size))
 
     monkeypatch.setattr(StepProbe, "train", train)

@@ -26,6 +26,7 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lightning_boost import AutoBatchSize, AutoMicroBatch, BoostedDataModule, BoostWarning, Severity
+from lightning_boost.batch_size.goodput import cross_noise
 from lightning_boost.step_probe import StepProbe, is_oom
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
 from tests.conftest import script_trials
@@ -121,6 +122,28 @@ def test_no_size_is_chosen_whose_learning_rates_the_rule_fails_at(tmp_path: Path
     assert asked.decision is not None and asked.decision.lr_factor == 12.0
     (lr_warning,) = [f for f in asked.findings if f.severity == "warn"]
     assert "x12 for batch 96" in lr_warning.title and "max_batch_size=32" in lr_warning.fix
+
+
+def test_on_an_accelerator_the_first_trial_reads_the_noise_scale_from_independent_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An accelerator simulated (this machine has none): the first trial alone reads 8 other
+    batches' gradients before its steps, and the decision's noise scale is theirs. On the CPU none
+    is read (the demo's ResNet-18 would spend about 1 s on them before its first step)."""
+    from lightning_boost.batch_size import callback as module
+
+    on_cpu = AutoBatchSize(**FAST)
+    fit(tmp_path / "cpu", on_cpu)
+    assert on_cpu.decision is not None and all(t.cross_grad_sq is None for t in on_cpu.decision.trials)
+    monkeypatch.setattr(module, "_reads_cross_products", lambda device, parameters, budget: True)
+    callback = AutoBatchSize(**FAST, retune=True)  # the same fit: measured again, not the cache's
+    fit(tmp_path / "accelerator", callback)
+    decision = callback.decision
+    assert decision is not None
+    (first,) = [t for t in decision.trials if t.cross_grad_sq is not None]
+    assert first.size == 8 and first.batch_grad_sq is not None and first.cross_se is not None
+    expected = cross_noise(first.size, first.batch_grad_sq, first.cross_grad_sq, first.cross_se)
+    assert expected is not None and decision.noise_scale == pytest.approx(expected.value)
 
 
 class BatchOnly(BoringModel):

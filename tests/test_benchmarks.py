@@ -86,10 +86,11 @@ def test_cold_demo_benchmark_runs_at_tiny_size_with_a_fresh_cache_each(tmp_path,
 def test_noise_scale_benchmark_runs_at_tiny_size() -> None:
     from benchmarks import noise_scale
 
-    row, crossed = noise_scale.run(draws=1, samples=256, size=16, gradients=3, sizes=(8, 16))
+    row, crossed, accelerator = noise_scale.run(draws=1, samples=256, size=16, gradients=4, sizes=(8, 16))
     assert 0 <= row.ratio <= 1 and "1 draws" in row.detail and row.command == noise_scale.COMMAND
-    assert crossed.ratio in (0.0, 0.5, 1.0) and "3 gradients per size" in crossed.detail
+    assert crossed.ratio in (0.0, 0.5, 1.0) and "4 gradients per size" in crossed.detail
     assert "8: |E g|^2" in crossed.detail and "16: |E g|^2" in crossed.detail
+    assert accelerator.ratio in (0.0, 1.0) and "reading 4 independent batches'" in accelerator.detail
 
 
 def test_batch_quality_benchmark_runs_at_tiny_size() -> None:

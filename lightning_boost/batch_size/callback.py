@@ -83,6 +83,11 @@ _GIB = 1024**3
 #: How learning rates follow the effective batch size: ``"auto"`` picks the optimizers' rule
 #: (`lightning_boost.batch_size.goodput.lr_rule`), the others are `batch_size.search.LR_RULES`.
 LRScaling = Literal["auto", "linear", "sqrt"]
+#: Independent batches whose gradients the first trial reads on an accelerator
+#: (`_reads_cross_products`): 28 pairs for the true gradient's squared norm, 4 disjoint ones for
+#: its error; 8 resolved the demo's noise scale at every size from 32 to 256 on its initial
+#: weights, where the halves' fit did in 1 draw of 12 (`python -m benchmarks noise_scale`).
+CROSS_BATCHES = 8
 #: Timed steps per size: past 100 a trial only repeats itself.
 MAX_STEPS = 100
 
@@ -453,13 +458,17 @@ class AutoBatchSize(BoostCallback):
         rule = lr_rule([type(o).__name__ for o in trainer.optimizers], self.lr_scaling)
         limits = lr_capped(limits, rule, configured)  # no size the rule's learning rates fail at
         start = self.init_batch_size or configured
+        parameter_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())
+        crossed = _reads_cross_products(pl_module.device, parameter_bytes, limits.budget_bytes)
         autocast = _autocast_trial(trainer, train_data, start, plan.optimizer_steps(configured))
 
         def train(size: int) -> Trial:  # the first trial also times the autocast trial's steps
             nonlocal autocast
             alternate = autocast
             split = size == start
-            trial = _measured(trainer, size, _train_trial(trainer, probe, train_data, size, split, alternate))
+            cross = CROSS_BATCHES if split and crossed else 0
+            measure = _train_trial(trainer, probe, train_data, size, split, alternate, cross)
+            trial = _measured(trainer, size, measure)
             if alternate is not None:  # every rank, after the trial's all-gather
                 plugin = trainer.precision_plugin
                 assert isinstance(plugin, MeasuredAutocastMixin)  # whose trial `alternate` is
@@ -750,16 +759,18 @@ def _train_trial(
     size: int,
     split: bool,
     alternate: AutocastTrial | None = None,
+    cross: int = 0,
 ) -> Callable[[], Trial]:
     """Training steps at `size`, each on other samples drawn at random from the training set;
     with `split`, the first batch's halves too (the noise scale from this one trial); with
-    `alternate`, its steps alternate fp32 and bf16 autocast until that trial decides."""
+    `alternate`, its steps alternate fp32 and bf16 autocast until that trial decides; with
+    `cross`, that many other batches' gradients first (`StepProbe.train`)."""
 
     def trial() -> Trial:
         batches = (trainer.strategy.batch_to_device(b) for b in sample_batches(data[0], data[1], size))
         first = next(batches)
         held = min(size, _samples_in(first) or size)  # an iterable dataset may hold fewer samples
-        return probe.train(first, held, batches, split=split, alternate=alternate)
+        return probe.train(first, held, batches, split=split, alternate=alternate, cross=cross)
 
     return trial
 
@@ -782,6 +793,23 @@ def _wants_eval_size(trainer: L.Trainer) -> bool:
     """A `BoostedDataModule` whose evaluation batch size the user did not fix."""
     datamodule = datamodule_of(trainer)
     return isinstance(datamodule, BoostedDataMixin) and datamodule.eval_batch_size is None
+
+
+def _reads_cross_products(device: torch.device, parameter_bytes: int, budget_bytes: int) -> bool:
+    """The first trial reads `CROSS_BATCHES` independent batches' gradients on an accelerator,
+    where they cost little next to the run (8 passes of the H100 demo's 24 ms step: about 0.2 s)
+    and two more gradient-sized buffers take at most a tenth of the memory budget. Not on a CPU:
+    the demo's ResNet-18 on 2 CPUs would spend about 1 s on them before its first step, past the
+    3 % of the fit issue 30 allows there.
+
+    Example:
+        >>> gpu, cpu = torch.device("cuda"), torch.device("cpu")
+        >>> _reads_cross_products(gpu, 10**8, 80 * 2**30), _reads_cross_products(cpu, 10**8, 80 * 2**30)
+        (True, False)
+        >>> _reads_cross_products(gpu, 5 * 10**9, 80 * 2**30)  # 10 GB of buffers: over 8 GiB
+        False
+    """
+    return device.type != "cpu" and 2 * parameter_bytes <= budget_bytes // 10
 
 
 def _measures_eval_sizes(device: torch.device) -> bool:
@@ -866,17 +894,19 @@ def _gather(trainer: L.Trainer, trial: Trial, failed: bool) -> tuple[list[Trial]
     values = torch.tensor(
         [trial.samples_per_s, float(trial.peak_bytes or -1), float(trial.oom), trial.seconds, float(failed),
          nan_for_none(trial.grad_sq), trial.spread, nan_for_none(trial.half_grad_sq),
-         nan_for_none(trial.double_grad_sq)],
+         nan_for_none(trial.double_grad_sq), nan_for_none(trial.batch_grad_sq),
+         nan_for_none(trial.cross_grad_sq), nan_for_none(trial.cross_se)],
         dtype=torch.float64,
         device=trainer.strategy.root_device,
     )  # fmt: skip
-    rows = trainer.strategy.all_gather(values).reshape(-1, 9).tolist()
+    rows = trainer.strategy.all_gather(values).reshape(-1, 12).tolist()
     trials = [
         Trial(
             trial.size, tp, int(peak) if peak >= 0 else None, bool(oom), s, none_for_nan(g), sp,
-            none_for_nan(half), none_for_nan(double),
+            none_for_nan(half), none_for_nan(double), batch_grad_sq=none_for_nan(batch),
+            cross_grad_sq=none_for_nan(cross), cross_se=none_for_nan(se),
         )
-        for tp, peak, oom, s, _, g, sp, half, double in rows
+        for tp, peak, oom, s, _, g, sp, half, double, batch, cross, se in rows
     ]  # fmt: skip
     return trials, any(row[4] for row in rows)
 

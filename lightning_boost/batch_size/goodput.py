@@ -87,6 +87,33 @@ def estimate_noise(points: Sequence[tuple[int, float]]) -> NoiseScale | None:
     return NoiseScale(trace / grad_sq, grad_sq, trace, sizes)
 
 
+def cross_noise(size: int, batch_sq: float, cross: float, se: float) -> NoiseScale | None:
+    """The noise scale from the gradients of independent batches of `size`, at one set of
+    parameters: their mean squared norm `batch_sq` (``E|G_B|^2 = |G|^2 + tr(Σ)/B``) and the mean
+    dot product of every pair, `cross`, whose expectation is ``|G|^2`` itself: unbiased, since
+    the noise of independent batches cancels between them, the noise BatchNorm's per-batch
+    statistics add within a batch too (which biases the fit over sizes of one batch and its
+    halves, `estimate_noise`). ``|G|^2`` is taken two standard errors (`se`) higher, so the value
+    is cautious: the smallest noise scale the measurements allow (a larger batch then looks least
+    efficient). ``None`` when that ``|G|^2`` is not positive or a value is not finite.
+
+    Example (``|G|^2 = 1``, ``tr(Σ) = 640``, batches of 64):
+        >>> round(cross_noise(64, 1.0 + 640 / 64, 1.0, 0.0).value)
+        640
+        >>> round(cross_noise(64, 11.0, 1.0, 0.5).value)  # |G|^2 read as 2: cautious
+        288
+        >>> cross_noise(64, 11.0, -3.0, 1.0) is None, cross_noise(64, 2.0, 3.0, 0.0).value
+        (True, 0.0)
+    """
+    grad_sq = cross + 2 * se
+    if not all(map(math.isfinite, (batch_sq, cross, se))) or grad_sq <= 0:
+        return None
+    trace = size * (batch_sq - grad_sq)
+    if trace <= 0:
+        return NoiseScale(0.0, grad_sq, trace, (size,))
+    return NoiseScale(trace / grad_sq, grad_sq, trace, (size,))
+
+
 def efficiency(noise: float, effective: int, reference: int) -> float:
     """Progress per sample at an `effective` batch relative to the `reference` one (the user's):
     ``(B_noise + reference) / (B_noise + effective)``. Below 1 for a larger batch: the run needs

@@ -205,7 +205,9 @@ class Growth:
         size = size_to_measure(decision.trials, limits, decision.batch_size, noise, self.cap)
         if size is not None:
             trial = self.measure(size)
-            trial = dataclasses.replace(trial, grad_sq=None, half_grad_sq=None, double_grad_sq=None)
+            trial = dataclasses.replace(
+                trial, grad_sq=None, half_grad_sq=None, double_grad_sq=None, cross_grad_sq=None
+            )
             decision = decision.replace(trials=(*decision.trials, trial))
         within = [t for t in decision.trials if t.size <= self.cap]  # a cache's trials may go past it
         larger = grown_size(within, limits, decision.batch_size, noise)

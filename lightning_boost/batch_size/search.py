@@ -25,7 +25,13 @@ import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lightning_boost.batch_size.goodput import LR_FACTOR_WARN, NoiseScale, efficiency, estimate_noise
+from lightning_boost.batch_size.goodput import (
+    LR_FACTOR_WARN,
+    NoiseScale,
+    cross_noise,
+    efficiency,
+    estimate_noise,
+)
 from lightning_boost.trials import Trial, mean_known, why_failed
 
 #: Learning-rate scaling rules: factor from (effective batch / reference batch).
@@ -90,8 +96,15 @@ def noise_of(trials: Sequence[Trial], budget_bytes: int) -> NoiseScale | None:
     two batches' mean gradient joins them at twice its size: it stands in for the trial of the
     larger size the search would measure for its gradient (without BatchNorm it is exactly that
     trial's first gradient: the same samples at the same weights), so the search decides as it
-    did with that trial, one pass instead of a trial later."""
+    did with that trial, one pass instead of a trial later. A trial that read independent batches'
+    gradients (the first, on an accelerator) gives the noise scale from their cross products
+    instead (`cross_noise`, cautious): the halves' fit is biased by BatchNorm, those are not."""
     ok = [t for t in trials if t.fits(budget_bytes)]
+    for t in sorted(ok, key=lambda t: t.size):
+        if t.batch_grad_sq is not None and t.cross_grad_sq is not None:
+            crossed = cross_noise(t.size, t.batch_grad_sq, t.cross_grad_sq, t.cross_se or 0.0)
+            if crossed is not None:
+                return crossed
     points = [(t.size, t.grad_sq) for t in ok if t.grad_sq is not None] + [
         (t.size // 2, t.half_grad_sq) for t in ok if t.half_grad_sq is not None
     ]
