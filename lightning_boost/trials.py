@@ -8,7 +8,6 @@ This is the measuring layer below the feature folders (DESIGN.md).
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -100,19 +99,8 @@ def merge(size: int, per_rank: Sequence[Trial]) -> Trial:
         losses=() if oom else per_rank[0].losses,
         batch_grad_sq=None if oom else mean_known(t.batch_grad_sq for t in per_rank),
         cross_grad_sq=None if oom else mean_known(t.cross_grad_sq for t in per_rank),
-        cross_se=None if oom else _mean_se([t.cross_se for t in per_rank]),
+        cross_se=None if oom else mean_known(t.cross_se for t in per_rank),  # the ranks' draws may match
     )
-
-
-def _mean_se(errors: Sequence[float | None]) -> float | None:
-    """The standard error of the mean of independent estimates with these errors.
-
-    Example:
-        >>> _mean_se([3.0, 4.0]), _mean_se([None, 2.0]), _mean_se([None])
-        (2.5, 2.0, None)
-    """
-    known = [error for error in errors if error is not None]
-    return math.sqrt(sum(error**2 for error in known)) / len(known) if known else None
 
 
 def mean_known(values: Iterable[float | None]) -> float | None:
