@@ -797,10 +797,12 @@ def _wants_eval_size(trainer: L.Trainer) -> bool:
 
 def _reads_cross_products(device: torch.device, parameter_bytes: int, budget_bytes: int) -> bool:
     """The first trial reads `CROSS_BATCHES` independent batches' gradients on an accelerator,
-    where they cost little next to the run (8 passes of the H100 demo's 24 ms step: about 0.2 s)
-    and two more gradient-sized buffers take at most a tenth of the memory budget. Not on a CPU:
-    the demo's ResNet-18 on 2 CPUs would spend about 1 s on them before its first step, past the
-    3 % of the fit issue 30 allows there.
+    where they cost little next to the run (at most 8 x 24 ms, the H100 demo's whole step at 64 in
+    RESULTS: about 0.2 s) and two more gradient-sized buffers take at most a tenth of the memory
+    budget. Not on a CPU: at the 519-548 samples/s of a whole step at 64 (the `batch_size`
+    benchmark's sweep) the demo's ResNet-18 on 2 CPUs would spend up to about 1 s on them before
+    its first step, past the 3 % of the fit issue 30 allows there. Both are estimates from those
+    step times, not timings of the passes.
 
     Example:
         >>> gpu, cpu = torch.device("cuda"), torch.device("cpu")
