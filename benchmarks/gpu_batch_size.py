@@ -101,13 +101,17 @@ def run(
         mine = _fit(arch, data, workers, steps, auto, strategy, cpu, root)
         theirs = _fit(arch, data, workers, steps, finder, "auto", cpu, root, precision="bf16-mixed")
     assert auto.decision is not None  # the fit puts the configured size back at its end
-    mine |= {"batch_size": auto.decision.batch_size, "tuning_s": auto.decision.seconds}
+    decision = auto.decision
+    mine |= {"batch_size": decision.batch_size, "tuning_s": decision.seconds}
     theirs |= {"batch_size": finder.optimal_batch_size, "tuning_s": finder.seconds}
     device = torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 0.0
     where = f"{arch} at {image} px, bf16, AdamW, {steps} steps after tuning, {workers} workers"
+    noise = "unknown" if decision.noise_scale is None else f"{decision.noise_scale:,.0f}"
+    tried = ", ".join(f"{t.size}: {t.samples_per_s:.0f}/s" for t in decision.trials)
     detail = (
         f"AutoBatchSize: batch {mine['batch_size']}, {mine['samples_per_s']:.0f} samples/s, tuning"
-        f" {mine['tuning_s']:.1f} s, peak {mine['peak_gib']:.1f} GiB; BatchSizeFinder(binsearch): batch"
+        f" {mine['tuning_s']:.1f} s, peak {mine['peak_gib']:.1f} GiB (trials {tried}; noise scale {noise};"
+        f" {decision.kept or decision.stopped}); BatchSizeFinder(binsearch): batch"
         f" {theirs['batch_size']}, {theirs['samples_per_s']:.0f} samples/s, tuning"
         f" {theirs['tuning_s']:.1f} s, peak {theirs['peak_gib']:.1f} GiB of {device:.1f} GiB; {where}"
     )

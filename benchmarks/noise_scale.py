@@ -21,7 +21,14 @@ jackknife standard errors higher.
 The third row is what `AutoBatchSize` reads on an accelerator: the first trial with `gradients`
 independent batches' gradients before its steps (`StepProbe.train`'s `cross`), the noise scale
 `noise_of` gives from them (two standard errors of the disjoint pairs on the cautious side), on
-the same draws. Run: ``python -m benchmarks noise_scale``.
+the same draws.
+
+The fourth row is what that first trial reads where issue 32's criterion 6 measures
+`AutoBatchSize` on a GPU: `gpu_batch_size`'s ResNet-50 at 224 px with AdamW on its random images
+and labels, at its configured 32 (run here on the CPU, in fp32: the statistics are the model's
+and the data's; a device changes their speed, and bf16 their rounding), with the sizes the 80 %
+efficiency floor and the square-root rule's x4 learning-rate limit leave to the search. Run:
+``python -m benchmarks noise_scale``.
 """
 
 from __future__ import annotations
@@ -37,8 +44,9 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset
 
 from benchmarks.common import Row
+from benchmarks.gpu_batch_size import Classifier, RandomImages
 from lightning_boost.batch_size.goodput import efficiency
-from lightning_boost.batch_size.search import noise_of
+from lightning_boost.batch_size.search import Limits, lr_capped, noise_of
 from lightning_boost.demo import ValidatedResNet18, demo_dataset
 from lightning_boost.step_probe import StepProbe, sample_batches
 
@@ -52,6 +60,8 @@ def run(
     size: int = 64,
     gradients: int = 8,
     sizes: tuple[int, ...] = (32, 64, 128, 256),
+    arch: str = "resnet50",
+    image: int = 224,
 ) -> list[Row]:
     torch.manual_seed(0)
     model = ValidatedResNet18()
@@ -100,7 +110,38 @@ def run(
             f" {_efficiency(crossed_found, 4 * size, size)} efficient against {size} at them",
             COMMAND,
         ),
+        _gpu_benchmark_row(gradients, arch, image),
     ]
+
+
+def _gpu_benchmark_row(gradients: int, arch: str, image: int, size: int = 32, floor: float = 0.8) -> Row:
+    """The first trial's cross products on `gpu_batch_size`'s classifier at its configured `size`,
+    and the doublings the efficiency `floor` and the learning-rate limit leave the search."""
+    torch.manual_seed(0)
+    data = RandomImages(65_536, image, 1000)
+    model = Classifier(arch, data, size, workers=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    probe = StepProbe(model, [optimizer], 1, contextlib.nullcontext, contextlib.nullcontext)
+    batches = sample_batches(data, None, size)
+    trial = probe.train(next(batches), size, batches, split=True, cross=gradients)
+    noise = noise_of([trial], _BUDGET)
+    value = noise.value if noise is not None and not noise.lower_bound else None
+    limit = lr_capped(Limits(2**31, _BUDGET, reference=size), "sqrt").max_size
+    doublings = [size * 2**k for k in range(1, 12) if size * 2**k <= limit]
+    allowed = [b for b in doublings if value is not None and efficiency(value, b, size) >= floor]
+    at_limit = f"{efficiency(value, limit, size):.0%}" if value is not None else "unknown"
+    return Row(
+        "noise scale, gpu_batch_size's classifier (criterion 6), first trial on an accelerator: doublings"
+        " the efficiency floor leaves / doublings to the learning-rate limit",
+        len(allowed) / len(doublings),
+        f"{arch} at {image} px, AdamW, its random images and labels, initial weights, batch {size},"
+        f" {gradients} independent batches' gradients (run here on the CPU, fp32): cautious noise scale"
+        f" {'unresolved' if value is None else f'{value:,.0f}'} (|G|^2 {trial.cross_grad_sq:.4g} +-"
+        f" {trial.cross_se:.2g}, E|g|^2 {trial.batch_grad_sq:.4g}); the square-root rule's x4 limit is"
+        f" {limit}, {at_limit} efficient against {size}; doublings at or over the {floor:.0%} floor:"
+        f" {_values([float(b) for b in allowed])}",
+        COMMAND,
+    )
 
 
 def _cross_row(

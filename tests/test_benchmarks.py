@@ -86,11 +86,14 @@ def test_cold_demo_benchmark_runs_at_tiny_size_with_a_fresh_cache_each(tmp_path,
 def test_noise_scale_benchmark_runs_at_tiny_size() -> None:
     from benchmarks import noise_scale
 
-    row, crossed, accelerator = noise_scale.run(draws=1, samples=256, size=16, gradients=4, sizes=(8, 16))
+    row, crossed, accelerator, gpu = noise_scale.run(
+        draws=1, samples=256, size=16, gradients=4, sizes=(8, 16), arch="resnet18", image=32
+    )
     assert 0 <= row.ratio <= 1 and "1 draws" in row.detail and row.command == noise_scale.COMMAND
     assert crossed.ratio in (0.0, 0.5, 1.0) and "4 gradients per size" in crossed.detail
     assert "8: |E g|^2" in crossed.detail and "16: |E g|^2" in crossed.detail
     assert accelerator.ratio in (0.0, 1.0) and "reading 4 independent batches'" in accelerator.detail
+    assert 0 <= gpu.ratio <= 1 and "resnet18 at 32 px" in gpu.detail and "x4 limit is 512" in gpu.detail
 
 
 def test_batch_quality_benchmark_runs_at_tiny_size() -> None:
@@ -140,3 +143,4 @@ def test_the_gpu_batch_size_benchmark_runs_at_tiny_size_on_the_cpu(tmp_path, mon
     )
     assert speed.ratio > 0 and tuning.ratio > 0 and speed.command == gpu_batch_size.COMMAND
     assert "AutoBatchSize: batch" in speed.detail and "BatchSizeFinder(binsearch): batch" in speed.detail
+    assert "(trials 32: " in speed.detail and "; noise scale " in speed.detail  # the decision, and why
