@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_boost._lightning import call_step, detached_copy
-from lightning_boost.trials import Trial
+from lightning_boost.trials import Trial, cautious_grad_sq
 
 #: Timed steps per trial stop short of `steps` when they would take longer than this (seconds).
 TIMED_S = 2.0
@@ -153,7 +153,8 @@ class StepProbe:
         budget left none): one trial times both the size and, say, bf16 autocast against fp32.
         With `cross`, that many batches of `following` first give their gradients at the same
         parameters (passes without optimizer steps, untimed): ``batch_grad_sq``, ``cross_grad_sq``
-        and ``cross_se`` (`cross_products`).
+        and ``cross_se`` (`cross_products`); where their cautious ``|G|^2`` is positive, the noise
+        scale is theirs, and `split`'s three passes (the halves' new shape among them) are skipped.
         """
         record: dict[str, Any] = {}
 
@@ -161,7 +162,7 @@ class StepProbe:
             second = None
             if cross and following is not None:
                 record.update(self._cross_products(clone, itertools.islice(following, cross)))
-            if split:
+            if split and not _resolved(record):
                 record["half_grad_sq"] = self._half_grad_sq(clone, batch, size)
                 second = next(following, None) if following is not None else None
                 second = second if split_batch(second, size) is not None else None  # a full batch
@@ -546,6 +547,13 @@ def cross_products(
     if len(pairs) < 2 or not all(map(math.isfinite, [crossed, *squares, *pairs])):
         return None
     return sum(squares) / k, crossed / (k * (k - 1) / 2), statistics.stdev(pairs) / math.sqrt(len(pairs))
+
+
+def _resolved(record: Mapping[str, Any]) -> bool:
+    """The cross products in `record` resolve ``|G|^2`` on its cautious side (`cautious_grad_sq`)."""
+    if "cross_grad_sq" not in record:
+        return False
+    return cautious_grad_sq(record["cross_grad_sq"], record["cross_se"]) > 0
 
 
 def _dot(first: Sequence[Tensor], second: Sequence[Tensor]) -> Tensor:

@@ -103,6 +103,22 @@ def merge(size: int, per_rank: Sequence[Trial]) -> Trial:
     )
 
 
+#: Standard errors by which the cross products' ``|G|^2`` is taken higher: their cautious side.
+CAUTIOUS_ERRORS = 2.0
+
+
+def cautious_grad_sq(cross: float, se: float) -> float:
+    """``|G|^2`` from independent batches' mean pair product `cross`, `CAUTIOUS_ERRORS` standard
+    errors `se` higher: the largest the products allow, so the noise scale from it is the smallest
+    (a larger batch looks least efficient). Not positive: the products did not resolve ``|G|^2``.
+
+    Example:
+        >>> cautious_grad_sq(1.0, 0.5), cautious_grad_sq(-3.0, 1.0) > 0
+        (2.0, False)
+    """
+    return cross + CAUTIOUS_ERRORS * se
+
+
 def mean_known(values: Iterable[float | None]) -> float | None:
     """The mean of the values that are known (``None`` when none is)."""
     known = [value for value in values if value is not None]

@@ -128,8 +128,9 @@ def test_on_an_accelerator_the_first_trial_reads_the_noise_scale_from_independen
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An accelerator simulated (this machine has none): the first trial alone reads 8 other
-    batches' gradients before its steps, and the decision's noise scale is theirs. On the CPU none
-    is read (the demo's ResNet-18 would spend about 1 s on them before its first step)."""
+    batches' gradients before its steps, and the decision's noise scale is theirs (so its halves
+    are not run). On the CPU none is read (the demo's ResNet-18 would spend about 1 s on them
+    before its first step)."""
     from lightning_boost.batch_size import callback as module
 
     on_cpu = AutoBatchSize(**FAST)
@@ -144,6 +145,7 @@ def test_on_an_accelerator_the_first_trial_reads_the_noise_scale_from_independen
     assert first.size == 8 and first.batch_grad_sq is not None and first.cross_se is not None
     expected = cross_noise(first.size, first.batch_grad_sq, first.cross_grad_sq, first.cross_se)
     assert expected is not None and decision.noise_scale == pytest.approx(expected.value)
+    assert first.half_grad_sq is None and first.double_grad_sq is None  # they resolved it: no halves
 
 
 class BatchOnly(BoringModel):

@@ -156,6 +156,28 @@ def test_independent_batches_cross_products_read_at_the_modules_own_parameters()
     assert probe.train(batches[0], 8, iter(batches[1:])).cross_grad_sq is None  # not asked
 
 
+def test_cross_products_that_resolve_the_noise_scale_leave_out_the_halves_passes() -> None:
+    """The halves and the doubled batch only stand in for the cross products: where these resolve
+    |G|^2 (the linear regression's random batches), the first trial runs neither (no half-size
+    shape for an accelerator to tune its kernels for); where they do not (batches whose residuals
+    alternate in sign, so their gradients cancel pair by pair), the halves' fit is read as before."""
+    model = BoringModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    probe = StepProbe(model, [optimizer], 1, contextlib.nullcontext, contextlib.nullcontext)
+    data = RandomDataset(length=56)
+    batches = [(data.inputs[i : i + 8], data.targets[i : i + 8]) for i in range(0, 56, 8)]
+    resolved = probe.train(batches[0], 8, iter(batches[1:]), split=True, cross=4)
+    assert resolved.cross_grad_sq is not None and resolved.cross_grad_sq + 2 * resolved.cross_se > 0
+    assert resolved.half_grad_sq is None and resolved.double_grad_sq is None and resolved.grad_sq
+    inputs = data.inputs[:8]
+    with torch.no_grad():
+        fitted = model(inputs)
+    away = [(inputs, fitted + sign) for sign in (1.0, -1.0, 1.0, -1.0)]  # gradients g, -g, g, -g
+    cancelled = probe.train(batches[0], 8, iter([*away, *batches[1:]]), split=True, cross=4)
+    assert cancelled.cross_grad_sq is not None and cancelled.cross_grad_sq + 2 * cancelled.cross_se < 0
+    assert cancelled.half_grad_sq is not None and cancelled.double_grad_sq is not None
+
+
 def test_the_first_trials_cross_products_set_the_noise_scale_cautiously() -> None:
     """Where BatchNorm leaves the halves' fit hidden (the demo's "at least 128"), the cross
     products read the noise scale, two standard errors on the cautious side: here |G|^2 of 12

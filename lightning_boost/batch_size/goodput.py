@@ -21,6 +21,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from lightning_boost.trials import cautious_grad_sq
+
 #: Optimizers whose update is the gradient times the learning rate: linear scaling (with warm-up).
 SGD_FAMILY = frozenset({"SGD", "ASGD", "LARS", "LBFGS"})
 #: A learning-rate factor beyond this is a warning: past it, large-batch training is known to
@@ -105,7 +107,7 @@ def cross_noise(size: int, batch_sq: float, cross: float, se: float) -> NoiseSca
         >>> cross_noise(64, 11.0, -3.0, 1.0) is None, cross_noise(64, 2.0, 3.0, 0.0).value
         (True, 0.0)
     """
-    grad_sq = cross + 2 * se
+    grad_sq = cautious_grad_sq(cross, se)
     if not all(map(math.isfinite, (batch_sq, cross, se))) or grad_sq <= 0:
         return None
     trace = size * (batch_sq - grad_sq)
