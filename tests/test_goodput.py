@@ -23,13 +23,14 @@ from lightning_boost import AutoBatchSize, BoostedDataModule, boost_callbacks
 from lightning_boost.batch_size.decision import BatchSizeDecision, decide
 from lightning_boost.batch_size.goodput import estimate_noise
 from lightning_boost.batch_size.plan import MIN_STEPS_PER_EPOCH, RunPlan
-from lightning_boost.batch_size.search import Limits, choose, next_size, noise_of, search
+from lightning_boost.batch_size.search import Limits, choose, lr_capped, next_size, noise_of, search
 from lightning_boost.batch_size.watch import LossWatch, reference_of
 from lightning_boost.step_probe import StepProbe
 from lightning_boost.testing import BoringModel, RandomDataset, tiny_trainer
 from lightning_boost.trials import Trial
 
 GIB = 1024**3
+H100 = Path(__file__).parents[1] / "benchmarks" / "data" / "h100-16cpu.json"
 
 
 def sampled_grad_sq(
@@ -192,6 +193,38 @@ def test_the_first_trials_cross_products_set_the_noise_scale_cautiously() -> Non
     assert next_size([crossed], 64, limits) == (128, "")
     unresolved = dataclasses.replace(crossed, cross_grad_sq=-5.0, cross_se=2.0)  # |G|^2 read as -1
     assert noise_of([unresolved], GIB) == noise_of([hidden], GIB)  # the halves' fit, as before
+
+
+@pytest.mark.parametrize("noise", [1_603.0, 3_469.0])
+def test_the_h100_demo_trains_at_256_at_the_noise_scales_its_first_trial_reads(noise: float) -> None:
+    """Replayed: the H100's trial throughputs for `make demo`'s job (h100-16cpu.json: 4,402,
+    12,054 and 21,104 samples/s at 64, 128 and 256; this machine has no GPU), with the trials'
+    own squared norms as BatchNorm leaves them (the gradient hidden at every size, as the halves
+    read the demo at 57f5dc5, when it kept 64) and the first trial's cross products at the least
+    and the most cautious noise scale they read in `noise_scale`'s 12 draws (third row), under the
+    demo's limits (SGD's linear rule, whose x4 limit is 256, the demo's `max_batch_size` too; the
+    80 % floor; 16,384 images x 2 epochs): 256 at x4. Without the cross products the same
+    throughputs keep 64."""
+    demo = json.loads(H100.read_text())["demo_workload"]["make_demo_default_8192x2"]
+    rates = {int(size): float(rate) for size, rate in demo["batch_size_trials_samples_per_s"].items()}
+    crossed = {"batch_grad_sq": 1.0 + noise / 64, "cross_grad_sq": 1.0, "cross_se": 0.0}
+
+    def measure(size: int, cross: bool = True) -> Trial:
+        trial = Trial(size, rates[size], GIB, seconds=0.5, grad_sq=64 / size)  # noise alone
+        if size != 64:
+            return trial
+        trial = dataclasses.replace(trial, half_grad_sq=2.1, double_grad_sq=0.5)
+        return dataclasses.replace(trial, **crossed) if cross else trial
+
+    limits = lr_capped(
+        Limits(4096, 80 * GIB, reference=64, min_efficiency=0.8, planned_samples=32_768), "linear"
+    )
+    decision = decide(measure, None, 64, 64, limits, "linear")
+    assert [t.size for t in decision.trials] == [64, 128, 256] and limits.max_size == 256
+    assert decision.batch_size == 256 and decision.lr_factor == 4.0
+    assert decision.noise_scale == pytest.approx(noise) and decision.efficiency >= 0.8
+    hidden = decide(lambda size: measure(size, cross=False), None, 64, 64, limits, "linear")
+    assert hidden.batch_size == 64 and "at least 128" in hidden.stopped
 
 
 def test_a_noise_scale_hidden_at_the_first_trials_three_sizes_ends_the_search() -> None:
