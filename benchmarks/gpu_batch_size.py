@@ -107,7 +107,7 @@ def run(
     device = torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 0.0
     where = f"{arch} at {image} px, bf16, AdamW, {steps} steps after tuning, {workers} workers"
     noise = "unknown" if decision.noise_scale is None else f"{decision.noise_scale:,.0f}"
-    tried = ", ".join(f"{t.size}: {t.samples_per_s:.0f}/s" for t in decision.trials)
+    tried = ", ".join(f"{t.size}: {t.samples_per_s:.0f}/s in {t.seconds:.1f} s" for t in decision.trials)
     detail = (
         f"AutoBatchSize: batch {mine['batch_size']}, {mine['samples_per_s']:.0f} samples/s, tuning"
         f" {mine['tuning_s']:.1f} s, peak {mine['peak_gib']:.1f} GiB (trials {tried}; noise scale {noise};"
