@@ -8,7 +8,8 @@ made per index (nothing held in memory, `workers` DataLoader workers, pinned):
 chosen, its tuning seconds, its training samples/s after the search (steps after a warm-up) and
 its peak allocated memory. The first row's ratio is AutoBatchSize's training samples/s over
 BatchSizeFinder's (target >= 1.0); the second, AutoBatchSize's tuning time over BatchSizeFinder's
-(target <= 0.2). Without a CUDA device it measures nothing and says so (a ResNet-50 at 224 px is
+(target <= 0.2). The process's CUDA start-up is paid before both (`_warm_up`), so neither tuner's
+tuning time holds it. Without a CUDA device it measures nothing and says so (a ResNet-50 at 224 px is
 not a CPU job); the tests run it at a tiny size on the CPU. Run: ``python -m benchmarks gpu_batch_size``.
 """
 
@@ -93,6 +94,7 @@ def run(
         print("gpu_batch_size: needs a CUDA device; nothing measured")
         return []
     data = RandomImages(samples, image, 1000)
+    warm_s = _warm_up(arch, image, torch.device("cpu" if cpu else "cuda"))
     auto = AutoBatchSize(max_batch_size=max_batch_size, retune=True)
     finder = TimedFinder(mode="binsearch", max_trials=25)
     with tempfile.TemporaryDirectory() as root:  # BatchSizeFinder writes a checkpoint there
@@ -105,7 +107,10 @@ def run(
     mine |= {"batch_size": decision.batch_size, "tuning_s": decision.seconds}
     theirs |= {"batch_size": finder.optimal_batch_size, "tuning_s": finder.seconds}
     device = torch.cuda.get_device_properties(0).total_memory / GIB if torch.cuda.is_available() else 0.0
-    where = f"{arch} at {image} px, bf16, AdamW, {steps} steps after tuning, {workers} workers"
+    where = (
+        f"{arch} at {image} px, bf16, AdamW, {steps} steps after tuning, {workers} workers; the process's"
+        f" CUDA start-up before both ({warm_s:.1f} s)"
+    )
     noise = "unknown" if decision.noise_scale is None else f"{decision.noise_scale:,.0f}"
     tried = ", ".join(f"{t.size}: {t.samples_per_s:.0f}/s in {t.seconds:.1f} s" for t in decision.trials)
     detail = (
@@ -129,6 +134,24 @@ def run(
             COMMAND,
         ),
     ]
+
+
+def _warm_up(arch: str, image: int, device: torch.device, steps: int = 3) -> float:
+    """A few bf16 training passes of the model at batch 8, before either fit: the process's CUDA,
+    cuDNN and cuBLAS start-up (and a fresh machine's first kernel loads) would otherwise be the cost
+    of whichever tuner runs first, and is neither's. cudnn.benchmark is left as it is (off): no
+    kernel is tuned for a shape either fit runs. Its seconds."""
+    start = time.perf_counter()
+    net = getattr(torchvision.models, arch)(num_classes=1000).to(device)
+    images = torch.randn(8, 3, image, image, device=device)
+    for _ in range(steps):
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            net(images).float().logsumexp(1).mean().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        del net, images
+        torch.cuda.empty_cache()
+    return time.perf_counter() - start
 
 
 class AfterTuning(L.Callback):

@@ -144,3 +144,4 @@ def test_the_gpu_batch_size_benchmark_runs_at_tiny_size_on_the_cpu(tmp_path, mon
     assert speed.ratio > 0 and tuning.ratio > 0 and speed.command == gpu_batch_size.COMMAND
     assert "AutoBatchSize: batch" in speed.detail and "BatchSizeFinder(binsearch): batch" in speed.detail
     assert "(trials 32: " in speed.detail and "; noise scale " in speed.detail  # the decision, and why
+    assert "the process's CUDA start-up before both (" in speed.detail
