@@ -130,15 +130,19 @@ def _gpu_benchmark_row(gradients: int, arch: str, image: int, size: int = 32, fl
     doublings = [size * 2**k for k in range(1, 12) if size * 2**k <= limit]
     allowed = [b for b in doublings if value is not None and efficiency(value, b, size) >= floor]
     at_limit = f"{efficiency(value, limit, size):.0%}" if value is not None else "unknown"
+    products = (
+        "no cross products (a pass failed)"
+        if trial.cross_grad_sq is None
+        else f"|G|^2 {trial.cross_grad_sq:.4g} +- {trial.cross_se:.2g}, E|g|^2 {trial.batch_grad_sq:.4g}"
+    )
     return Row(
         "noise scale, gpu_batch_size's classifier (criterion 6), first trial on an accelerator: doublings"
         " the efficiency floor leaves / doublings to the learning-rate limit",
         len(allowed) / len(doublings),
         f"{arch} at {image} px, AdamW, its random images and labels, initial weights, batch {size},"
         f" {gradients} independent batches' gradients (run here on the CPU, fp32): cautious noise scale"
-        f" {'unresolved' if value is None else f'{value:,.0f}'} (|G|^2 {trial.cross_grad_sq:.4g} +-"
-        f" {trial.cross_se:.2g}, E|g|^2 {trial.batch_grad_sq:.4g}); the square-root rule's x4 limit is"
-        f" {limit}, {at_limit} efficient against {size}; doublings at or over the {floor:.0%} floor:"
+        f" {'unresolved' if value is None else f'{value:,.0f}'} ({products}); the square-root rule's x4"
+        f" limit is {limit}, {at_limit} efficient against {size}; doublings at or over the {floor:.0%} floor:"
         f" {_values([float(b) for b in allowed])}",
         COMMAND,
     )
