@@ -104,6 +104,9 @@ def test_oom_above_a_size_is_caught_and_the_choice_fits(tmp_path: Path, cpu: boo
     assert (
         "out of memory" in finding.detail and f"Batch size {callback.result['batch_size']}" in finding.title
     )
+    rows = {int(line.split()[0]): line for line in finding.detail.splitlines()[2:]}  # the table's rows
+    trial = callback.decision.trials[0]  # type: ignore[union-attr]
+    assert f"{trial.seconds:5.1f} s  " in rows[trial.size]  # what each trial cost, beside its peak
 
 
 def test_no_size_is_chosen_whose_learning_rates_the_rule_fails_at(tmp_path: Path) -> None:

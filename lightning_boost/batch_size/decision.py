@@ -294,7 +294,7 @@ def _size_finding(decision: BatchSizeDecision, tolerance: float) -> Finding:
         f" {tolerance:.0%} (or the measured spread) of the best goodput (throughput x efficiency) is kept."
         f" Effective batch: {decision.batch_size} x {decision.accumulate_grad_batches} accumulated x"
         f" {decision.world_size} processes = {decision.effective_batch_size}{target}{rates}\n"
-        "    size     samples/s  efficiency    goodput        peak  status\n"
+        "    size     samples/s  efficiency    goodput        peak    trial  status\n"
         + "\n".join(_row(t, budget, limits.efficiency(t.size, noise)) for t in trials)
     )
     plot = plot_data(
@@ -447,7 +447,7 @@ def _row(trial: Trial, budget: int, efficiency: float) -> str:
     spread = f" ±{trial.spread:.0%}" if trial.spread >= 0.01 else ""
     return (
         f"  {trial.size:>6}  {trial.samples_per_s:>12,.0f}  {efficiency:>10.0%}"
-        f"  {trial.samples_per_s * efficiency:>9,.0f}  {size:>10}  {status}{spread}"
+        f"  {trial.samples_per_s * efficiency:>9,.0f}  {size:>10}  {trial.seconds:>5.1f} s  {status}{spread}"
     )
 
 
