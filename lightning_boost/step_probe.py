@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import lightning as L
 import torch
+from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.memory import is_oom_error
 from torch import Tensor
 from torch.optim import Optimizer
@@ -111,6 +112,9 @@ class StepProbe:
             warm-up step says they would take more than `TIMED_S` (at least one).
         train_context: the precision plugin's training context (autocast for mixed precision).
         eval_context: the same for validation.
+        move: moves a batch from the host to the module's device as the run's loop does
+            (``trainer.strategy.batch_to_device``); the batches of `train`'s `following` are loaded
+            before the timed steps and moved in them. Without it they are used as they come.
     """
 
     def __init__(
@@ -120,12 +124,14 @@ class StepProbe:
         steps: int,
         train_context: Callable[[], AbstractContextManager[Any]],
         eval_context: Callable[[], AbstractContextManager[Any]],
+        move: Callable[[Any], Any] | None = None,
     ) -> None:
         self.module = module
         self.optimizers = list(optimizers)
         self.steps = steps
         self.train_context = train_context
         self.eval_context = eval_context
+        self.move = move or _as_it_comes
         self.device = module.device
 
     def train(
@@ -138,34 +144,37 @@ class StepProbe:
         cross: int = 0,
     ) -> Trial:
         """Warm-up at `batch`, then `steps` timed steps (forward, backward, optimizer step), each at
-        the next batch of `following` (`batch` again without it). The trial's ``grad_sq`` is the
-        warm-up's squared gradient norm, at the module's own parameters (later steps move the
-        copy's, and the noise scale compares sizes at the same point); ``spread`` is how far the
-        median timed step lies above the fastest, and ``losses`` the timed steps' training losses
-        (after 1, 2, ... optimizer steps: where the module's settings take the loss). With
-        `split`, the warm-up's batch is first also run as its two halves (gradients only,
-        untimed): ``half_grad_sq``, the noise scale's second size from one trial; and the next
-        batch of `following`'s gradient is added to the warm-up's before its optimizer step (one
-        more pass, untimed): ``double_grad_sq``, the squared norm of the two batches' mean
-        gradient, a third size (twice `size`) at the same parameters. With `alternate`, the
-        warm-up and the timed steps run under its settings, as many as it takes to decide, and
-        the step's time is that of the steps at the setting it keeps (the warm-up's when its
-        budget left none): one trial times both the size and, say, bf16 autocast against fp32.
-        With `cross`, that many batches of `following` first give their gradients at the same
-        parameters (passes without optimizer steps, untimed): ``batch_grad_sq``, ``cross_grad_sq``
-        and ``cross_se`` (`cross_products`); where their cautious ``|G|^2`` is positive, the noise
-        scale is theirs, and `split`'s three passes (the halves' new shape among them) are skipped.
+        the next batch of `following` (`batch` again without it). Those batches are loaded before the
+        clock starts and moved to the device in their step, as the run's loop moves what its workers
+        loaded: the time is the step's, not that of loading on this one process. The trial's
+        ``grad_sq`` is the warm-up's squared gradient norm, at the module's own parameters (later
+        steps move the copy's, and the noise scale compares sizes at the same point); ``spread`` is
+        how far the median timed step lies above the fastest, and ``losses`` the timed steps' training
+        losses (after 1, 2, ... optimizer steps: where the module's settings take the loss). With
+        `split`, the warm-up's batch is first also run as its two halves (gradients only, untimed):
+        ``half_grad_sq``, the noise scale's second size from one trial; and the next batch of
+        `following`'s gradient is added to the warm-up's before its optimizer step (one more pass,
+        untimed): ``double_grad_sq``, the squared norm of the two batches' mean gradient, a third size
+        (twice `size`) at the same parameters. With `alternate`, the warm-up and the timed steps run
+        under its settings, as many as it takes to decide, and the step's time is that of the steps at
+        the setting it keeps (the warm-up's when its budget left none): one trial times both the size
+        and, say, bf16 autocast against fp32. With `cross`, that many batches of `following` first
+        give their gradients at the same parameters (passes without optimizer steps, untimed):
+        ``batch_grad_sq``, ``cross_grad_sq`` and ``cross_se`` (`cross_products`); where their cautious
+        ``|G|^2`` is positive, the noise scale is theirs, and `split`'s three passes (the halves' new
+        shape among them) are skipped.
         """
         record: dict[str, Any] = {}
 
         def run(clone: L.LightningModule, optimizers: list[Optimizer], peak: _Peak) -> float:
             second = None
             if cross and following is not None:
-                record.update(self._cross_products(clone, itertools.islice(following, cross)))
+                crossed = map(self.move, itertools.islice(following, cross))
+                record.update(self._cross_products(clone, crossed))
             if split and not _resolved(record):
                 record["half_grad_sq"] = self._half_grad_sq(clone, batch, size)
                 second = next(following, None) if following is not None else None
-                second = second if split_batch(second, size) is not None else None  # a full batch
+                second = self.move(second) if split_batch(second, size) is not None else None  # a full batch
             return self._train_steps(clone, optimizers, batch, following, peak, record, second, alternate)
 
         trial = self._trial(size, run)
@@ -324,14 +333,16 @@ class StepProbe:
         batches = iter(following if following is not None else ())
         losses: list[Tensor] = []
 
-        def step(context: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
-            self._train_step(clone, optimizers, next(batches, batch), None, losses=losses, context=context)
+        def step(loaded: Any, context: Callable[[], AbstractContextManager[Any]] | None = None) -> None:
+            taken = batch if loaded is None else self.move(loaded)
+            self._train_step(clone, optimizers, taken, None, losses=losses, context=context)
 
         if alternate is None:
             count = max(1, min(self.steps, int(TIMED_S / slow)))  # slow steps: fewer, not less precise
-            times = step_times(step, count, self.device)
+            ready = iter(_loaded(batches, count, self.device))  # before the clock starts
+            times = step_times(lambda: step(next(ready)), count, self.device)
         else:
-            times = self._alternated(step, alternate, slow)
+            times = self._alternated(step, alternate, slow, batches)
         record["losses"] = tuple(float(loss) for loss in losses)  # one read each, after the timing
         squares = [float(square) for square in grads]  # fp16 without its scaler can overflow: then none
         if math.isfinite(squares[0]):
@@ -343,16 +354,19 @@ class StepProbe:
 
     def _alternated(
         self,
-        step: Callable[[Callable[[], AbstractContextManager[Any]]], None],
+        step: Callable[[Any, Callable[[], AbstractContextManager[Any]]], None],
         alternate: Alternation,
         warm_up: float,
+        batches: Iterator[Any],
     ) -> list[float]:
-        """Steps under `alternate`'s settings (its step 0, the warm-up, took `warm_up` seconds)
-        until it decides; the times of those at the setting it keeps, else the warm-up's."""
+        """Steps under `alternate`'s settings (its step 0, the warm-up, took `warm_up` seconds),
+        each at the next of `batches` (loaded before its clock starts), until it decides; the times
+        of those at the setting it keeps, else the warm-up's."""
         index, decided = 1, alternate.add(warm_up)
         while not decided:
+            (loaded,) = _loaded(batches, 1, self.device)
             started = time.perf_counter()
-            step(alternate.context(index))
+            step(loaded, alternate.context(index))
             _synchronize(self.device)
             decided, index = alternate.add(time.perf_counter() - started), index + 1
         return alternate.kept_times() or [warm_up]
@@ -614,6 +628,23 @@ def step_times(step: Callable[[], None], count: int, device: torch.device) -> li
             end.record()
         torch.cuda.synchronize(device)
     return [begin.elapsed_time(end) / 1000 for begin, end in events]
+
+
+def _loaded(batches: Iterator[Any], count: int, device: torch.device) -> list[Any]:
+    """The next `count` of `batches`, loaded on the host (pinned for a CUDA device, as the pack's
+    loaders pin there, so the step's copy is the run's); ``None`` for each one `batches` lacks."""
+    taken: list[Any] = list(itertools.islice(batches, count))
+    if device.type == "cuda":
+        taken = [apply_to_collection(b, Tensor, _pinned) for b in taken]
+    return taken + [None] * (count - len(taken))
+
+
+def _pinned(tensor: Tensor) -> Tensor:
+    return tensor.pin_memory() if tensor.device.type == "cpu" else tensor
+
+
+def _as_it_comes(batch: Any) -> Any:
+    return batch
 
 
 def _synchronize(device: torch.device) -> None:

@@ -421,7 +421,12 @@ class AutoBatchSize(BoostCallback):
         """Trial steps on a copy of the run's model and optimizers, in the run's precision."""
         plugin = trainer.precision_plugin
         return StepProbe(
-            pl_module, trainer.optimizers, self.steps, plugin.train_step_context, plugin.val_step_context
+            pl_module,
+            trainer.optimizers,
+            self.steps,
+            plugin.train_step_context,
+            plugin.val_step_context,
+            move=trainer.strategy.batch_to_device,
         )
 
     def _end_ramp(self) -> None:
@@ -767,8 +772,8 @@ def _train_trial(
     `cross`, that many other batches' gradients first (`StepProbe.train`)."""
 
     def trial() -> Trial:
-        batches = (trainer.strategy.batch_to_device(b) for b in sample_batches(data[0], data[1], size))
-        first = next(batches)
+        batches = sample_batches(data[0], data[1], size)  # the probe moves them as each step takes one
+        first = trainer.strategy.batch_to_device(next(batches))
         held = min(size, _samples_in(first) or size)  # an iterable dataset may hold fewer samples
         return probe.train(first, held, batches, split=split, alternate=alternate, cross=cross)
 
