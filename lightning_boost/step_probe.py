@@ -28,13 +28,16 @@ from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.memory import is_oom_error
 from torch import Tensor
 from torch.optim import Optimizer
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_boost._lightning import call_step, detached_copy
 from lightning_boost.trials import Trial, cautious_grad_sq
 
 #: Timed steps per trial stop short of `steps` when they would take longer than this (seconds).
 TIMED_S = 2.0
+
+#: Most bytes of samples' tensors a search's trials keep loaded between trials (`RememberedSamples`).
+REMEMBERED_BYTES = 512 * 2**20
 
 #: Messages of out-of-memory errors that arrive as a plain ``RuntimeError`` (CPU allocator, MPS).
 _OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
@@ -83,6 +86,44 @@ def sample_batches(
             yield batch
         if empty:
             return
+
+
+class RememberedSamples(Dataset[Any]):
+    """`dataset` with each sample loaded once while the remembered ones' tensors take at most
+    `max_bytes`. A search's trials draw their batches from the same samples first
+    (`sample_batches`' fixed seed; `first_batch`'s order), and they load on this one process: at a
+    size twice the last, half of what a trial needs is loaded already. A sample with random
+    augmentation is the same draw each time it comes back: the trials time the step, and the
+    first trial's independent batches hold other samples each."""
+
+    def __init__(self, dataset: Dataset[Any], max_bytes: int = REMEMBERED_BYTES) -> None:
+        self.dataset = dataset
+        self.max_bytes = max_bytes
+        self.samples: dict[int, Any] = {}
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        if index in self.samples:
+            return self.samples[index]
+        sample = self.dataset[index]
+        size = sum(t.nelement() * t.element_size() for t in _tensors(sample))
+        if size and self.bytes + size <= self.max_bytes:  # held tensors only: their size is known
+            self.samples[index] = sample
+            self.bytes += size
+        return sample
+
+
+def remembered(dataset: Dataset[Any]) -> Dataset[Any]:
+    """`dataset` as `RememberedSamples` when it has a length (an iterable dataset has no index
+    to remember a sample by: it is returned as it is)."""
+    try:
+        len(dataset)  # type: ignore[arg-type]
+    except TypeError:
+        return dataset
+    return dataset if isinstance(dataset, IterableDataset) else RememberedSamples(dataset)
 
 
 class Alternation(Protocol):

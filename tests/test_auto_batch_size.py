@@ -7,11 +7,13 @@ allocation that cannot succeed) above a batch size.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import re
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +23,13 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor, nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from lightning_boost import AutoBatchSize, AutoMicroBatch, BoostedDataModule, BoostWarning, Severity
 from lightning_boost.batch_size.goodput import cross_noise
-from lightning_boost.step_probe import StepProbe, is_oom
+from lightning_boost.step_probe import RememberedSamples, StepProbe, is_oom, remembered
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
 from tests.conftest import script_trials
 
@@ -184,6 +186,59 @@ def test_a_trials_timed_steps_do_not_load_their_batches(monkeypatch: pytest.Monk
     assert stepped == [0, 3, 3, 3]  # the warm-up at the first batch, then 3 steps loaded beforehand
     assert moved == [1, 2, 3]  # each moved in its own step
     assert trial.samples_per_s is not None and len(trial.losses) == 3
+
+
+def test_a_searchs_trials_load_each_sample_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trials at doubling sizes draw the same samples first, and they load on the training
+    process: each sample (training and validation) is loaded once in the whole search, not once
+    per trial that takes it (as without `remembered`, the second fit here)."""
+    from lightning_boost.batch_size import callback as module
+
+    loads: collections.Counter[tuple[int, int]] = collections.Counter()
+    getitem = RandomDataset.__getitem__
+
+    def counted(self: RandomDataset, index: int) -> tuple[Tensor, Tensor]:
+        loads[id(self), index] += 1
+        return getitem(self, index)
+
+    monkeypatch.setattr(RandomDataset, "__getitem__", counted)
+
+    def search(root: Path) -> tuple[list[int], collections.Counter[tuple[int, int]]]:
+        loads.clear()
+        in_search: collections.Counter[tuple[int, int]] = collections.Counter()
+
+        class AfterTheSearch(L.Callback):
+            def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+                in_search.update(loads)
+
+        callback = AutoBatchSize(**FAST, max_batch_size=64, lr_scaling=None, cache_dir=root)
+        trainer = tiny_trainer(root, callbacks=[callback, AfterTheSearch()], logger=False)
+        trainer.fit(BoringModel(), datamodule=BoringDataModule(length=256))
+        assert callback.decision is not None
+        return [t.size for t in callback.decision.trials], in_search
+
+    sizes, once = search(tmp_path / "remembered")
+    assert sizes == [8, 16, 32, 64]
+    assert len({dataset for dataset, _ in once}) == 2 and max(once.values()) == 1  # train and val
+    monkeypatch.setattr(module, "remembered", lambda dataset: dataset)
+    sizes_again, each_trial = search(tmp_path / "each trial")
+    assert sizes_again == sizes and len(each_trial) == len(once)  # as many samples
+    assert max(each_trial.values()) > 1 and each_trial.total() > 1.5 * once.total()
+
+
+def test_remembered_samples_stop_at_their_byte_limit_and_leave_iterable_datasets_alone() -> None:
+    data = RandomDataset(length=8)  # 32 + 2 float32 per sample: 136 bytes
+    kept = RememberedSamples(data, max_bytes=3 * 136)
+    for index in [0, 1, 2, 3, 0, 3]:
+        assert torch.equal(kept[index][0], data[index][0])
+    assert sorted(kept.samples) == [0, 1, 2] and kept.bytes == 3 * 136 and len(kept) == 8
+
+    class Stream(IterableDataset[Tensor]):
+        def __iter__(self) -> Iterator[Tensor]:
+            return iter(torch.zeros(4, 2))
+
+    stream = Stream()
+    assert remembered(stream) is stream and isinstance(remembered(data), RememberedSamples)
 
 
 class BatchOnly(BoringModel):

@@ -72,7 +72,7 @@ from lightning_boost.fingerprints import describe_dataset, describe_model, hardw
 from lightning_boost.presets.autocast import AutocastTrial, MeasuredAutocastMixin
 from lightning_boost.ranks import decided_on_rank_zero
 from lightning_boost.report import BoostWarning, Finding, Severity
-from lightning_boost.step_probe import StepProbe, first_batch, is_oom, sample_batches
+from lightning_boost.step_probe import StepProbe, first_batch, is_oom, remembered, sample_batches
 from lightning_boost.trials import Trial, merge
 from lightning_boost.workers.loaders import loader_batch_size
 
@@ -460,6 +460,8 @@ class AutoBatchSize(BoostCallback):
         probe = self._probe(trainer, pl_module)
         validates = self.check_validation and overrides(pl_module, "validation_step")
         val_data = _split_data(trainer, "val") if validates else None
+        train_data = (remembered(train_data[0]), train_data[1])  # each trial loads only what is new
+        val_data = None if val_data is None else (remembered(val_data[0]), val_data[1])
         rule = lr_rule([type(o).__name__ for o in trainer.optimizers], self.lr_scaling)
         limits = lr_capped(limits, rule, configured)  # no size the rule's learning rates fail at
         start = self.init_batch_size or configured
