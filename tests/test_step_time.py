@@ -9,11 +9,12 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
-from lightning_boost import StepTimeMonitor
+from lightning_boost import AutoBatchSize, StepTimeMonitor
 from lightning_boost.report import Severity
+from lightning_boost.step_time import callback as step_time_callback
 from lightning_boost.step_time import timing as step_time
 from lightning_boost.step_time.timing import CudaClock, HostClock, StepTimes, input_bound_fixes, wait_fraction
-from lightning_boost.testing import BoringModel, RandomDataset, tiny_trainer
+from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
 
 #: With ``limit_val_batches=0``: the model has a validation_step, this run skips it.
 NO_VAL = DataLoader(RandomDataset(length=8), batch_size=8)
@@ -279,6 +280,62 @@ def test_cuda_run_times_on_the_gpu(tmp_path: Path) -> None:
     assert torch.cuda.is_available()
     (finding,) = monitor.findings
     assert finding.title.startswith("Input-bound")
+
+
+class HostWork(TimedModel):
+    """A model step of `seconds`, and `host_seconds` of work in a Lightning hook around it (as
+    callbacks, logging and the loop add): no batch-size trial runs the hook."""
+
+    def __init__(self, seconds: float, host_seconds: float) -> None:
+        super().__init__(seconds)
+        self.host_seconds = host_seconds
+
+    @override
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        time.sleep(self.host_seconds)
+
+
+def host_work_fit(
+    root: Path, seconds: float, host_seconds: float, **options: Any
+) -> tuple[StepTimeMonitor, AutoBatchSize]:
+    monitor, tuner = StepTimeMonitor(), AutoBatchSize(max_batch_size=16, lr_scaling=None)
+    trainer = tiny_trainer(
+        root, callbacks=[tuner, monitor], limit_train_batches=48, limit_val_batches=0, logger=False, **options
+    )
+    trainer.fit(HostWork(seconds, host_seconds), datamodule=BoringDataModule(length=48 * 16))
+    return monitor, tuner
+
+
+@pytest.mark.usefixtures("long_planned_run")
+def test_a_gpu_that_waits_on_the_host_within_its_steps_is_reported_host_bound(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The steps take 10 ms in the model and 30 ms in a hook: 4x the model's own step, which
+    `AutoBatchSize`'s trial timed (its steps run no hooks). No GPU here: the host clock's times
+    stand in for the GPU events'. On a CPU the verdict is not given (the host does all the work
+    there, and a tuned CPU run trades the model's threads for workers' on purpose)."""
+    on_cpu, _ = host_work_fit(tmp_path / "cpu", 0.01, 0.03)
+    assert on_cpu.findings[0].title.startswith("Compute-bound")
+    monkeypatch.setattr(step_time_callback, "_times_a_gpu", lambda clock: True)
+    monitor, tuner = host_work_fit(tmp_path / "gpu", 0.01, 0.03)
+    (finding,) = monitor.findings
+    assert tuner.decision is not None
+    size = tuner.decision.batch_size
+    (trial,) = [t for t in tuner.decision.trials if t.size == size]
+    assert finding.severity is Severity.WARN and finding.title.startswith("Host-bound: steps take")
+    assert finding.data["model_step_s"] == pytest.approx(size / trial.samples_per_s, rel=1e-3)
+    assert finding.data["host_bound"] > 2.5  # about 4
+    assert f"at batch {size}" in finding.detail and finding.fix.startswith("1. Fewer, larger steps")
+    assert finding.cost.endswith(f"over {finding.data['steps']} steps")
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("long_planned_run")
+def test_a_cuda_run_that_waits_on_a_hook_is_host_bound(tmp_path: Path) -> None:
+    """The model's step is a few small kernels; a hook sleeps 20 ms in each step."""
+    monitor, _ = host_work_fit(tmp_path, 0.0, 0.02, accelerator="gpu")
+    (finding,) = monitor.findings
+    assert finding.title.startswith("Host-bound") and finding.data["host_bound"] > 2
 
 
 def test_a_warm_up_longer_than_the_run_says_no_step_was_timed_and_why(tmp_path: Path) -> None:

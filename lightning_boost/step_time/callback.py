@@ -12,15 +12,27 @@ from typing_extensions import override
 
 from lightning_boost._lightning import callbacks_of, datamodule_of, hardware_for, training_log_step
 from lightning_boost._validation import Count, Range, validated
+from lightning_boost.batch_size.callback import AutoBatchSize
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.report import Finding, Severity, plot_data
-from lightning_boost.step_time.timing import CudaClock, HostClock, StepTimes, input_bound_fixes
+from lightning_boost.step_time.timing import (
+    CudaClock,
+    HostClock,
+    StepTimes,
+    host_bound_fixes,
+    input_bound_fixes,
+)
 from lightning_boost.workers.callback import AutoNumWorkers
+from lightning_boost.workers.loaders import loader_batch_size
 
 #: A verdict rests on at least this many timed steps and seconds (fewer: an INFO that says so).
 MIN_STEPS = 20
 MIN_SECONDS = 1.0
+
+#: A GPU run's steps that take this many times the model's own step (`AutoBatchSize`'s trial at
+#: the trained size, its steps queued back to back) are host-bound: the GPU waits on the host.
+HOST_BOUND = 1.5
 
 
 class StepTimeMonitor(BoostCallback):
@@ -34,8 +46,11 @@ class StepTimeMonitor(BoostCallback):
     saving are not data wait), and so are the first `warmup_steps` of the verdict.
 
     At the end of training it adds a finding: input-bound when the data-wait fraction is above
-    `threshold`, with the fixes in order of likely payoff for this run's loader; otherwise the
-    fraction for the record. The fraction over steps is plotted in the report.
+    `threshold`, with the fixes in order of likely payoff for this run's loader; on a GPU, host-bound
+    when the steps take `HOST_BOUND` times the model's own step or more (`AutoBatchSize`'s trial at
+    the trained size: forward, backward and optimizer step without Lightning's loop around them),
+    with what to try; otherwise the fraction for the record. The fraction over steps is plotted in
+    the report.
 
     Logged to every logger on the batches Lightning logs (``log_every_n_steps``), at its step, over
     the steps timed since the last log, without a device sync (on CUDA the window lags a few steps):
@@ -69,11 +84,13 @@ class StepTimeMonitor(BoostCallback):
         self.findings: list[Finding] = []
         self._set_state_key(threshold=self.threshold, warmup_steps=warmup_steps)
         self._clock: HostClock | CudaClock | None = None
+        self._on_gpu = False
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.times = StepTimes(self.warmup_steps)
         self._clock = CudaClock() if pl_module.device.type == "cuda" else HostClock()
+        self._on_gpu = _times_a_gpu(self._clock)
 
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -169,6 +186,9 @@ class StepTimeMonitor(BoostCallback):
                 f"{detail} A verdict needs at least {MIN_STEPS} steps and {MIN_SECONDS:g} s of them.",
                 data=data,
             )
+        model = _model_step(trainer) if self._on_gpu else None
+        if fraction <= self.threshold and model and times.step_s >= HOST_BOUND * model[1] * times.counted:
+            return _host_bound(times, model, detail, data)
         if fraction <= self.threshold:
             return Finding(
                 type(self).__name__, "step time", Severity.INFO, f"Compute-bound: {share}", detail, data=data
@@ -207,6 +227,47 @@ class StepTimeMonitor(BoostCallback):
             measured_workers=measured,
             dataset=dataset_kind(dataset),
         )
+
+
+def _times_a_gpu(clock: HostClock | CudaClock) -> bool:
+    return isinstance(clock, CudaClock)
+
+
+def _model_step(trainer: L.Trainer) -> tuple[int, float] | None:
+    """The trained batch size and the seconds of the model's own step there, from `AutoBatchSize`'s
+    trial at that size; ``None`` without one, when the batch grew during the run, or with several
+    processes (their steps also all-reduce, which no trial times)."""
+    loader = trainer.train_dataloader
+    if trainer.world_size > 1 or not isinstance(loader, DataLoader):
+        return None
+    size = loader_batch_size(loader)
+    for callback in callbacks_of(trainer):
+        decision = callback.decision if isinstance(callback, AutoBatchSize) else None
+        if decision is None or decision.growth:
+            continue
+        for trial in decision.trials:
+            if trial.size == size and not trial.oom and trial.samples_per_s > 0:
+                return size, size / trial.samples_per_s
+    return None
+
+
+def _host_bound(times: StepTimes, model: tuple[int, float], detail: str, data: dict[str, Any]) -> Finding:
+    size, alone = model
+    mean = times.step_s / times.counted
+    fixes = host_bound_fixes(size)
+    return Finding(
+        StepTimeMonitor.__name__,
+        "step time",
+        Severity.WARN,
+        f"Host-bound: steps take {1000 * mean:.1f} ms, {mean / alone:.1f}x the model's own",
+        f"{detail} AutoBatchSize timed the model's training step alone at batch {size} (forward, backward"
+        f" and optimizer step, queued back to back): {1000 * alone:.1f} ms. The other"
+        f" {1000 * (mean - alone):.1f} ms of each step is host work the GPU waits on: Lightning's loop"
+        " and hooks, callbacks, logged values, and taking each batch from the loader.",
+        "\n".join(f"{n}. {fix}" for n, fix in enumerate(fixes, 1)),
+        data=data | {"model_step_s": round(alone, 6), "host_bound": round(mean / alone, 3), "fixes": fixes},
+        cost=f"{times.step_s - alone * times.counted:.1f} s over {times.counted} steps",
+    )
 
 
 def dataset_kind(dataset: Any) -> str:

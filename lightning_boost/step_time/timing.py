@@ -183,6 +183,26 @@ def input_bound_fixes(
     return fixes
 
 
+def host_bound_fixes(batch_size: int) -> list[str]:
+    """What to try when a GPU waits on the host within each step (the step takes far longer than
+    the model's forward, backward and optimizer step alone), most likely payoff first.
+
+    Example:
+        >>> [fix.split(":")[0] for fix in host_bound_fixes(64)]
+        ['Fewer, larger steps', 'Fewer values read per step', 'Fewer kernel launches per step']
+    """
+    return [
+        f"Fewer, larger steps: the host's work is paid once per step, so a batch larger than {batch_size}"
+        " spreads it over more samples. `AutoBatchSize` timed the model's step alone, without it, so a"
+        " larger size gains more than its trials showed (`max_batch_size=` lets it search further).",
+        "Fewer values read per step: Lightning reads each step-level `prog_bar=True` value with `.item()`"
+        " after every batch (the syncs section counts them); log them per epoch"
+        " (`on_step=False, on_epoch=True`) or without `prog_bar`.",
+        "Fewer kernel launches per step: `torch.compile(model)` fuses the model's small kernels, and"
+        ' `mode="reduce-overhead"` replays the step as one CUDA graph.',
+    ]
+
+
 def _sample_work_fixes(on_gpu: bool) -> list[str]:
     """Fixes for per-sample work: augmentation and decoding."""
     if on_gpu:
