@@ -871,6 +871,22 @@ def test_evaluation_loaders_get_a_measured_batch_size_of_their_own(tmp_path: Pat
 
 
 @pytest.mark.usefixtures("scripted_validation")
+def test_an_evaluation_batch_leaves_every_loader_worker_a_batch_in_each_pass(tmp_path: Path) -> None:
+    """The 32 validation samples over 2 workers: past 16 a pass would wait for one worker loading
+    the whole set alone, where without the rule the doublings go on to 32, the set's length (on
+    the H100 the demo's 1,024 validation samples went in 2 batches of 512 over 15 workers)."""
+    boosted = Boosted(batch_size=4, num_workers=2)
+    callback = AutoBatchSize(max_batch_size=4, **FAST)
+    trainer, _ = fit(tmp_path, callback, OOMModel(), datamodule=boosted, limit_val_batches=1.0)
+    decision = callback.decision
+    assert decision is not None and [t.size for t in decision.eval_trials] == [4, 8, 16]
+    assert boosted.tuned_eval_batch_size == 16 == trainer.val_dataloaders.batch_size
+    assert decision.eval_stopped == (
+        "past 16 a pass of 32 samples would leave some of the loader's 2 workers no batch"
+    )
+
+
+@pytest.mark.usefixtures("scripted_validation")
 def test_an_evaluation_batch_size_given_by_hand_is_kept(tmp_path: Path) -> None:
     boosted = Boosted(batch_size=4, eval_batch_size=6, num_workers=0)
     callback = AutoBatchSize(max_batch_size=4, **FAST)

@@ -862,10 +862,25 @@ def _with_eval_size(
 
     dataset = val_data[0]
     limit = len(dataset) if hasattr(dataset, "__len__") else None
-    result = eval_batch_size(measure, decision.batch_size, budget, limit, evaluated)
+    per_pass = _evaluated(trainer, dataset, 1)
+    spread = None if per_pass is None else (math.ceil(per_pass), _eval_workers(trainer))
+    result = eval_batch_size(measure, decision.batch_size, budget, limit, evaluated, spread=spread)
     return decision.replace(
         eval_batch_size=result.size, eval_trials=result.trials, eval_stopped=result.stopped
     )
+
+
+def _eval_workers(trainer: L.Trainer) -> int:
+    """The workers of the `BoostedDataModule`'s evaluation loaders: its own fixed count, else the
+    training loader's if built (they share the tuned count), else the most this process's CPUs
+    allow (the tuner's bound: a tighter spread, so a smaller size, when it chooses fewer)."""
+    fixed = getattr(datamodule_of(trainer), "num_workers", None)
+    if fixed is not None:
+        return int(fixed)
+    loader = trainer.train_dataloader if train_loader_built(trainer) else None
+    if isinstance(loader, DataLoader):
+        return loader.num_workers
+    return hardware_for(trainer).max_workers_per_process
 
 
 def _measured(trainer: L.Trainer, size: int, run: Callable[[], Trial]) -> Trial:

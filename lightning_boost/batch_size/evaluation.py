@@ -37,12 +37,16 @@ def eval_batch_size(
     limit: int | None = None,
     planned: float | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    spread: tuple[int, int] | None = None,
 ) -> EvalSize:
     """Double from the training size `start` while the evaluation step fits in `budget_bytes` and
     gets at least `MIN_GAIN` faster per sample; stop at `MAX_FACTOR` times `start`, at the
     evaluation set's length `limit`, or, given the samples the run will evaluate (`planned`),
     when half the time they take at the best size so far is less than the last trial took (by
-    `clock`): the next, at twice the size, cannot repay itself.
+    `clock`): the next, at twice the size, cannot repay itself. With `spread`, the samples each
+    evaluation pass loads on a rank and the loader's workers, stop where the next size would leave
+    a worker without a batch in a pass: past ``samples / workers`` each pass waits for fewer
+    workers, each loading a whole batch alone (the trials time the step, not the loading).
 
     Example:
         >>> speed = {64: 1000.0, 128: 1800.0, 256: 2600.0, 512: 2700.0}
@@ -56,6 +60,9 @@ def eval_batch_size(
         >>> small = eval_batch_size(measure, 64, 1000, planned=3000, clock=lambda: float(next(now)))
         >>> small.size, small.stopped
         (128, 'the run evaluates 3000 samples, 1.7 s at 128: another trial (1.0 s) cannot repay itself')
+        >>> spread = eval_batch_size(measure, 64, 1000, spread=(1024, 6))  # 171 samples a worker
+        >>> spread.size, spread.stopped
+        (128, "past 171 a pass of 1024 samples would leave some of the loader's 6 workers no batch")
     """
     started = clock()
     best = measure(start)
@@ -69,6 +76,10 @@ def eval_batch_size(
             return EvalSize(best.size, tuple(trials), f"{MAX_FACTOR}x the training size")
         if limit is not None and size >= limit:
             return EvalSize(best.size, tuple(trials), f"the evaluation set's {limit} samples")
+        if spread is not None and spread[1] > 0 and size * 2 > -(-spread[0] // spread[1]):
+            samples, workers = spread
+            why = f"a pass of {samples} samples would leave some of the loader's {workers} workers no batch"
+            return EvalSize(best.size, tuple(trials), f"past {-(-samples // workers)} {why}")
         left_s = None if planned is None else planned / best.samples_per_s
         if left_s is not None and left_s / 2 < cost:
             spent = f"the run evaluates {planned:.0f} samples, {left_s:.1f} s at {best.size}"
