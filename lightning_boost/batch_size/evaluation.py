@@ -76,8 +76,8 @@ def eval_batch_size(
             return EvalSize(best.size, tuple(trials), f"{MAX_FACTOR}x the training size")
         if limit is not None and size >= limit:
             return EvalSize(best.size, tuple(trials), f"the evaluation set's {limit} samples")
-        if spread is not None and spread[1] > 0 and size * 2 > -(-spread[0] // spread[1]):
-            samples, workers = spread
+        samples, workers = spread or (0, 0)
+        if workers > 0 and size * 2 > -(-samples // workers):
             why = f"a pass of {samples} samples would leave some of the loader's {workers} workers no batch"
             return EvalSize(best.size, tuple(trials), f"past {-(-samples // workers)} {why}")
         left_s = None if planned is None else planned / best.samples_per_s
