@@ -18,7 +18,7 @@ import math
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence, Sized
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any, Protocol
 
@@ -119,11 +119,8 @@ class RememberedSamples(Dataset[Any]):
 def remembered(dataset: Dataset[Any]) -> Dataset[Any]:
     """`dataset` as `RememberedSamples` when it has a length (an iterable dataset has no index
     to remember a sample by: it is returned as it is)."""
-    try:
-        len(dataset)  # type: ignore[arg-type]
-    except TypeError:
-        return dataset
-    return dataset if isinstance(dataset, IterableDataset) else RememberedSamples(dataset)
+    indexed = isinstance(dataset, Sized) and not isinstance(dataset, IterableDataset)
+    return RememberedSamples(dataset) if indexed else dataset
 
 
 class Alternation(Protocol):

@@ -77,9 +77,10 @@ def eval_batch_size(
         if limit is not None and size >= limit:
             return EvalSize(best.size, tuple(trials), f"the evaluation set's {limit} samples")
         samples, workers = spread or (0, 0)
-        if workers > 0 and size * 2 > -(-samples // workers):
+        per_worker = -(-samples // workers) if workers > 0 else None
+        if per_worker is not None and size * 2 > per_worker:
             why = f"a pass of {samples} samples would leave some of the loader's {workers} workers no batch"
-            return EvalSize(best.size, tuple(trials), f"past {-(-samples // workers)} {why}")
+            return EvalSize(best.size, tuple(trials), f"past {per_worker} {why}")
         left_s = None if planned is None else planned / best.samples_per_s
         if left_s is not None and left_s / 2 < cost:
             spent = f"the run evaluates {planned:.0f} samples, {left_s:.1f} s at {best.size}"
