@@ -25,6 +25,7 @@ BENCHMARKS = (
     "worker_replay",
     "batch_size",
     "gpu_batch_size",
+    "cudnn_autotune",
     "noise_scale",
     "batch_quality",
     "monitor_overhead",

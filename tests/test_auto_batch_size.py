@@ -15,7 +15,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
 import pytest
@@ -151,6 +151,55 @@ def test_on_an_accelerator_the_first_trial_reads_the_noise_scale_from_independen
     expected = cross_noise(first.size, first.batch_grad_sq, first.cross_grad_sq, first.cross_se)
     assert expected is not None and decision.noise_scale == pytest.approx(expected.value)
     assert first.half_grad_sq is None and first.double_grad_sq is None  # they resolved it: no halves
+
+
+class FlagRecorder(BoringModel):
+    """Records `torch.backends.cudnn.benchmark` at each training step, trials' and the run's, in a
+    class attribute (a trial steps a copy of the module, which would copy an instance's list)."""
+
+    flags: ClassVar[list[bool | str]] = []
+
+    @override
+    def on_train_start(self) -> None:
+        self.flags.append("run")
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.flags.append(torch.backends.cudnn.benchmark)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize(
+    ("samples", "by_hand", "run_flag"),
+    [(10_000.0, False, False), (float("inf"), False, True), (10_000.0, True, True)],
+    ids=["short-run-off", "long-run-kept", "by-hand-kept"],
+)
+def test_trials_run_without_autotuning_and_a_short_run_drops_the_presets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, samples: float, by_hand: bool, run_flag: bool
+) -> None:
+    """cudnn.benchmark is off in every trial step; the run keeps the preset's default only where
+    its steps, at the trial's rate, take 100 s or more (scripted 1000 samples/s per sample of batch:
+    10,000 samples at 32 take 0.3 s), or where the user passed it. The preset's CUDA default is
+    simulated on this CPU by planning it with `cudnn_benchmark` on (the flag is harmless here)."""
+    from lightning_boost.batch_size.plan import RunPlan
+    from lightning_boost.presets import preset
+
+    monkeypatch.setattr(RunPlan, "samples_planned", lambda self, size: samples)
+    strategy = preset("auto", cudnn_benchmark=True) if by_hand else preset("auto")
+    if not by_hand:  # the default a CUDA machine's preset plans
+        strategy.plan = dataclasses.replace(strategy.plan, cudnn_benchmark=True)
+    monkeypatch.setattr(FlagRecorder, "flags", [])
+    model, callback = FlagRecorder(), AutoBatchSize(**FAST)
+    before = torch.backends.cudnn.benchmark
+    fit(tmp_path, callback, model, strategy=strategy)
+    start = model.flags.index("run")
+    assert start > 0 and not any(model.flags[:start])  # every trial step: off
+    assert set(model.flags[start + 1 :]) == {run_flag}
+    assert torch.backends.cudnn.benchmark == before  # put back at teardown
+    dropped = [f for f in callback.findings if f.title.startswith("cudnn.benchmark off")]
+    assert len(dropped) == (not run_flag) and callback.tuned.get("cudnn_benchmark", True) == run_flag
+    if dropped:
+        assert "cudnn_benchmark=True" in dropped[0].fix and "0.31 s" in dropped[0].title
 
 
 def test_a_trials_timed_steps_do_not_load_their_batches(monkeypatch: pytest.MonkeyPatch) -> None:

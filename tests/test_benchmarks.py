@@ -132,6 +132,17 @@ def test_fast_dev_run_benchmark_runs_and_writes_nothing() -> None:
     assert row.ratio > 0 and "files written: 0" in row.detail
 
 
+def test_the_cudnn_autotune_benchmark_says_it_needs_cuda(capsys) -> None:
+    import torch
+
+    from benchmarks import cudnn_autotune
+
+    if torch.cuda.is_available():  # there it measures (`python -m benchmarks cudnn_autotune`)
+        return
+    assert cudnn_autotune.run() == []
+    assert "needs a CUDA device" in capsys.readouterr().out
+
+
 def test_the_gpu_batch_size_benchmark_runs_at_tiny_size_on_the_cpu(tmp_path, monkeypatch) -> None:
     """Issue 32's ResNet-50 comparison, here with a small model and images: the path, not the figure."""
     from benchmarks import gpu_batch_size

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
 import warnings
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Iterator, Sized
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -55,7 +56,7 @@ from lightning_boost.batch_size.decision import (
 )
 from lightning_boost.batch_size.evaluation import eval_batch_size
 from lightning_boost.batch_size.goodput import NoiseScale, lr_rule
-from lightning_boost.batch_size.plan import RunPlan
+from lightning_boost.batch_size.plan import AUTOTUNE_MIN_RUN_S, RunPlan
 from lightning_boost.batch_size.regrow import (
     GROW_AFTER_STEPS,
     Growth,
@@ -70,6 +71,7 @@ from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.fingerprints import describe_dataset, describe_model, hardware_parts
 from lightning_boost.presets.autocast import AutocastTrial, MeasuredAutocastMixin
+from lightning_boost.presets.plans import PresetPlan
 from lightning_boost.ranks import decided_on_rank_zero
 from lightning_boost.report import BoostWarning, Finding, Severity
 from lightning_boost.step_probe import StepProbe, first_batch, is_oom, remembered, sample_batches
@@ -235,6 +237,7 @@ class AutoBatchSize(BoostCallback):
         self._growth: Growth | None = None  # the noise scale read during the run (`grow`)
         self._explicit_attr = attr_name != "batch_size"
         self._not_tuned: Finding | None = None  # why this fit cannot be tuned, found in `setup`
+        self._autotuning_off = False  # the preset's cudnn.benchmark turned off for a short run
         self._set_state_key(attr_name=attr_name)
 
     @property
@@ -245,7 +248,8 @@ class AutoBatchSize(BoostCallback):
     @property
     def tuned(self) -> dict[str, Any]:
         """The values this run was given, for the report."""
-        return self.decision.tuned if self.decision is not None else {}
+        off = {"cudnn_benchmark": False} if self._autotuning_off else {}
+        return {**self.decision.tuned, **off} if self.decision is not None else {}
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -263,6 +267,7 @@ class AutoBatchSize(BoostCallback):
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._autotuning_off = False
         if self._not_tuned is not None:  # the run goes on as written, and the report says why
             self.decision = None
             self.findings.append(self._not_tuned)
@@ -275,6 +280,10 @@ class AutoBatchSize(BoostCallback):
         self.findings += (
             [restored_finding(decision)] if self._restored else findings(decision, self.tolerance)
         )
+        autotuning = _short_run_autotuning(trainer, decision)
+        if autotuning is not None:
+            self._autotuning_off = True
+            self.findings.append(autotuning)
         lightning_setattr(pl_module, self.attr_name, decision.batch_size)
         datamodule = datamodule_of(trainer)
         if decision.eval_batch_size is not None and _wants_eval_size(trainer):
@@ -483,7 +492,7 @@ class AutoBatchSize(BoostCallback):
                 autocast = None if plugin.choice is not None else alternate.again()  # out of memory
             return trial
 
-        with preserved_rng():
+        with preserved_rng(), _without_autotuning():
             decision = decide(
                 train,
                 None
@@ -819,6 +828,54 @@ def _reads_cross_products(device: torch.device, parameter_bytes: int, budget_byt
         False
     """
     return device.type != "cpu" and 2 * parameter_bytes <= budget_bytes // 10
+
+
+@contextlib.contextmanager
+def _without_autotuning() -> Iterator[None]:
+    """The trials run with cudnn.benchmark off, as it was before. Autotuning each trial's new
+    shape cost 0.9-1.6 s on an H200 (7.5 s in a machine's first process) where a step took 7-11 ms
+    (`AUTOTUNE_MIN_RUN_S`): the H200 demo's search stopped at 64 because its first trial, 1.9 s,
+    said the next would cost more than it could save. Off, a new shape cost 0.06-0.1 s."""
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = saved
+
+
+def _short_run_autotuning(trainer: L.Trainer, decision: BatchSizeDecision) -> Finding | None:
+    """Turns the preset's default cudnn.benchmark off for a run whose steps, at the chosen size's
+    measured rate, take under `AUTOTUNE_MIN_RUN_S`; the finding that says so, else ``None``. A
+    value the user passed, or set without a preset, is left as it is; the strategy puts the flag
+    back at teardown."""
+    plan = getattr(trainer.strategy, "plan", None)
+    if not (
+        torch.backends.cudnn.benchmark
+        and isinstance(plan, PresetPlan)
+        and plan.cudnn_benchmark
+        and not plan.cudnn_benchmark_by_hand
+    ):
+        return None
+    chosen = [t for t in decision.trials if t.size == decision.batch_size and not t.oom]
+    data = _split_data(trainer, "train")
+    if not chosen or data is None:
+        return None
+    run = _plan(trainer, data[0], trainer.world_size)
+    if run.repays_autotuning(decision.batch_size, chosen[0].samples_per_s):
+        return None
+    torch.backends.cudnn.benchmark = False
+    seconds = run.samples_planned(decision.batch_size) / chosen[0].samples_per_s
+    return Finding(
+        "AutoBatchSize",
+        "precision and strategy",
+        Severity.INFO,
+        f"cudnn.benchmark off: the run's steps take about {seconds:.2g} s",
+        f"Its autotuning costs about a second per new input shape (measured on an H200, with steps no"
+        f" faster after it): a run of under {AUTOTUNE_MIN_RUN_S:g} s of steps does not repay it.",
+        "preset(..., cudnn_benchmark=True) keeps it on.",
+        data={"cudnn_benchmark": False, "run_seconds": seconds},
+    )
 
 
 def _measures_eval_sizes(device: torch.device) -> bool:

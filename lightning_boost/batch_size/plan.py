@@ -21,6 +21,12 @@ MIN_RUN_STEPS = 100
 #: No batch size leaves an epoch fewer batches than this: a few huge steps per epoch train a
 #: worse model for the same samples (and leave schedulers, logging and validation too few steps).
 MIN_STEPS_PER_EPOCH = 16
+#: cudnn.benchmark (the preset's default on CUDA) is kept for a run whose steps take at least this
+#: long (seconds, from the trial at the chosen size). On an H200 its autotuning cost 0.9-1.6 s per
+#: new training shape and 0.3-0.5 s per new evaluation shape, 7.5 s at the first shape of a
+#: machine's first process, and the autotuned steps were no faster (the demo's ResNet-18 in bf16,
+#: `python -m benchmarks cudnn_autotune`): the 3-5 s a run's few shapes cost is 5 % of 100 s.
+AUTOTUNE_MIN_RUN_S = 100.0
 
 
 @dataclass(frozen=True)
@@ -86,6 +92,18 @@ class RunPlan:
         """Samples the run trains on each rank at `size` (``inf`` when unknown)."""
         steps = self.optimizer_steps(size)
         return math.inf if steps is None else float(steps * self.accumulate * size)
+
+    def repays_autotuning(self, size: int, samples_per_s: float) -> bool:
+        """Whether the run's steps at `size`, at its trial's `samples_per_s` per rank, take
+        `AUTOTUNE_MIN_RUN_S` or longer (a run of unknown length does).
+
+        Example:
+            >>> RunPlan(16384, max_epochs=2).repays_autotuning(256, 20_000.0)  # the demo: 1.6 s
+            False
+            >>> RunPlan(1_281_167, max_epochs=90).repays_autotuning(256, 3_000.0)  # ImageNet: 11 h
+            True
+        """
+        return samples_per_s <= 0 or self.samples_planned(size) / samples_per_s >= AUTOTUNE_MIN_RUN_S
 
     def ends_by_steps(self, size: int) -> bool:
         """Whether `max_steps` ends the run at `size` before its epochs would (or without them)."""

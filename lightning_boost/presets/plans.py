@@ -120,6 +120,8 @@ class PresetPlan:
         options: keyword arguments for the strategy (``comm_hook`` is a name, resolved later).
         tf32: allow TF32 matmuls while the strategy is set up.
         cudnn_benchmark: let cuDNN pick the fastest kernels while the strategy is set up.
+        cudnn_benchmark_by_hand: the user passed `cudnn_benchmark`; otherwise it is the preset's
+            default, which `AutoBatchSize` turns off for a run too short to repay its autotuning.
         findings: what was chosen and why.
         measure_autocast: a CPU's ``"bf16-mixed"`` chosen by the preset: a copy of the model times
             bf16 autocast against fp32 before training, and the faster is kept (`presets.autocast`).
@@ -133,6 +135,7 @@ class PresetPlan:
     options: Mapping[str, Any] = field(default_factory=dict)
     tf32: bool = False
     cudnn_benchmark: bool = False
+    cudnn_benchmark_by_hand: bool = False
     findings: tuple[Finding, ...] = ()
     measure_autocast: bool = False
 
@@ -210,6 +213,7 @@ def plan_preset(name: str, hw: HardwareInfo, model: object = None, **overrides: 
     options = {"single": _single_options, "ddp": _ddp_options, "fsdp": _fsdp_options}[kind](
         resolved, hw, params
     )
+    benchmark_by_hand = "cudnn_benchmark" in overrides
     speed = {"tf32": hw.supports_tf32, "cudnn_benchmark": hw.is_cuda}
     for key in ("tf32", "cudnn_benchmark"):
         speed[key] = bool(overrides.pop(key, speed[key]))
@@ -226,6 +230,7 @@ def plan_preset(name: str, hw: HardwareInfo, model: object = None, **overrides: 
         options,
         findings=tuple(why),
         measure_autocast=measure,
+        cudnn_benchmark_by_hand=benchmark_by_hand,
         **speed,
     )
 
@@ -341,7 +346,8 @@ def _speed_finding(tf32: bool, benchmark: bool) -> Finding:
         Severity.INFO,
         " and ".join(flags) + " on while training",
         "set when the strategy sets up and put back at teardown; cudnn.benchmark stays off under"
-        " Trainer(deterministic=True); pass cudnn_benchmark=False when input shapes vary",
+        " Trainer(deterministic=True) and, with AutoBatchSize, for a run too short to repay its"
+        " autotuning; pass cudnn_benchmark=False when input shapes vary",
         tf32=tf32,
         cudnn_benchmark=benchmark,
     )
