@@ -474,7 +474,27 @@ def side_by_side(plain: DemoRun, boosted: DemoRun) -> list[tuple[str, str, str]]
                 _seconds(boosted.seconds_to(target)),
             )
         )
+    if target is not None and boosted.final_accuracy is not None:
+        rows.append(("final accuracy, boosted - plain", "", difference(target, boosted.final_accuracy)))
     return rows
+
+
+def difference(plain: float, boosted: float, images: int = VAL_SAMPLES) -> str:
+    """Boosted minus plain final accuracy in points, beside what `images` validation images tell
+    apart: the 95 % margin of a difference of two accuracies, each a binomial proportion. On the
+    H200 at 99.7 % and 99.3 % it is 0.6 points: 3 and 7 of 1,024 images missed.
+
+    Example:
+        >>> difference(0.997, 0.993)
+        '-0.4 points (within ±0.6 at 95 % over 1,024 images)'
+        >>> difference(0.90, 0.80)
+        '-10.0 points (beyond ±3.1 at 95 % over 1,024 images)'
+    """
+    margin = 1.96 * math.sqrt((plain * (1 - plain) + boosted * (1 - boosted)) / images)
+    where = "within" if abs(boosted - plain) <= margin else "beyond"
+    return (
+        f"{(boosted - plain) * 100:+.1f} points ({where} ±{margin * 100:.1f} at 95 % over {images:,} images)"
+    )
 
 
 def _accuracy(value: float | None) -> str:

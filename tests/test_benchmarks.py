@@ -99,8 +99,9 @@ def test_noise_scale_benchmark_runs_at_tiny_size() -> None:
 def test_batch_quality_benchmark_runs_at_tiny_size() -> None:
     from benchmarks import batch_quality
 
-    linear, half = batch_quality.run(samples=256, epochs=1, sizes=(128,))
+    linear, half = batch_quality.run(samples=256, epochs=1, sizes=(128,), seeds=(0, 1))
     assert linear.ratio > 0 and half.ratio > 0 and linear.command == batch_quality.COMMAND
+    assert "seeds 0, 1" in linear.detail and linear.detail.count("(") >= 3  # each seed beside the mean
     assert "batch 128 at lr 0.1:" in linear.detail and "batch 128 at lr 0.05:" in half.detail
 
 

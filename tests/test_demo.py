@@ -47,6 +47,8 @@ def test_demo_trains_plain_then_boosted_and_writes_the_report(tmp_path: Path) ->
     )
     (reach,) = [what for what in rows if what.startswith("time to plain's final accuracy")]
     assert rows[reach][0].endswith(" s")  # the plain fit reaches its own final accuracy
+    points = (boosted.final_accuracy - plain.final_accuracy) * 100
+    assert rows["final accuracy, boosted - plain"][1].startswith(f"{points:+.1f} points (")
     assert len(plain.curve) == len(boosted.curve) == 4  # four validations an epoch
     assert set(rows) >= {
         "precision",

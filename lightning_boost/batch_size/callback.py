@@ -833,9 +833,10 @@ def _reads_cross_products(device: torch.device, parameter_bytes: int, budget_byt
 @contextlib.contextmanager
 def _without_autotuning() -> Iterator[None]:
     """The trials run with cudnn.benchmark off, as it was before. Autotuning each trial's new
-    shape cost 0.9-1.6 s on an H200 (7.5 s in a machine's first process) where a step took 7-11 ms
-    (`AUTOTUNE_MIN_RUN_S`): the H200 demo's search stopped at 64 because its first trial, 1.9 s,
-    said the next would cost more than it could save. Off, a new shape cost 0.06-0.1 s."""
+    shape cost 0.9-1.7 s on an H200 (7.3-7.5 s in a machine's first processes) where a step took
+    7-11 ms (`AUTOTUNE_MIN_RUN_S`): the H200 demo's search stopped at 64 because its first trial,
+    1.9 s, said the next would cost more than it could save. Off, a new shape cost 0.06-0.1 s, and
+    the same search measured 64, 128 and 256 in 1.2 s."""
     saved = torch.backends.cudnn.benchmark
     torch.backends.cudnn.benchmark = False
     try:
@@ -871,8 +872,8 @@ def _short_run_autotuning(trainer: L.Trainer, decision: BatchSizeDecision) -> Fi
         "precision and strategy",
         Severity.INFO,
         f"cudnn.benchmark off: the run's steps take about {seconds:.2g} s",
-        f"Its autotuning costs about a second per new input shape (measured on an H200, with steps no"
-        f" faster after it): a run of under {AUTOTUNE_MIN_RUN_S:g} s of steps does not repay it.",
+        f"Its autotuning costs about a second per new input shape (measured on an H200, for steps at"
+        f" most 14 % faster after it): a run of under {AUTOTUNE_MIN_RUN_S:g} s of steps does not repay it.",
         "preset(..., cudnn_benchmark=True) keeps it on.",
         data={"cudnn_benchmark": False, "run_seconds": seconds},
     )
