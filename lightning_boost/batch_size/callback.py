@@ -833,7 +833,7 @@ def _reads_cross_products(device: torch.device, parameter_bytes: int, budget_byt
 @contextlib.contextmanager
 def _without_autotuning() -> Iterator[None]:
     """The trials run with cudnn.benchmark off, as it was before. Autotuning each trial's new
-    shape cost 0.9-1.7 s on an H200 (7.3-7.5 s in a machine's first processes) where a step took
+    shape cost 0.9-1.7 s on an H200 (7.3-7.5 s at a machine's first autotuned shape) where a step took
     7-11 ms (`AUTOTUNE_MIN_RUN_S`): the H200 demo's search stopped at 64 because its first trial,
     1.9 s, said the next would cost more than it could save. Off, a new shape cost 0.06-0.1 s, and
     the same search measured 64, 128 and 256 in 1.2 s."""

@@ -23,10 +23,10 @@ MIN_RUN_STEPS = 100
 MIN_STEPS_PER_EPOCH = 16
 #: cudnn.benchmark (the preset's default on CUDA) is kept for a run whose steps take at least this
 #: long (seconds, from the trial at the chosen size). On an H200 its autotuning cost 0.9-1.7 s per
-#: new training shape and 0.3-0.5 s per new evaluation shape, 7.3-7.5 s at the first shape of a
-#: machine's first processes; the autotuned steps at 256 ran from 10 % slower to 14 % faster in
-#: three pairs of processes (the demo's ResNet-18 in bf16, `python -m benchmarks cudnn_autotune`).
-#: The 3-5 s a run's few shapes cost is 5 % of 100 s, what a gain of that size returns.
+#: new training shape and 0.3-0.5 s per new evaluation shape, 7.3-7.5 s at the first shape a
+#: machine autotunes (even after runs without it); the autotuned steps at 256 ran from 10 % slower
+#: to 14 % faster in three pairs of processes (the demo's ResNet-18 in bf16, `python -m benchmarks
+#: cudnn_autotune`). The 3-5 s a run's few shapes cost is 5 % of 100 s, what a gain that size returns.
 AUTOTUNE_MIN_RUN_S = 100.0
 
 
