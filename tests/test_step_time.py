@@ -253,6 +253,46 @@ def test_compute_bound_run_and_validation_time_is_not_data_wait(tmp_path: Path) 
     assert finding.data["steps"] < 48 - monitor.warmup_steps  # steps after validation left out
 
 
+class SlowSaves(TimedModel):
+    """Each checkpoint's state takes `save_seconds` to gather (a large model's copy to the host)."""
+
+    def __init__(self, save_seconds: float) -> None:
+        super().__init__(0.02, val_seconds=0.05)
+        self.save_seconds = save_seconds
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        time.sleep(self.save_seconds)
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_the_finding_says_where_the_fits_wall_time_went(tmp_path: Path, checkpointing: bool) -> None:
+    """Real fits, real sleeps: 2 x 0.05 s of validation per run, 0.3 s a checkpoint save (after
+    each validation run, where Lightning's ModelCheckpoint saves), 0.02 s a step."""
+    monitor = StepTimeMonitor()
+    trainer = tiny_trainer(
+        tmp_path,
+        callbacks=[monitor],
+        limit_train_batches=8,
+        val_check_interval=4,
+        logger=False,
+        enable_checkpointing=checkpointing,
+    )
+    started = time.perf_counter()
+    trainer.fit(SlowSaves(0.3), train_dataloaders=DataLoader(RandomDataset(length=64), batch_size=8),
+                val_dataloaders=DataLoader(RandomDataset(length=16), batch_size=8))  # fmt: skip
+    outside = time.perf_counter() - started
+    (finding,) = monitor.findings
+    part = finding.data["fit_time"]
+    assert part["validations"] == 2 and 0 < part["total"] <= outside
+    parts = sum(v for k, v in part.items() if k not in ("total", "validations"))
+    assert part["total"] == pytest.approx(parts, abs=1e-3)  # each rounded to 0.1 ms
+    assert part["steps"] >= 8 * 0.02 and part["validation"] >= 2 * 2 * 0.05
+    assert (part["after validation"] >= 2 * 0.3) == checkpointing  # the saves land there, and only there
+    assert part["before the first step"] >= 0 and part["other"] >= 0
+    assert ("validation runs" in finding.detail) and (("checkpoint saves" in finding.detail) == checkpointing)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated, Any
 
 import lightning as L
@@ -18,6 +19,7 @@ from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.report import Finding, Severity, plot_data
 from lightning_boost.step_time.timing import (
     CudaClock,
+    FitTime,
     HostClock,
     StepTimes,
     host_bound_fixes,
@@ -50,7 +52,8 @@ class StepTimeMonitor(BoostCallback):
     when the steps take `HOST_BOUND` times the model's own step or more (`AutoBatchSize`'s trial at
     the trained size: forward, backward and optimizer step without Lightning's loop around them),
     with what to try; otherwise the fraction for the record. The fraction over steps is plotted in
-    the report.
+    the report. Each finding also splits the fit's wall time (`FitTime`): before the first step, in
+    steps, in validation runs, after them (where `ModelCheckpoint` saves) and between steps.
 
     Logged to every logger on the batches Lightning logs (``log_every_n_steps``), at its step, over
     the steps timed since the last log, without a device sync (on CUDA the window lags a few steps):
@@ -85,6 +88,12 @@ class StepTimeMonitor(BoostCallback):
         self._set_state_key(threshold=self.threshold, warmup_steps=warmup_steps)
         self._clock: HostClock | CudaClock | None = None
         self._on_gpu = False
+        self._fit: FitTime | None = None
+
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        self._fit = FitTime(start=time.perf_counter()) if stage == "fit" else None
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -103,11 +112,15 @@ class StepTimeMonitor(BoostCallback):
     ) -> None:
         if self._clock is not None:
             self._clock.batch_start()
+        if self._fit is not None:
+            self._fit.batch_start(time.perf_counter())
 
     @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        if self._fit is not None:
+            self._fit.batch_end(time.perf_counter())
         if self._clock is None:
             return
         for wait_s, step_s in self._clock.batch_end():
@@ -120,6 +133,13 @@ class StepTimeMonitor(BoostCallback):
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._clock is not None and not trainer.sanity_checking:
             self._clock.skip()
+        if self._fit is not None and not trainer.sanity_checking:
+            self._fit.validation_start(time.perf_counter())
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._fit is not None and not trainer.sanity_checking:
+            self._fit.validation_end(time.perf_counter())
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -129,7 +149,7 @@ class StepTimeMonitor(BoostCallback):
             self.times.add(wait_s, step_s)
         self._clock = None
         self._log(trainer, trainer.global_step)
-        self.findings = [self._finding(trainer, pl_module)]
+        self.findings = [self._finding(trainer, pl_module, time.perf_counter())]
 
     def _log(self, trainer: L.Trainer, step: int) -> None:
         window = self.times.take_window()
@@ -143,7 +163,7 @@ class StepTimeMonitor(BoostCallback):
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
 
-    def _finding(self, trainer: L.Trainer, pl_module: L.LightningModule) -> Finding:
+    def _finding(self, trainer: L.Trainer, pl_module: L.LightningModule, end: float) -> Finding:
         times = self.times
         fraction = times.fraction
         history = times.history
@@ -166,6 +186,9 @@ class StepTimeMonitor(BoostCallback):
         share = f"{fraction:.0%} of step time waiting for data"
         detail = f"{times.wait_s:.1f} s waiting, {times.step_s:.1f} s computing over {times.counted} steps"
         detail += f" (the first {self.warmup_steps} left out)."
+        if self._fit is not None:  # the fit's wall time, for where the rest went
+            detail += " " + self._fit.text(end, checkpoints=trainer.checkpoint_callback is not None)
+            data["fit_time"] = self._fit.shares(end) | {"validations": self._fit.validations}
         if times.counted == 0:
             return Finding(
                 type(self).__name__,

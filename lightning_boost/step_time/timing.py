@@ -225,6 +225,94 @@ def _sample_work_fixes(on_gpu: bool) -> list[str]:
 Sample = tuple[float, float]
 
 
+@dataclass
+class FitTime:
+    """Where a fit's wall time went, on the host clock, from its start (`start`) to the end of
+    training: before the first training step (tuning, the sanity check, the workers' start), in
+    the steps, in the validation runs, after each validation run until training goes on (where
+    Lightning's `ModelCheckpoint` saves), and the rest (between steps: the loader, the loop; epoch
+    ends). Feed it the events in order; `shares` gives the seconds.
+
+    Example:
+        >>> fit = FitTime(start=0.0)
+        >>> fit.batch_start(2.0); fit.batch_end(3.0); fit.validation_start(3.5); fit.validation_end(4.5)
+        >>> fit.batch_start(5.5); fit.batch_end(6.5)
+        >>> part = fit.shares(7.0)
+        >>> part["before the first step"], part["steps"], part["validation"], part["after validation"]
+        (2.0, 2.0, 1.0, 1.0)
+        >>> part["other"], part["total"]  # 3 to 3.5 and 6.5 to 7
+        (1.0, 7.0)
+    """
+
+    start: float
+    first_step: float | None = None
+    steps_s: float = 0.0
+    validation_s: float = 0.0
+    validations: int = 0
+    after_validation_s: float = 0.0
+    _step_start: float = 0.0
+    _validation_end: float | None = None
+    _validation_start: float = 0.0
+
+    def batch_start(self, now: float) -> None:
+        if self.first_step is None:
+            self.first_step = now
+        self._close_after_validation(now)
+        self._step_start = now
+
+    def batch_end(self, now: float) -> None:
+        self.steps_s += now - self._step_start
+
+    def validation_start(self, now: float) -> None:
+        self._close_after_validation(now)
+        self._validation_start = now
+
+    def validation_end(self, now: float) -> None:
+        self.validation_s += now - self._validation_start
+        self.validations += 1
+        self._validation_end = now
+
+    def shares(self, end: float) -> dict[str, float]:
+        """Seconds per part at `end` (the end of training); ``total`` is their sum."""
+        after = self.after_validation_s + (end - self._validation_end if self._validation_end else 0.0)
+        before = (self.first_step if self.first_step is not None else end) - self.start
+        parts = {
+            "total": end - self.start,
+            "before the first step": before,
+            "steps": self.steps_s,
+            "validation": self.validation_s,
+            "after validation": after,
+        }
+        parts["other"] = parts["total"] - sum(v for k, v in parts.items() if k != "total")
+        return {key: round(value, 4) for key, value in parts.items()}
+
+    def text(self, end: float, checkpoints: bool) -> str:
+        """One sentence of `shares`: after a validation run come `ModelCheckpoint`'s saves (when
+        `checkpoints`) and, after an epoch's last, the epoch's end and the loader's restart.
+
+        Example:
+            >>> fit = FitTime(0.0, first_step=2.6, steps_s=1.9, validation_s=1.1, validations=8)
+            >>> fit.after_validation_s = 1.0
+            >>> print(fit.text(7.0, checkpoints=True))  # doctest: +NORMALIZE_WHITESPACE
+            Of the fit's 7.0 s to the end of training: 2.6 s before the first step, 1.9 s in steps,
+            1.1 s in 8 validation runs, 1.0 s after them (checkpoint saves, epoch ends), 0.4 s between
+            steps.
+        """
+        part = self.shares(end)
+        saves = " (checkpoint saves, epoch ends)" if checkpoints else " (epoch ends)"
+        return (
+            f"Of the fit's {part['total']:.1f} s to the end of training:"
+            f" {part['before the first step']:.1f} s before the first step,"
+            f" {part['steps']:.1f} s in steps, {part['validation']:.1f} s in {self.validations} validation"
+            f" runs, {part['after validation']:.1f} s after them{saves}, {part['other']:.1f} s between steps."
+        )
+
+    def _close_after_validation(self, now: float) -> None:
+        if self._validation_end is not None:
+            self.after_validation_s += now - self._validation_end
+            self._validation_end = None
+
+
 def _now() -> float:
     return time.perf_counter()
 
