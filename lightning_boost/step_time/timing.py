@@ -274,7 +274,8 @@ class FitTime:
 
     def shares(self, end: float) -> dict[str, float]:
         """Seconds per part at `end` (the end of training); ``total`` is their sum."""
-        after = self.after_validation_s + (end - self._validation_end if self._validation_end else 0.0)
+        last = 0.0 if self._validation_end is None else end - self._validation_end
+        after = self.after_validation_s + last
         before = (self.first_step if self.first_step is not None else end) - self.start
         parts = {
             "total": end - self.start,
