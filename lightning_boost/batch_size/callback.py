@@ -858,15 +858,15 @@ def _short_run_autotuning(trainer: L.Trainer, decision: BatchSizeDecision) -> Fi
         and not plan.cudnn_benchmark_by_hand
     ):
         return None
-    chosen = [t for t in decision.trials if t.size == decision.batch_size and not t.oom]
+    rate = decision.rate_at(decision.batch_size)
     data = _split_data(trainer, "train")
-    if not chosen or data is None:
+    if rate is None or data is None:
         return None
     run = _plan(trainer, data[0], trainer.world_size)
-    if run.repays_autotuning(decision.batch_size, chosen[0].samples_per_s):
+    if run.repays_autotuning(decision.batch_size, rate):
         return None
     torch.backends.cudnn.benchmark = False
-    seconds = run.samples_planned(decision.batch_size) / chosen[0].samples_per_s
+    seconds = run.samples_planned(decision.batch_size) / rate
     return Finding(
         "AutoBatchSize",
         "precision and strategy",

@@ -107,6 +107,19 @@ class BatchSizeDecision:
             "lr_factor": self.lr_factor,
         }
 
+    def rate_at(self, size: int) -> float | None:
+        """Training samples/s per rank the trial at `size` measured; ``None`` when no trial ran
+        there or it ran out of memory.
+
+        Example:
+            >>> trials = (Trial(64, 800.0, 10), Trial(128, 0.0, None, oom=True))
+            >>> decision = BatchSizeDecision(64, trials=trials)
+            >>> decision.rate_at(64), decision.rate_at(128), decision.rate_at(256)
+            (800.0, None, None)
+        """
+        rates = [t.samples_per_s for t in self.trials if t.size == size and not t.oom and t.samples_per_s > 0]
+        return rates[0] if rates else None
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the ``state_dict`` and cache format (trials as dicts)."""
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}

@@ -264,13 +264,13 @@ def _model_step(trainer: L.Trainer) -> tuple[int, float] | None:
     if trainer.world_size > 1 or not isinstance(loader, DataLoader):
         return None
     size = loader_batch_size(loader)
+    if size is None:  # a batch sampler without a batch size: no size a trial ran at
+        return None
     for callback in callbacks_of(trainer):
         decision = callback.decision if isinstance(callback, AutoBatchSize) else None
-        if decision is None or decision.growth:
-            continue
-        for trial in decision.trials:
-            if trial.size == size and not trial.oom and trial.samples_per_s > 0:
-                return size, size / trial.samples_per_s
+        rate = None if decision is None or decision.growth else decision.rate_at(size)
+        if rate is not None:
+            return size, size / rate
     return None
 
 
