@@ -70,14 +70,14 @@ def eval_batch_size(
     trials = [best]
     if not best.fits(budget_bytes):
         return EvalSize(start, tuple(trials), "the training size's evaluation step does not fit")
+    samples, workers = spread or (0, 0)
+    per_worker = -(-samples // workers) if workers > 0 else None  # samples a worker loads per pass
     size = start
     while True:
         if size * 2 > start * MAX_FACTOR:
             return EvalSize(best.size, tuple(trials), f"{MAX_FACTOR}x the training size")
         if limit is not None and size >= limit:
             return EvalSize(best.size, tuple(trials), f"the evaluation set's {limit} samples")
-        samples, workers = spread or (0, 0)
-        per_worker = -(-samples // workers) if workers > 0 else None
         if per_worker is not None and size * 2 > per_worker:
             why = f"a pass of {samples} samples would leave some of the loader's {workers} workers no batch"
             return EvalSize(best.size, tuple(trials), f"past {per_worker} {why}")
