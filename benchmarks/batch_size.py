@@ -149,8 +149,8 @@ def run(
     budget = int(budget_gib * GIB)
     best = max((s for s in sizes if peaks[s] <= budget), key=lambda s: rates[s])
 
-    # throughput and memory alone, as the sweep judges them (by default SGD's learning rates would
-    # stop the search at x4 the configured 32: `lr_capped`)
+    # throughput and memory alone, as the sweep judges them (by default the learning rates would
+    # stop the search at 4x the configured 32: `lr_capped`)
     auto = AutoBatchSize(memory_budget_gib=budget_gib, lr_scaling=None)
     L.seed_everything(0, verbose=False)
     tuned = _trainer([auto, StopAtFirstStep()], None, epochs=10)  # `limit_train_batches` would keep 32

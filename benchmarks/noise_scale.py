@@ -27,7 +27,7 @@ The fourth row is what that first trial reads where issue 32's criterion 6 measu
 `AutoBatchSize` on a GPU: `gpu_batch_size`'s ResNet-50 at 224 px with AdamW on its random images
 and labels, at its configured 32 (run here on the CPU, in fp32: the statistics are the model's
 and the data's; a device changes their speed, and bf16 their rounding), with the sizes the 80 %
-efficiency floor and the square-root rule's x4 learning-rate limit leave to the search. Run:
+efficiency floor and the square-root rule's learning-rate limit (`LR_FACTOR_WARN`) leave to the search. Run:
 ``python -m benchmarks noise_scale``.
 """
 
@@ -45,7 +45,7 @@ from torch.utils.data import Dataset
 
 from benchmarks.common import Row
 from benchmarks.gpu_batch_size import Classifier, RandomImages
-from lightning_boost.batch_size.goodput import efficiency
+from lightning_boost.batch_size.goodput import LR_FACTOR_WARN, efficiency
 from lightning_boost.batch_size.search import Limits, lr_capped, noise_of
 from lightning_boost.demo import ValidatedResNet18, demo_dataset
 from lightning_boost.step_probe import StepProbe, sample_batches
@@ -141,9 +141,9 @@ def _gpu_benchmark_row(gradients: int, arch: str, image: int, size: int = 32, fl
         len(allowed) / len(doublings),
         f"{arch} at {image} px, AdamW, its random images and labels, initial weights, batch {size},"
         f" {gradients} independent batches' gradients (run here on the CPU, fp32): cautious noise scale"
-        f" {'unresolved' if value is None else f'{value:,.0f}'} ({products}); the square-root rule's x4"
-        f" limit is {limit}, {at_limit} efficient against {size}; doublings at or over the {floor:.0%} floor:"
-        f" {_values([float(b) for b in allowed])}",
+        f" {'unresolved' if value is None else f'{value:,.0f}'} ({products}); the square-root rule's"
+        f" x{LR_FACTOR_WARN:g} limit is {limit}, {at_limit} efficient against {size}; doublings at or over"
+        f" the {floor:.0%} floor: {_values([float(b) for b in allowed])}",
         COMMAND,
     )
 

@@ -112,21 +112,27 @@ def test_oom_above_a_size_is_caught_and_the_choice_fits(tmp_path: Path, cpu: boo
 
 
 def test_no_size_is_chosen_whose_learning_rates_the_rule_fails_at(tmp_path: Path) -> None:
-    """From the configured 8 under SGD's linear rule, 32 is x4 the learning rates: the search
-    stops there and says why (without the limit it measured up to 256 here: x32). A global batch
-    the user asks for is theirs: its factor past x4 is a warning with the fix."""
+    """From the configured 8 under the square-root rule (``"auto"``, SGD's too), 32 is x2 the
+    learning rates: the search stops there and says why (without the limit it measured up to 256
+    here). A global batch the user asks for is theirs: its factor past x2 is a warning whose fix
+    names the largest batch within it; so is SGD's linear rule asked for by name."""
     callback = AutoBatchSize(**FAST)
     fit(tmp_path / "capped", callback)
     decision = callback.decision
-    assert decision is not None and decision.lr_scaling == "linear"
-    assert max(t.size for t in decision.trials) == decision.batch_size == 32 and decision.lr_factor == 4.0
-    assert "learning rates past x4 under the linear rule" in decision.stopped
+    assert decision is not None and decision.lr_scaling == "sqrt"
+    assert max(t.size for t in decision.trials) == decision.batch_size == 32 and decision.lr_factor == 2.0
+    assert "learning rates past x2 under the sqrt rule" in decision.stopped
     assert [f.severity for f in callback.findings] == ["info"]
     asked = AutoBatchSize(**FAST, target_global_batch_size=96)
     fit(tmp_path / "asked", asked)
-    assert asked.decision is not None and asked.decision.lr_factor == 12.0
+    assert asked.decision is not None and asked.decision.lr_factor == pytest.approx(12**0.5)
     (lr_warning,) = [f for f in asked.findings if f.severity == "warn"]
-    assert "x12 for batch 96" in lr_warning.title and "max_batch_size=32" in lr_warning.fix
+    assert "x3.46 for batch 96" in lr_warning.title and "target_global_batch_size=32" in lr_warning.fix
+    linear = AutoBatchSize(**FAST, lr_scaling="linear")
+    fit(tmp_path / "linear", linear)
+    assert (
+        linear.decision is not None and linear.decision.batch_size == 16 and linear.decision.lr_factor == 2.0
+    )
 
 
 def test_on_an_accelerator_the_first_trial_reads_the_noise_scale_from_independent_batches(

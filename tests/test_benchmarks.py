@@ -93,16 +93,17 @@ def test_noise_scale_benchmark_runs_at_tiny_size() -> None:
     assert crossed.ratio in (0.0, 0.5, 1.0) and "4 gradients per size" in crossed.detail
     assert "8: |E g|^2" in crossed.detail and "16: |E g|^2" in crossed.detail
     assert accelerator.ratio in (0.0, 1.0) and "reading 4 independent batches'" in accelerator.detail
-    assert 0 <= gpu.ratio <= 1 and "resnet18 at 32 px" in gpu.detail and "x4 limit is 512" in gpu.detail
+    assert 0 <= gpu.ratio <= 1 and "resnet18 at 32 px" in gpu.detail and "x2 limit is 128" in gpu.detail
 
 
 def test_batch_quality_benchmark_runs_at_tiny_size() -> None:
     from benchmarks import batch_quality
 
-    linear, half = batch_quality.run(samples=256, epochs=1, sizes=(128,), seeds=(0, 1))
-    assert linear.ratio > 0 and half.ratio > 0 and linear.command == batch_quality.COMMAND
+    linear, root = batch_quality.run(samples=256, epochs=1, sizes=(128,), seeds=(0, 1))
+    assert linear.ratio > 0 and root.ratio > 0 and linear.command == batch_quality.COMMAND
     assert "seeds 0, 1" in linear.detail and linear.detail.count("(") >= 3  # each seed beside the mean
-    assert "batch 128 at lr 0.1:" in linear.detail and "batch 128 at lr 0.05:" in half.detail
+    assert "batch 128 at lr 0.1:" in linear.detail and "batch 128 at lr 0.0707107:" in root.detail
+    assert "square-root lr (x1.41421)" in root.benchmark
 
 
 def test_batch_size_benchmark_runs_at_tiny_size() -> None:

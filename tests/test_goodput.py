@@ -202,8 +202,8 @@ def test_the_h100_demo_trains_at_256_at_the_noise_scales_its_first_trial_reads(n
     own squared norms as BatchNorm leaves them (the gradient hidden at every size, as the halves
     read the demo at 57f5dc5, when it kept 64) and the first trial's cross products at the least
     and the most cautious noise scale they read in `noise_scale`'s 12 draws (third row), under the
-    demo's limits (SGD's linear rule, whose x4 limit is 256, the demo's `max_batch_size` too; the
-    80 % floor; 16,384 images x 2 epochs): 256 at x4. Without the cross products the same
+    demo's limits (the square-root rule, whose x2 limit is 256, the demo's `max_batch_size` too;
+    the 80 % floor; 16,384 images x 2 epochs): 256 at x2. Without the cross products the same
     throughputs keep 64."""
     demo = json.loads(H100.read_text())["demo_workload"]["make_demo_default_8192x2"]
     rates = {int(size): float(rate) for size, rate in demo["batch_size_trials_samples_per_s"].items()}
@@ -217,13 +217,13 @@ def test_the_h100_demo_trains_at_256_at_the_noise_scales_its_first_trial_reads(n
         return dataclasses.replace(trial, **crossed) if cross else trial
 
     limits = lr_capped(
-        Limits(4096, 80 * GIB, reference=64, min_efficiency=0.8, planned_samples=32_768), "linear"
+        Limits(4096, 80 * GIB, reference=64, min_efficiency=0.8, planned_samples=32_768), "sqrt"
     )
-    decision = decide(measure, None, 64, 64, limits, "linear")
+    decision = decide(measure, None, 64, 64, limits, "sqrt")
     assert [t.size for t in decision.trials] == [64, 128, 256] and limits.max_size == 256
-    assert decision.batch_size == 256 and decision.lr_factor == 4.0
+    assert decision.batch_size == 256 and decision.lr_factor == 2.0
     assert decision.noise_scale == pytest.approx(noise) and decision.efficiency >= 0.8
-    hidden = decide(lambda size: measure(size, cross=False), None, 64, 64, limits, "linear")
+    hidden = decide(lambda size: measure(size, cross=False), None, 64, 64, limits, "sqrt")
     assert hidden.batch_size == 64 and "at least 128" in hidden.stopped
 
 

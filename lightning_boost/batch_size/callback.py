@@ -149,10 +149,11 @@ class AutoBatchSize(BoostCallback):
         target_global_batch_size: sets ``accumulate_grad_batches`` so that batch x accumulation x
             world size comes closest to it (and bounds the batch size by it).
         lr_scaling: scale the optimizers' learning rates (and schedulers' base rates) by the change
-            of the effective batch size from `reference_batch_size`: ``"auto"`` by the optimizers'
-            rule (linear for SGD, square root for Adam and other adaptive ones), or ``"linear"``,
-            ``"sqrt"``; ``None`` keeps them. A raised rate is warmed up; the search chooses no
-            size past x4 the rates (`lr_capped`), and a target past it is a warning.
+            of the effective batch size from `reference_batch_size`: ``"auto"`` by its square
+            root for every optimizer (SGD's linear rule ended worse on the demo's short runs:
+            `LR_FACTOR_WARN`), or ``"linear"``, ``"sqrt"``; ``None`` keeps them. A raised rate is
+            warmed up; the search chooses no size past x2 the rates (`lr_capped`: 4x the batch
+            under the square root), and a target past it is a warning.
         reference_batch_size: the effective batch the learning rates were set for (default: the
             batch size configured, times ``accumulate_grad_batches``, times world size).
         min_efficiency: the least statistical efficiency (progress per sample against the
@@ -471,7 +472,7 @@ class AutoBatchSize(BoostCallback):
         val_data = _split_data(trainer, "val") if validates else None
         train_data = (remembered(train_data[0]), train_data[1])  # each trial loads only what is new
         val_data = None if val_data is None else (remembered(val_data[0]), val_data[1])
-        rule = lr_rule([type(o).__name__ for o in trainer.optimizers], self.lr_scaling)
+        rule = lr_rule(self.lr_scaling)
         limits = lr_capped(limits, rule, configured)  # no size the rule's learning rates fail at
         start = self.init_batch_size or configured
         parameter_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())

@@ -22,6 +22,7 @@ from lightning_boost.batch_size.search import (
     choose,
     fitting_validation,
     goodput,
+    largest_effective,
     lr_factor,
     noise_of,
     search,
@@ -336,8 +337,9 @@ def _size_finding(decision: BatchSizeDecision, tolerance: float) -> Finding:
 
 
 def _lr_findings(decision: BatchSizeDecision) -> list[Finding]:
-    if decision.lr_factor <= LR_FACTOR_WARN:
+    if decision.lr_factor <= LR_FACTOR_WARN or decision.lr_scaling is None:
         return []
+    largest = largest_effective(decision.reference_batch_size, decision.lr_scaling)
     return [
         Finding(
             "AutoBatchSize",
@@ -350,8 +352,9 @@ def _lr_findings(decision: BatchSizeDecision) -> list[Finding]:
                 " training may diverge or end at a worse model than the configured batch gives."
             ),
             fix=(
-                f"Bound the batch with `AutoBatchSize(max_batch_size={decision.configured_batch_size * 4})`,"
-                " or keep the learning rates with `lr_scaling=None`."
+                f"An effective batch of at most {largest:,} keeps them within x{LR_FACTOR_WARN:g}: ask"
+                f" for it with `target_global_batch_size={largest}`, or keep the learning rates with"
+                " `lr_scaling=None`."
             ),
             data={"lr_factor": decision.lr_factor, "lr_scaling": decision.lr_scaling},
         )

@@ -341,34 +341,46 @@ def accumulation(target_global: int, batch_size: int, world_size: int) -> int:
 
 
 def lr_capped(limits: Limits, rule: str | None, configured: int = 1) -> Limits:
-    """`limits` whose largest size keeps the learning rates within `LR_FACTOR_WARN` (x4) of the
+    """`limits` whose largest size keeps the learning rates within `LR_FACTOR_WARN` (x2) of the
     reference batch's under `rule`, where the search picks the size itself: past it the rule is
-    known to fail (`python -m benchmarks batch_quality`: the demo's ResNet-18 at batch 512 and
-    SGD's linear x8 ended at 0.76x batch 64's accuracy, at x4 at 0.99x; batch 256 at x4 at 1.00x),
-    so a faster step there would buy a worse model. A `target` global batch is the user's request
-    (its factor stays a warning); without a rule nothing is scaled, so nothing is capped. Never
-    below the `configured` size: the user's own (past x4 of a `reference_batch_size` it is a warning).
+    known to fail (the demo's ResNet-18 over 10 seeds on an H200, `LR_FACTOR_WARN`: batch 256 at
+    x4 and 512 at x2.83 ended worse than batch 64, 256 at x2 did not), so a faster step there would
+    buy a worse model. A `target` global batch is the user's request (its factor stays a warning);
+    without a rule nothing is scaled, so nothing is capped. Never below the `configured` size: the
+    user's own (past x2 of a `reference_batch_size` it is a warning).
 
     Example:
-        >>> lr_capped(Limits(2**31, 100, reference=64), "linear").max_size
+        >>> lr_capped(Limits(2**31, 100, reference=64), "sqrt").max_size
         256
-        >>> lr_capped(Limits(2**31, 100, reference=64, world=2), "sqrt").max_size  # x16 the batch: x4
-        512
-        >>> lr_capped(Limits(128, 100, reference=64), "linear").max_size  # a lower limit stays
+        >>> lr_capped(Limits(2**31, 100, reference=64, world=2), "sqrt").max_size  # x4 in all: x2
         128
-        >>> lr_capped(Limits(2**31, 100, reference=64, target=2048), "linear").max_size
+        >>> lr_capped(Limits(2**31, 100, reference=64), "linear").max_size
+        128
+        >>> lr_capped(Limits(128, 100, reference=64), "sqrt").max_size  # a lower limit stays
+        128
+        >>> lr_capped(Limits(2**31, 100, reference=64, target=2048), "sqrt").max_size
         2147483648
-        >>> lr_capped(Limits(2**31, 100, reference=16), "linear", configured=128).max_size
+        >>> lr_capped(Limits(2**31, 100, reference=16), "sqrt", configured=128).max_size
         128
     """
     if rule is None or limits.reference is None or limits.target is not None:
         return limits
-    ratio = {"linear": LR_FACTOR_WARN, "sqrt": LR_FACTOR_WARN**2}[rule]  # LR_RULES inverted at the limit
-    largest = max(configured, int(limits.reference * ratio) // (limits.accumulate * limits.world))
+    largest = max(configured, largest_effective(limits.reference, rule) // (limits.accumulate * limits.world))
     if largest >= limits.max_size:
         return limits
     why = f"larger sizes would need learning rates past x{LR_FACTOR_WARN:g} under the {rule} rule"
     return dataclasses.replace(limits, max_size=largest, max_reason=why)
+
+
+def largest_effective(reference: int, rule: str) -> int:
+    """The largest effective batch whose learning rates stay within `LR_FACTOR_WARN` of the
+    `reference` batch's under `rule` (`LR_RULES` inverted at the limit).
+
+    Example:
+        >>> largest_effective(64, "sqrt"), largest_effective(64, "linear")
+        (256, 128)
+    """
+    return int(reference * {"linear": LR_FACTOR_WARN, "sqrt": LR_FACTOR_WARN**2}[rule])
 
 
 def lr_factor(rule: str | None, effective: int, reference: int) -> float:
