@@ -15,7 +15,7 @@ import torch
 import yaml
 from lightning.pytorch.cli import LightningCLI
 from torch import Tensor
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_boost import BoostedDataModule, BoostWarning, WorkerTuning
@@ -181,6 +181,46 @@ def test_a_gpu_run_holds_the_loader_to_the_steps_own_rate(
     by_hand = _fit(tmp_path, Indexed(batch_size=8, num_workers=choice.num_workers), epochs=2)
     assert model.seen == by_hand.seen  # timing the step on a copy left no trace
     assert torch.equal(model.layer.weight, by_hand.layer.weight)
+
+
+def test_an_evaluation_loader_starts_no_worker_its_pass_cannot_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass hands its batches to the workers in turn from the first, so the validation loader
+    gets at most its batches per pass (1 here) of the training loader's 2 workers, and says so;
+    every validation sample is still read. Workers set by hand are kept. The training search's
+    winner is held to the same cap."""
+    # Simulated: the tuner's choice of 2 workers, as on a many-core machine (this one has 2 CPUs,
+    # where the tuner keeps a run this small in the main process). The loaders and fits are real.
+    from lightning_boost.workers.search import WorkerChoice
+    from lightning_boost.workers.segments import apply_setting
+
+    tuned = Indexed(batch_size=16, val=True)
+    choice = WorkerChoice(num_workers=2, prefetch_factor=2, reason="simulated", source="measured")
+    monkeypatch.setattr(tuned.worker_tuner, "decide", lambda *args: (choice, None))
+    seen: list[int] = []
+
+    class CountsValidation(SeenIndices):
+        @override
+        def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+            seen.extend(batch[1].tolist())
+
+    L.seed_everything(7, verbose=False)
+    trainer = tiny_trainer(tmp_path, max_epochs=1, logger=False, enable_checkpointing=False)
+    trainer.fit(CountsValidation(), datamodule=tuned)
+    train, val = trainer.train_dataloader, trainer.val_dataloaders
+    assert isinstance(train, DataLoader) and isinstance(val, DataLoader)
+    assert (train.num_workers, val.num_workers, val.persistent_workers) == (2, 1, True)
+    assert sorted(seen[-16:]) == list(range(16))  # the last pass read every sample once
+    (capped,) = [f for f in tuned.findings if f.title.startswith("val loader")]
+    assert capped.title == "val loader: num_workers=1, not the training loader's 2"
+    apply_setting(val, WorkerChoice(num_workers=6, prefetch_factor=4, reason="the search's winner"))
+    assert (val.num_workers, val.prefetch_factor) == (1, 4)
+    by_hand = Indexed(batch_size=16, val=True, num_workers=2)
+    tiny_trainer(tmp_path / "by_hand", max_epochs=1, logger=False, enable_checkpointing=False).fit(
+        CountsValidation(), datamodule=by_hand
+    )
+    assert by_hand.val_dataloader().num_workers == 2
 
 
 @pytest.mark.gpu

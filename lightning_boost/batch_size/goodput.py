@@ -27,7 +27,7 @@ from lightning_boost.trials import cautious_grad_sq
 #: The largest learning-rate factor a chosen size may need, and past which a requested one is a
 #: warning: large-batch training is known to diverge or end worse past it without more care than a
 #: rule of thumb gives. Measured on the demo's ResNet-18 (one-cycle SGD, 16,384 images x 2 epochs,
-#: bf16 on an H200, 10 seeds; ``python -m benchmarks batch_quality``): batch 64's mean final
+#: bf16 on an H200, 10 seeds of `batch_quality`'s fits; RESULTS' GPU rows): batch 64's mean final
 #: accuracy 99.53 %; batch 256 at x2 99.45 % (within the seeds' spread), at x4 99.08 % (9 seeds of
 #: 10 below); batch 512 at x2.83 98.98 % (all 10 below). Goyal et al. 2017 reach x32 on ImageNet,
 #: but over 90 epochs with 5 of warm-up, not the few hundred steps a short run has.

@@ -300,11 +300,13 @@ class _Once:
 
 
 def apply_setting(loader: DataLoader[Any], choice: WorkerChoice) -> None:
-    """Give `loader` the chosen worker setting from its next iteration on."""
-    loader.num_workers = choice.num_workers
-    loader.prefetch_factor = choice.prefetch_factor if choice.num_workers else None
+    """Give `loader` the chosen worker setting from its next iteration on, within its
+    ``workers_cap`` (an evaluation loader's batches per pass: `BoostedDataModule`)."""
+    workers = min(choice.num_workers, getattr(loader, "workers_cap", choice.num_workers))
+    loader.num_workers = workers
+    loader.prefetch_factor = choice.prefetch_factor if workers else None
     # DataLoader refuses `persistent_workers` after construction; this loader has no iterator yet
-    object.__setattr__(loader, "persistent_workers", bool(choice.num_workers) and _persists(loader))
+    object.__setattr__(loader, "persistent_workers", bool(workers) and _persists(loader))
     loader._iterator = None
 
 

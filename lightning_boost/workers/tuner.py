@@ -427,10 +427,10 @@ def workload(trainer: L.Trainer | None, split: str, dataset: Dataset[Any], batch
 
 
 def epoch_batches(
-    trainer: L.Trainer | None, dataset: Dataset[Any], batch_size: int, drop_last: bool
+    trainer: L.Trainer | None, dataset: Dataset[Any], batch_size: int, drop_last: bool, split: str = "train"
 ) -> int | None:
-    """Training batches per epoch on each rank (the distributed sampler's share, Lightning's
-    ``limit_train_batches``); ``None`` without a trainer or a dataset length."""
+    """Batches per pass of `split` on each rank (the distributed sampler's share, Lightning's
+    ``limit_<split>_batches``); ``None`` without a trainer or a dataset length."""
     try:
         length = len(dataset)  # type: ignore[arg-type]
     except TypeError:
@@ -439,7 +439,7 @@ def epoch_batches(
         return None
     per_rank = -(-length // max(trainer.world_size, 1))
     batches = per_rank // batch_size if drop_last else -(-per_rank // batch_size)
-    limit = trainer.limit_train_batches
+    limit = getattr(trainer, f"limit_{split}_batches")
     if limit is None:
         return batches
     return int(batches * limit) if isinstance(limit, float) else min(batches, int(limit))
