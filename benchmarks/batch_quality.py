@@ -54,7 +54,7 @@ def run(
             finals = [_final(samples, epochs, size, lr, seed) for seed in seeds]
             rows.append(
                 Row(
-                    f"larger batch, same epochs: batch {size} at {name} (x{lr / BASE_LR:g}) / batch"
+                    f"larger batch, same epochs: batch {size} at {name} (x{lr / BASE_LR:.3g}) / batch"
                     f" {BASE_BATCH}, final accuracy",
                     statistics.mean(finals) / statistics.mean(base),
                     f"{setup}; batch {size} at lr {lr:g}: {_values(finals)}",

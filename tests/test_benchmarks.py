@@ -103,7 +103,7 @@ def test_batch_quality_benchmark_runs_at_tiny_size() -> None:
     assert linear.ratio > 0 and root.ratio > 0 and linear.command == batch_quality.COMMAND
     assert "seeds 0, 1" in linear.detail and linear.detail.count("(") >= 3  # each seed beside the mean
     assert "batch 128 at lr 0.1:" in linear.detail and "batch 128 at lr 0.0707107:" in root.detail
-    assert "square-root lr (x1.41421)" in root.benchmark
+    assert "square-root lr (x1.41)" in root.benchmark
 
 
 def test_batch_size_benchmark_runs_at_tiny_size() -> None:
