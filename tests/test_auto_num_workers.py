@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -126,7 +127,7 @@ def test_state_dict_round_trips_and_resuming_does_not_measure(tmp_path: Path) ->
     )
     again.fit(SeenIndices(), *_loaders(), ckpt_path=checkpoint)
     assert resumed.worker_tuner.choices == callback.worker_tuner.choices  # not measured again
-    restored = [f for f in resumed.findings if f.title.startswith("train loader: num_workers=")]
+    restored = [f for f in resumed.findings if re.match(r"train loader at batch \d+: num_workers=", f.title)]
     assert restored and all(f.detail.startswith("Restored from the checkpoint") for f in restored)
 
 

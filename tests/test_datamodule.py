@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -302,7 +303,9 @@ def test_a_checkpoint_carries_the_choice(tmp_path: Path) -> None:
     again = tiny_trainer(tmp_path, max_epochs=2, logger=False, enable_checkpointing=False)
     again.fit(SeenIndices(), datamodule=resumed, ckpt_path=checkpoint)
     assert resumed.worker_tuner.choices == datamodule.worker_tuner.choices  # the saved one, trials and all
-    (finding,) = [f for f in resumed.findings if f.title.startswith("train loader: num_workers=")]
+    (finding,) = [
+        f for f in resumed.findings if re.match(r"train loader at batch \d+: num_workers=", f.title)
+    ]
     assert (
         finding.detail.startswith("Restored from the checkpoint") and finding.data["source"] == "checkpoint"
     )

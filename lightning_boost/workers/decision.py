@@ -147,8 +147,8 @@ _FIXES = {
 
 def choice_findings(source: str, choice: WorkerChoice, loader: str = "") -> list[Finding]:
     """The choice with its evidence, and one finding per candidate that failed; `loader` names
-    the loader it is for (``"train"``, ``"val"``) in each title."""
-    label = f"{loader} loader: " if loader else ""
+    the loader it is for (``"train loader at batch 256"``) in each title."""
+    label = f"{loader}: " if loader else ""
     label += f"num_workers={choice.num_workers}"
     if choice.num_workers:
         label += f", prefetch_factor={choice.prefetch_factor}"

@@ -105,6 +105,9 @@ class LoaderTuner:
         while that search runs (an evaluation loader) gets the prior and the search, to follow it.
         """
         hardware = hardware_for(trainer)
+        # a loader is decided again at each batch size (Lightning builds the training loader at the
+        # configured one to count the run's steps before `AutoBatchSize` changes it): say which
+        loader = f"{loader} loader at batch {batch_size}" if loader else ""
         # the model's step is part of the decision: on a CPU it shares the CPUs with the workers,
         # on a GPU its rate is what the loader must feed
         module = trainer.lightning_module if trainer is not None else None
