@@ -8,7 +8,11 @@ made per index (nothing held in memory, `workers` DataLoader workers, pinned):
 chosen, its tuning seconds, its training samples/s after the search (steps after a warm-up) and
 its peak allocated memory. The first row's ratio is AutoBatchSize's training samples/s over
 BatchSizeFinder's (target >= 1.0); the second, AutoBatchSize's tuning time over BatchSizeFinder's
-(target <= 0.2). The process's CUDA start-up is paid before both (`_warm_up`), so neither tuner's
+(target <= 0.2); the third, their goodput: samples/s times the statistical efficiency of each size
+against the configured 32 at the gradient noise scale AutoBatchSize measured (what the mission
+ranks sizes by: samples the model learns from per second, not samples per second). It flatters
+BatchSizeFinder, whose size keeps the configured learning rate: the efficiency assumes a rate fit
+for the batch. The process's CUDA start-up is paid before both (`_warm_up`), so neither tuner's
 tuning time holds it. Without a CUDA device it measures nothing and says so (a ResNet-50 at 224 px is
 not a CPU job); the tests run it at a tiny size on the CPU. Run: ``python -m benchmarks gpu_batch_size``.
 """
@@ -29,10 +33,12 @@ from typing_extensions import override
 from benchmarks.batch_size import TimedFinder
 from benchmarks.common import Row
 from lightning_boost import AutoBatchSize
+from lightning_boost.batch_size.goodput import efficiency
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.presets import preset
 
 COMMAND = "python -m benchmarks gpu_batch_size"
+CONFIGURED = 32  # the batch size the model is written with, where both tuners start
 GIB = 1024**3
 
 
@@ -112,6 +118,10 @@ def run(
         f" CUDA start-up before both ({warm_s:.1f} s)"
     )
     noise = "unknown" if decision.noise_scale is None else f"{decision.noise_scale:,.0f}"
+    worth = {
+        name: fit["samples_per_s"] * _efficiency(decision.noise_scale, fit["batch_size"], CONFIGURED)
+        for name, fit in (("mine", mine), ("theirs", theirs))
+    }
     tried = ", ".join(f"{t.size}: {t.samples_per_s:.0f}/s in {t.seconds:.1f} s" for t in decision.trials)
     detail = (
         f"AutoBatchSize: batch {mine['batch_size']}, {mine['samples_per_s']:.0f} samples/s, tuning"
@@ -133,7 +143,19 @@ def run(
             detail,
             COMMAND,
         ),
+        Row(
+            "batch size on the GPU: AutoBatchSize / BatchSizeFinder, goodput at the measured noise scale",
+            worth["mine"] / max(worth["theirs"], 1e-9),
+            f"goodput {worth['mine']:.0f} against {worth['theirs']:.0f} samples/s (samples/s x efficiency"
+            f" from {CONFIGURED} at noise scale {noise}); {detail}",
+            COMMAND,
+        ),
     ]
+
+
+def _efficiency(noise: float | None, size: int, reference: int) -> float:
+    """`size`'s statistical efficiency against `reference` at `noise` (1 when it is unknown)."""
+    return 1.0 if noise is None else efficiency(noise, size, reference)
 
 
 def _warm_up(arch: str, image: int, device: torch.device, steps: int = 3) -> float:
@@ -193,7 +215,7 @@ def _fit(
     run): its samples/s after a warm-up, at the size its loader trained with, and peak memory."""
     L.seed_everything(0, verbose=False)
     timer = AfterTuning(steps)
-    model = Classifier(arch, data, batch_size=32, workers=workers)
+    model = Classifier(arch, data, batch_size=CONFIGURED, workers=workers)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     trainer = L.Trainer(

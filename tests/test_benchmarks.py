@@ -151,10 +151,11 @@ def test_the_gpu_batch_size_benchmark_runs_at_tiny_size_on_the_cpu(tmp_path, mon
     from lightning_boost.cache import CACHE_DIR_ENV
 
     monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))
-    speed, tuning = gpu_batch_size.run(
+    speed, tuning, goodput = gpu_batch_size.run(
         arch="resnet18", image=16, max_batch_size=64, steps=5, workers=0, samples=1024, cpu=True
     )
     assert speed.ratio > 0 and tuning.ratio > 0 and speed.command == gpu_batch_size.COMMAND
     assert "AutoBatchSize: batch" in speed.detail and "BatchSizeFinder(binsearch): batch" in speed.detail
     assert "(trials 32: " in speed.detail and "; noise scale " in speed.detail  # the decision, and why
     assert "the process's CUDA start-up before both (" in speed.detail
+    assert goodput.ratio > 0 and goodput.detail.startswith("goodput ")
