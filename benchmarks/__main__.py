@@ -26,6 +26,7 @@ BENCHMARKS = (
     "batch_size",
     "gpu_batch_size",
     "cudnn_autotune",
+    "checkpoint_saves",
     "noise_scale",
     "batch_quality",
     "monitor_overhead",

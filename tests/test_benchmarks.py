@@ -1,3 +1,5 @@
+import re
+
 from benchmarks.__main__ import BEGIN, END, HEADER, update_results
 from benchmarks.common import median_ratio
 
@@ -143,6 +145,16 @@ def test_the_cudnn_autotune_benchmark_says_it_needs_cuda(capsys) -> None:
         return
     assert cudnn_autotune.run() == []
     assert "needs a CUDA device" in capsys.readouterr().out
+
+
+def test_the_checkpoint_saves_benchmark_compares_the_two_settings(monkeypatch) -> None:
+    """The path at a tiny size, not the figure: both settings fit, and the training thread's time
+    in saves is measured for each."""
+    from benchmarks import checkpoint_saves
+
+    (row,) = checkpoint_saves.run(samples=256, epochs=1, pairs=1)
+    assert row.ratio > 0 and row.command == checkpoint_saves.COMMAND
+    assert re.search(r"the training thread spent \d+\.\d+ s against \d+\.\d+ s in 4 saves", row.detail)
 
 
 def test_the_gpu_batch_size_benchmark_runs_at_tiny_size_on_the_cpu(tmp_path, monkeypatch) -> None:

@@ -64,7 +64,10 @@ _FSDP_OVERRIDES = (
     "use_orig_params",
     "process_group_backend",
 )
-_OVERRIDES = {"single": _COMMON_OVERRIDES, "ddp": _COMMON_OVERRIDES + _DDP_OVERRIDES}
+_OVERRIDES = {
+    "single": (*_COMMON_OVERRIDES, "background_saves"),
+    "ddp": (*_COMMON_OVERRIDES, "background_saves", *_DDP_OVERRIDES),
+}
 _OVERRIDES["fsdp"] = _COMMON_OVERRIDES + _FSDP_OVERRIDES
 
 
@@ -90,6 +93,7 @@ class PresetOverrides(TypedDict, total=False):
     ]
     tf32: bool
     cudnn_benchmark: bool
+    background_saves: bool
     find_unused_parameters: bool
     gradient_as_bucket_view: bool
     bucket_cap_mb: Annotated[float, Range(gt=0, unit="MB")]
@@ -125,6 +129,8 @@ class PresetPlan:
         findings: what was chosen and why.
         measure_autocast: a CPU's ``"bf16-mixed"`` chosen by the preset: a copy of the model times
             bf16 autocast against fp32 before training, and the faster is kept (`presets.autocast`).
+        background_saves: checkpoint saves and removals run on a worker thread, in order
+            (`presets.saves`), where the run's checkpoint IO is Lightning's default.
     """
 
     name: str
@@ -138,6 +144,7 @@ class PresetPlan:
     cudnn_benchmark_by_hand: bool = False
     findings: tuple[Finding, ...] = ()
     measure_autocast: bool = False
+    background_saves: bool = False
 
 
 def model_parameter_count(model: object) -> int | None:
@@ -217,6 +224,7 @@ def plan_preset(name: str, hw: HardwareInfo, model: object = None, **overrides: 
     speed = {"tf32": hw.supports_tf32, "cudnn_benchmark": hw.is_cuda}
     for key in ("tf32", "cudnn_benchmark"):
         speed[key] = bool(overrides.pop(key, speed[key]))
+    background = bool(overrides.pop("background_saves", kind != "fsdp"))
     options.update(overrides)
     why.append(_strategy_finding(name, resolved, kind, options, hw, params))
     if speed["tf32"] or speed["cudnn_benchmark"]:
@@ -231,6 +239,7 @@ def plan_preset(name: str, hw: HardwareInfo, model: object = None, **overrides: 
         findings=tuple(why),
         measure_autocast=measure,
         cudnn_benchmark_by_hand=benchmark_by_hand,
+        background_saves=background,
         **speed,
     )
 

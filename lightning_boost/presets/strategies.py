@@ -20,7 +20,8 @@ from typing_extensions import override
 from lightning_boost._lightning import destroy_process_group_at_exit, namespace_of, trainer_precision_flag
 from lightning_boost.presets.autocast import MeasuredAutocast, MeasuredAutocastMixin
 from lightning_boost.presets.plans import PresetPlan
-from lightning_boost.report import Finding
+from lightning_boost.presets.saves import OFF, BackgroundSaves, file_readers
+from lightning_boost.report import Finding, Severity
 
 
 def check_precision(user_flag: str, plan: PresetPlan) -> None:
@@ -122,6 +123,8 @@ class PresetStrategy(_Strategy):
     plan: PresetPlan
     findings: list[Finding]
     _saved_flags: dict[str, Any] | None = None
+    #: Whether this fit's checkpoint saves run on a worker thread (`presets.saves`).
+    saves_in_background = False
 
     @property
     def tuned(self) -> dict[str, Any]:
@@ -131,6 +134,7 @@ class PresetStrategy(_Strategy):
             "preset": plan.resolved,
             "tf32": plan.tf32,
             "cudnn_benchmark": plan.cudnn_benchmark,
+            "background_saves": self.saves_in_background,
         }
         values.update({f"{plan.kind}.{key}": value for key, value in plan.options.items()})
         return values
@@ -147,6 +151,23 @@ class PresetStrategy(_Strategy):
         plugin = self.precision_plugin
         if isinstance(plugin, MeasuredAutocastMixin):  # every rank keeps rank zero's choice
             plugin.owner = self
+        self._start_background_saves()
+
+    def _start_background_saves(self) -> None:
+        """Hand checkpoint saves to a worker thread (`presets.saves`) when the plan asks for it, the
+        run's checkpoint IO is Lightning's default (one passed in ``plugins`` is left as it is),
+        and no logger reads each file as it is saved."""
+        default_io = importlib.import_module(f"{self.namespace}.plugins.io").TorchCheckpointIO
+        current = self._checkpoint_io
+        if not self.plan.background_saves or not (current is None or type(current) is default_io):
+            return
+        module = self.lightning_module
+        readers = file_readers(module.trainer.loggers) if module is not None else []
+        self.findings = [f for f in self.findings if "background_saves" not in f.data]
+        self.findings.append(saves_finding(readers))
+        if not readers:
+            self.checkpoint_io = BackgroundSaves(self.checkpoint_io)
+            self.saves_in_background = True
 
     @override
     def on_train_start(self) -> None:
@@ -163,10 +184,16 @@ class PresetStrategy(_Strategy):
 
     @override
     def teardown(self) -> None:
-        super().teardown()
-        if self._saved_flags is not None:
-            restore_speed_flags(self._saved_flags)
-            self._saved_flags = None
+        """Lightning's teardown (which waits for the background saves: `BackgroundSaves.teardown`),
+        then the checkpoint IO and speed flags as they were, even when a save failed."""
+        try:
+            super().teardown()
+        finally:
+            if isinstance(self._checkpoint_io, BackgroundSaves):
+                self._checkpoint_io = self._checkpoint_io.inner  # later saves (ddp_spawn's) wait
+            if self._saved_flags is not None:
+                restore_speed_flags(self._saved_flags)
+                self._saved_flags = None
 
 
 class PresetDDP(PresetStrategy):
@@ -251,6 +278,23 @@ def precision_plugin(plan: PresetPlan, namespace: str = "lightning.pytorch") -> 
     if plan.precision in ("bf16-true", "16-true"):
         return plugins.HalfPrecision(plan.precision)
     return plugins.Precision()
+
+
+def saves_finding(readers: list[str]) -> Finding:
+    """What the preset did with the run's checkpoint saves: on a worker thread, or not (`readers`:
+    the loggers that read each file as it is saved)."""
+    if readers:
+        title = f"checkpoint saves on the training thread: {', '.join(readers)} reads each file saved"
+        detail = "a save in the background could leave it no file to read yet"
+    else:
+        title = "checkpoint saves in the background"
+        detail = (
+            "the training thread copies the checkpoint's tensors to host memory and goes on; a worker"
+            " thread writes the file and then removes the one it replaces, in order, and a load or the"
+            f" end of the fit waits for it. {OFF} saves on the training thread"
+        )
+    data = {"background_saves": not readers}
+    return Finding("preset", "precision and strategy", Severity.INFO, title, detail, data=data)
 
 
 def _comm_hook(name: str | None) -> Any:

@@ -1,0 +1,141 @@
+"""Checkpoint saves off the training thread, in order, and never at the cost of a checkpoint.
+
+A `ModelCheckpoint` save stops training while the checkpoint is serialized and written, and
+while the file it replaces is removed: on the demo's ResNet-18 (94 MB with its optimizer state),
+`_atomic_save` took 0.23 s a save on this project's 2-CPU host and about 0.1 s on an H200, with
+35 ms per removal (cProfiles of the demo, by hand). `BackgroundSaves` copies the checkpoint's
+tensors to host memory on the training thread (where the values are taken, so the next step
+cannot change them) and hands the serialization, the write and the removals to one worker
+thread, which runs them in the order they were asked for:
+
+- a file a save replaces is removed only after that save has landed; a failed save keeps it,
+  and the next save, removal, load or the end of the fit raises the error;
+- at most one save is in flight: a save waits for the one before it, so host memory holds one
+  copy of the state;
+- a load (``trainer.test(ckpt_path="best")``, a resume) and the strategy's teardown wait for
+  every write first, so the file is whole when anything reads it.
+
+PyTorch's ``torch.distributed.checkpoint.async_save`` stages to host memory the same way.
+Lightning's experimental `AsyncCheckpointIO` clones on the device (a second copy of the state in
+GPU memory) and removes the old file while the new one may still be unwritten.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
+from lightning_utilities.core.apply_func import apply_to_collection
+from typing_extensions import override
+
+#: How a user turns it off, for the error message.
+OFF = "preset(..., background_saves=False)"
+
+
+def file_readers(loggers: Iterable[object]) -> list[str]:
+    """The names of `loggers` that read each checkpoint file as it is saved: those that log models
+    (``log_model``: WandbLogger, MLFlowLogger, ...) and any other whose `after_save_checkpoint` is
+    its own (it may open the file). A save in the background could leave them no file to read.
+
+    Example:
+        >>> from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+        >>> file_readers([CSVLogger("logs"), TensorBoardLogger("logs")])
+        []
+    """
+    return [type(logger).__name__ for logger in loggers if _reads_files(logger)]
+
+
+def _reads_files(logger: object) -> bool:
+    if hasattr(logger, "_log_model"):
+        return bool(logger._log_model)
+    hook = getattr(type(logger), "after_save_checkpoint", None)
+    return getattr(hook, "__qualname__", "") not in _NO_OP_HOOKS
+
+
+#: `after_save_checkpoint` hooks that do nothing (Lightning's base logger's and TensorBoard's).
+_NO_OP_HOOKS = ("Logger.after_save_checkpoint", "TensorBoardLogger.after_save_checkpoint")
+
+
+def host_copy(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """`checkpoint` with new containers and every tensor copied to host memory (detached)."""
+    return apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
+
+
+class BackgroundSaves(CheckpointIO):
+    """Runs `inner`'s saves and removals on one worker thread, in order (see the module)."""
+
+    def __init__(self, inner: CheckpointIO) -> None:
+        self.inner = inner
+        self._worker: ThreadPoolExecutor | None = None
+        self._last: Future[None] | None = None
+        self._error: tuple[str, BaseException] | None = None  # kept: nothing after it runs
+        self._raised = False
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any = None) -> None:
+        self._wait()
+        snapshot = host_copy(checkpoint)
+        self._submit(f"saving {path}", self.inner.save_checkpoint, snapshot, path, storage_options)
+
+    @override
+    def remove_checkpoint(self, path: _PATH) -> None:
+        self._raise()
+        self._submit(f"removing {path}", self.inner.remove_checkpoint, path)
+
+    @override
+    def load_checkpoint(self, path: _PATH, *args: Any, **kwargs: Any) -> Any:
+        self._wait()
+        return self.inner.load_checkpoint(path, *args, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        """Wait for every save and removal, stop the worker, then raise a failure not raised yet
+        (one already raised is ending the fit: teardown runs while it propagates)."""
+        try:
+            if self._last is not None:
+                self._last.result()
+            if not self._raised:
+                self._raise()
+        finally:
+            self._last = None
+            if self._worker is not None:
+                self._worker.shutdown(wait=True)
+                self._worker = None
+            self.inner.teardown()
+
+    def _submit(self, what: str, work: Callable[..., None], *args: Any) -> None:
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning-boost-saves")
+        self._last = self._worker.submit(self._run, what, work, *args)
+
+    def _run(self, what: str, work: Callable[..., None], *args: Any) -> None:
+        """On the worker: skip everything after a failure (a removal must not follow a failed save)."""
+        if self._error is not None:
+            return
+        try:
+            work(*args)
+        except BaseException as error:  # re-raised on the training thread
+            self._error = (what, error)
+
+    def _wait(self) -> None:
+        """Block until everything asked for so far is done; raise a failure."""
+        if self._last is not None:
+            self._last.result()
+            self._last = None
+        self._raise()
+
+    def _raise(self) -> None:
+        """Raise the failure, at every call after it: nothing more is saved or removed."""
+        if self._error is None:
+            return
+        what, error = self._error
+        self._raised = True
+        raise RuntimeError(
+            f"lightning-boost: {what} in the background failed ({type(error).__name__}: {error}). The"
+            " checkpoints saved before it are kept: the removals queued after it were skipped. Fix the"
+            f" cause (disk space, permissions), or save on the training thread with {OFF}."
+        ) from error
