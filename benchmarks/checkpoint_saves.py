@@ -74,7 +74,8 @@ def _fit(
     """One fit: its wall seconds, the training thread's seconds in saves and removals, the saves."""
     L.seed_everything(0, verbose=False)
     hardware = HardwareInfo.detect()
-    strategy = preset("auto", hardware=hardware, background_saves=background)
+    # cudnn.benchmark off: its autotuning would land in whichever fit runs a shape first
+    strategy = preset("auto", hardware=hardware, background_saves=background, cudnn_benchmark=False)
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(
             strategy=strategy,
