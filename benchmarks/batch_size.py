@@ -96,9 +96,11 @@ class StopAtFirstStep(L.Callback):
         trainer.should_stop = True
 
 
-def _trainer(callbacks: list[L.Callback], batches: int | None, epochs: int = 1) -> L.Trainer:
+def _trainer(
+    callbacks: list[L.Callback], batches: int | None, epochs: int = 1, accelerator: str = "auto"
+) -> L.Trainer:
     return L.Trainer(
-        accelerator="auto",  # the GPU where there is one: where users train
+        accelerator=accelerator,  # "auto": the GPU where there is one, where users train
         max_epochs=epochs,
         limit_train_batches=batches,
         logger=False,
@@ -109,11 +111,11 @@ def _trainer(callbacks: list[L.Callback], batches: int | None, epochs: int = 1) 
     )
 
 
-def throughput(size: int, steps: int = 3, warmup: int = 1) -> float:
+def throughput(size: int, steps: int = 3, warmup: int = 1, accelerator: str = "auto") -> float:
     """Samples/s of a plain fit at `size`, timed after `warmup` steps."""
     L.seed_everything(0, verbose=False)
     timer = StepTimer(warmup)
-    _trainer([timer], warmup + steps).fit(
+    _trainer([timer], warmup + steps, accelerator=accelerator).fit(
         ResNet18Classifier(), datamodule=Images(size * (warmup + steps), size)
     )
     return size * steps / (timer.ended - timer.started)
@@ -137,13 +139,14 @@ def run(
     rounds: int = 2,
     samples: int = 2048,
     tune_samples: int = 8192,
+    accelerator: str = "auto",
 ) -> list[Row]:
     sizes = [2**k for k in range(3, largest.bit_length()) if 2**k <= largest]
     started = time.perf_counter()
     rates = {size: 0.0 for size in sizes}
     for _ in range(rounds):  # interleaved, so a busy moment does not hit one size alone
         for size in sizes:
-            rates[size] = max(rates[size], throughput(size))
+            rates[size] = max(rates[size], throughput(size, accelerator=accelerator))
     peaks = {size: estimated_peak(size) for size in sizes}
     sweep_s = time.perf_counter() - started
     budget = int(budget_gib * GIB)
@@ -153,17 +156,18 @@ def run(
     # stop the search at 4x the configured 32: `lr_capped`)
     auto = AutoBatchSize(memory_budget_gib=budget_gib, lr_scaling=None)
     L.seed_everything(0, verbose=False)
-    tuned = _trainer([auto, StopAtFirstStep()], None, epochs=10)  # `limit_train_batches` would keep 32
+    # 10 epochs planned, stopped at the first step (`limit_train_batches` would keep 32)
+    tuned = _trainer([auto, StopAtFirstStep()], None, epochs=10, accelerator=accelerator)
     tuned.fit(ResNet18Classifier(), datamodule=Images(tune_samples, 32))
     finder = TimedFinder(mode="power")
     L.seed_everything(0, verbose=False)
     finder_data = Images(samples, 2)
-    _trainer([finder], 1).fit(ResNet18Classifier(), datamodule=finder_data)
+    _trainer([finder], 1, accelerator=accelerator).fit(ResNet18Classifier(), datamodule=finder_data)
 
     chosen, found = auto.result["batch_size"], finder_data.batch_size
     for size in (chosen, found):
         if size not in rates:
-            rates[size] = max(throughput(size) for _ in range(rounds))
+            rates[size] = max(throughput(size, accelerator=accelerator) for _ in range(rounds))
     found_peak = peaks.get(found) or estimated_peak(found)
     table = ", ".join(f"{s}: {rates[s]:.0f}/s {peaks[s] / GIB:.2f} GiB" for s in sizes)
     detail = (

@@ -31,9 +31,10 @@ from lightning_boost.presets import preset
 COMMAND = "python -m benchmarks checkpoint_saves"
 
 
-def run(samples: int = 8192, epochs: int = 2, pairs: int = 3) -> list[Row]:
-    """`pairs` fits of each setting over `samples` images; one row."""
-    cuda = torch.cuda.is_available()
+def run(samples: int = 8192, epochs: int = 2, pairs: int = 3, cpu: bool = False) -> list[Row]:
+    """`pairs` fits of each setting over `samples` images (`cpu`: on the CPU where there is a
+    GPU too, for tests); one row."""
+    cuda = torch.cuda.is_available() and not cpu
     batch, workers = (256, 8) if cuda else (64, 0)
     train = DataLoader(
         demo_dataset(samples),
@@ -48,7 +49,7 @@ def run(samples: int = 8192, epochs: int = 2, pairs: int = 3) -> list[Row]:
     fits: dict[bool, list[tuple[float, float, int]]] = {False: [], True: []}
     for pair in range(pairs):
         for background in (False, True) if pair % 2 == 0 else (True, False):
-            fits[background].append(_fit(background, train, val, epochs))
+            fits[background].append(_fit(background, train, val, epochs, cuda))
     wall = {key: statistics.median(f[0] for f in value) for key, value in fits.items()}
     held = {key: statistics.median(f[1] for f in value) for key, value in fits.items()}
     saves = fits[True][0][2]
@@ -69,15 +70,16 @@ def run(samples: int = 8192, epochs: int = 2, pairs: int = 3) -> list[Row]:
 
 
 def _fit(
-    background: bool, train: DataLoader[Any], val: DataLoader[Any], epochs: int
+    background: bool, train: DataLoader[Any], val: DataLoader[Any], epochs: int, cuda: bool
 ) -> tuple[float, float, int]:
     """One fit: its wall seconds, the training thread's seconds in saves and removals, the saves."""
     L.seed_everything(0, verbose=False)
-    hardware = HardwareInfo.detect()
+    hardware = HardwareInfo.detect() if cuda else HardwareInfo.detect().on_cpu()
     # cudnn.benchmark off: its autotuning would land in whichever fit runs a shape first
     strategy = preset("auto", hardware=hardware, background_saves=background, cudnn_benchmark=False)
     with tempfile.TemporaryDirectory() as root:
         trainer = L.Trainer(
+            accelerator="gpu" if cuda else "cpu",
             strategy=strategy,
             max_epochs=epochs,
             val_check_interval=0.25,

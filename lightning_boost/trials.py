@@ -125,6 +125,14 @@ def mean_known(values: Iterable[float | None]) -> float | None:
     return sum(known) / len(known) if known else None
 
 
+class StepFailed(RuntimeError):
+    """A trial's step raised an error other than running out of memory (`cause`: what it raised)."""
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
 def why_failed(trial: Trial) -> str:
     """Why a trial that does not fit failed: ``"out of memory"`` or ``"over the memory budget"``."""
     return "out of memory" if trial.oom else "over the memory budget"

@@ -188,10 +188,14 @@ def test_trials_run_without_autotuning_and_a_short_run_drops_the_presets(
     10,000 samples at 32 take 0.3 s), or where the user passed it. The preset's CUDA default is
     simulated on this CPU by planning it with `cudnn_benchmark` on (the flag is harmless here)."""
     from lightning_boost.batch_size.plan import RunPlan
+    from lightning_boost.hardware import HardwareInfo
     from lightning_boost.presets import preset
 
     monkeypatch.setattr(RunPlan, "samples_planned", lambda self, size: samples)
-    strategy = preset("auto", cudnn_benchmark=True) if by_hand else preset("auto")
+    on_cpu = HardwareInfo.detect().on_cpu()  # `fit` pins the CPU, on a GPU machine too
+    strategy = (
+        preset("auto", hardware=on_cpu, cudnn_benchmark=True) if by_hand else preset("auto", hardware=on_cpu)
+    )
     if not by_hand:  # the default a CUDA machine's preset plans
         strategy.plan = dataclasses.replace(strategy.plan, cudnn_benchmark=True)
     monkeypatch.setattr(FlagRecorder, "flags", [])
@@ -325,6 +329,27 @@ def test_is_oom_knows_the_real_error_types() -> None:
 def test_a_model_that_does_not_fit_at_batch_size_one_gets_the_fixes(tmp_path: Path) -> None:
     with pytest.raises(MemoryError, match=r"batch size 1 runs out of memory.*precision.*preset\('fsdp'\)"):
         fit(tmp_path, AutoBatchSize(init_batch_size=4, **FAST), OOMModel(limit=0))
+
+
+class BatchNormModel(BoringModel):
+    """`BoringModel` with a BatchNorm before its layer: its training step cannot run on one sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Sequential(nn.BatchNorm1d(32), nn.Linear(32, 2))
+
+
+def test_a_search_halved_to_a_size_the_step_cannot_run_at_says_nothing_fits(tmp_path: Path) -> None:
+    """No size fits the budget (the CPU's estimated peaks, real), so the search halves from 4 to 1,
+    where BatchNorm raises: the user is told nothing fits and why the search stopped, with the
+    fixes, not that their step failed (it ran at 4 and 2)."""
+    callback = AutoBatchSize(init_batch_size=4, memory_budget_gib=1e-9, **FAST)
+    with pytest.raises(
+        MemoryError,
+        match=r"batch size 2 needs .*GiB, over the budget.*stopped: the step failed"
+        r" at batch size 1 \(ValueError\('Expected more than 1 value per channel.*precision",
+    ):
+        fit(tmp_path, callback, BatchNormModel())
 
 
 class Squares(L.LightningModule):

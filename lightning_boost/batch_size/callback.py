@@ -75,7 +75,7 @@ from lightning_boost.presets.plans import PresetPlan
 from lightning_boost.ranks import decided_on_rank_zero
 from lightning_boost.report import BoostWarning, Finding, Severity
 from lightning_boost.step_probe import StepProbe, first_batch, is_oom, remembered, sample_batches
-from lightning_boost.trials import Trial, merge
+from lightning_boost.trials import StepFailed, Trial, merge
 from lightning_boost.workers.loaders import loader_batch_size
 
 #: Keys of an optimizer's param group that hold learning rates (schedulers such as OneCycleLR add some).
@@ -955,10 +955,12 @@ def _measured(trainer: L.Trainer, size: int, run: Callable[[], Trial]) -> Trial:
     trial = dataclasses.replace(trial, seconds=time.perf_counter() - started)
     per_rank, failed = _gather(trainer, trial, error is not None)
     if failed:
-        raise RuntimeError(
+        cause = repr(error) if error else "on another rank"
+        raise StepFailed(
             f"AutoBatchSize: the step failed at batch size {size} on a copy of the model, outside the fit"
             f"{f': {error!r}' if error else ' on another rank'}. If `training_step` needs the trainer"
-            " (`self.trainer`, `self.optimizers()`), set the batch size by hand instead."
+            " (`self.trainer`, `self.optimizers()`), set the batch size by hand instead.",
+            cause,
         ) from error
     return dataclasses.replace(merge(size, per_rank), losses=trial.losses)  # this rank's own
 

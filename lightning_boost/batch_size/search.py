@@ -32,7 +32,7 @@ from lightning_boost.batch_size.goodput import (
     efficiency,
     estimate_noise,
 )
-from lightning_boost.trials import Trial, mean_known, why_failed
+from lightning_boost.trials import StepFailed, Trial, mean_known, why_failed
 
 #: Learning-rate scaling rules: factor from (effective batch / reference batch).
 LR_RULES: dict[str, Callable[[float], float]] = {"linear": lambda ratio: ratio, "sqrt": math.sqrt}
@@ -122,13 +122,29 @@ def goodput(trial: Trial, limits: Limits, noise: NoiseScale | None) -> float:
 
 def search(measure: Callable[[int], Trial], start: int, limits: Limits) -> tuple[list[Trial], str]:
     """Measure sizes from `start` until `next_size` stops (or a batch comes back short of its size:
-    the data holds no more), then `settle` them; the trials and why."""
+    the data holds no more; or the step fails at a size halved to below one that ran, as
+    BatchNorm's does at 1), then `settle` them; the trials and why.
+
+    Example:
+        >>> def measure(size):  # nothing fits a budget of 10, and the step cannot run at 1
+        ...     if size == 1:
+        ...         raise StepFailed("...", "ValueError('Expected more than 1 value per channel')")
+        ...     return Trial(size, 100.0 * size, 20 * size)
+        >>> trials, why = search(measure, 4, Limits(64, budget_bytes=10))
+        >>> [t.size for t in trials], why
+        ([4, 2], "the step failed at batch size 1 (ValueError('Expected more than 1 value per channel'))")
+    """
     trials: list[Trial] = []
     while True:
         size, reason = next_size(trials, start, limits)
         if size is None:
             return settle(measure, trials, limits), reason
-        trials.append(measure(size))
+        try:
+            trials.append(measure(size))
+        except StepFailed as failed:
+            if not any(t.size > size for t in trials):
+                raise  # the user's step itself, not the size the halving reached
+            return settle(measure, trials, limits), f"the step failed at batch size {size} ({failed.cause})"
         if trials[-1].size < size:  # the data ran out before the batch was full
             return settle(
                 measure, trials, limits
