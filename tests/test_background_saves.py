@@ -175,3 +175,35 @@ def test_a_second_fit_of_the_same_trainer_saves_in_the_background_again(tmp_path
     assert strategy.saves_in_background and trainer.global_step == 8
     assert [p.name for p in _checkpoints(tmp_path)] == ["epoch=1-step=8.ckpt"]
     assert sum("background_saves" in f.data for f in strategy.findings) == 1
+
+
+class _RankWeights(BoringModel):
+    """Writes each rank's checkpoint IO, and rank 0's trained weights, at the end of training."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.out = out
+
+    @override
+    def on_train_end(self) -> None:
+        io = type(self.trainer.strategy.checkpoint_io).__name__
+        Path(self.out, f"rank{self.global_rank}.io").write_text(io)
+        if self.global_rank == 0:
+            torch.save(self.state_dict(), Path(self.out, "trained.pt"))
+
+
+@pytest.mark.ddp
+def test_two_gloo_processes_save_in_the_background_on_rank_zero(tmp_path: Path) -> None:
+    """Real DDP over gloo (spawned processes): rank 0's worker writes the checkpoint; Lightning's
+    spawn launcher then saves the weights it hands back through the IO put back at teardown."""
+    strategy = preset(
+        "fast-ddp", hardware=HardwareInfo.detect().on_cpu(), precision="32-true", start_method="spawn"
+    )
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2)
+    trainer = tiny_trainer(tmp_path, devices=2, strategy=strategy, callbacks=[checkpoint], logger=False)
+    trainer.fit(_RankWeights(str(tmp_path)), datamodule=BoringDataModule(length=64))
+    assert [(tmp_path / f"rank{rank}.io").read_text() for rank in (0, 1)] == ["BackgroundSaves"] * 2
+    assert [p.name for p in _checkpoints(tmp_path / "ckpt")] == ["epoch=0-step=4.ckpt"]
+    saved = torch.load(tmp_path / "ckpt" / "epoch=0-step=4.ckpt", map_location="cpu", weights_only=False)
+    trained = torch.load(tmp_path / "trained.pt")
+    assert all(torch.equal(saved["state_dict"][k], v) for k, v in trained.items())
