@@ -227,6 +227,8 @@ def test_the_preset_and_datamodule_run_under_the_pytorch_lightning_namespace(tmp
     trainer.fit(_PlModel(), datamodule=datamodule)
     assert trainer.state.finished and trainer.strategy is strategy
     assert datamodule.worker_tuner.choices  # the loaders were tuned
+    assert strategy.saves_in_background and len(list(tmp_path.rglob("*.ckpt"))) == 1  # pl's own IO, wrapped
+    assert type(strategy.checkpoint_io) is pl.plugins.TorchCheckpointIO  # put back at teardown
     if not PL_TAKES_LIGHTNING_CALLBACKS:
         return
     assert trainer.train_dataloader.batch_size == batch_size.result["batch_size"]

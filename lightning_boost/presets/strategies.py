@@ -157,6 +157,7 @@ class PresetStrategy(_Strategy):
         """Hand checkpoint saves to a worker thread (`presets.saves`) when the plan asks for it, the
         run's checkpoint IO is Lightning's default (one passed in ``plugins`` is left as it is),
         and no logger reads each file as it is saved."""
+        self.saves_in_background = False
         default_io = importlib.import_module(f"{self.namespace}.plugins.io").TorchCheckpointIO
         current = self._checkpoint_io
         if not self.plan.background_saves or not (current is None or type(current) is default_io):
