@@ -207,3 +207,34 @@ def test_two_gloo_processes_save_in_the_background_on_rank_zero(tmp_path: Path) 
     saved = torch.load(tmp_path / "ckpt" / "epoch=0-step=4.ckpt", map_location="cpu", weights_only=False)
     trained = torch.load(tmp_path / "trained.pt")
     assert all(torch.equal(saved["state_dict"][k], v) for k, v in trained.items())
+
+
+@pytest.mark.parametrize("save_last", [True, "link"])
+def test_last_checkpoint_holds_the_trained_weights(tmp_path: Path, save_last: bool | str) -> None:
+    """``save_last`` writes (or, with ``"link"``, links to a file still being written) ``last.ckpt``
+    beside the top-k file: after the fit it loads and holds the last step's weights."""
+    strategy = _preset()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=save_last)
+    trainer = tiny_trainer(tmp_path, strategy=strategy, callbacks=[checkpoint], limit_train_batches=8)
+    model = BoringModel()
+    trainer.fit(model, datamodule=BoringDataModule())
+    assert strategy.saves_in_background
+    last = torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert last["global_step"] == 8
+    assert all(torch.equal(last["state_dict"][k], v) for k, v in model.state_dict().items())
+
+
+def test_a_link_that_windows_would_copy_keeps_the_saves_on_the_training_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Windows simulated (`os.name`, in the module only): Lightning links ``last.ckpt`` with a copy
+    there, which needs the saved file at once."""
+    import os
+    import types
+
+    from lightning_boost.presets import saves
+
+    link, plain = ModelCheckpoint(save_last="link"), ModelCheckpoint(save_last=True)
+    assert not saves.copies_saved_files([link])  # a link needs no file yet: the directory is made first
+    monkeypatch.setattr(saves, "os", types.SimpleNamespace(name="nt", path=os.path))
+    assert saves.copies_saved_files([plain, link]) and not saves.copies_saved_files([plain])

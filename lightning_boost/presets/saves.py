@@ -22,12 +22,14 @@ GPU memory) and removes the old file while the new one may still be unwritten.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 from lightning.fabric.plugins.io import CheckpointIO
+from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
@@ -60,6 +62,12 @@ def _reads_files(logger: object) -> bool:
 _NO_OP_HOOKS = ("Logger.after_save_checkpoint", "TensorBoardLogger.after_save_checkpoint")
 
 
+def copies_saved_files(callbacks: Iterable[object]) -> bool:
+    """Whether a `ModelCheckpoint` would copy a file just saved: ``save_last="link"`` links
+    ``last.ckpt`` to it, and copies it where links need permissions (Windows)."""
+    return os.name == "nt" and any(getattr(c, "save_last", None) == "link" for c in callbacks)
+
+
 def host_copy(checkpoint: dict[str, Any]) -> dict[str, Any]:
     """`checkpoint` with new containers and every tensor copied to host memory (detached)."""
     return apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
@@ -78,6 +86,8 @@ class BackgroundSaves(CheckpointIO):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any = None) -> None:
         self._wait()
+        fs = get_filesystem(path)  # the directory now: `save_last="link"` links into it at once
+        fs.makedirs(os.path.dirname(path), exist_ok=True)
         snapshot = host_copy(checkpoint)
         self._submit(f"saving {path}", self.inner.save_checkpoint, snapshot, path, storage_options)
 

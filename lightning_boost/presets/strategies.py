@@ -17,10 +17,15 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
 from typing_extensions import override
 
-from lightning_boost._lightning import destroy_process_group_at_exit, namespace_of, trainer_precision_flag
+from lightning_boost._lightning import (
+    callbacks_of,
+    destroy_process_group_at_exit,
+    namespace_of,
+    trainer_precision_flag,
+)
 from lightning_boost.presets.autocast import MeasuredAutocast, MeasuredAutocastMixin
 from lightning_boost.presets.plans import PresetPlan
-from lightning_boost.presets.saves import OFF, BackgroundSaves, file_readers
+from lightning_boost.presets.saves import OFF, BackgroundSaves, copies_saved_files, file_readers
 from lightning_boost.report import Finding, Severity
 
 
@@ -164,6 +169,8 @@ class PresetStrategy(_Strategy):
             return
         module = self.lightning_module
         readers = file_readers(module.trainer.loggers) if module is not None else []
+        if module is not None and copies_saved_files(callbacks_of(module.trainer)):
+            readers.append("ModelCheckpoint(save_last='link')")
         self.findings = [f for f in self.findings if "background_saves" not in f.data]
         self.findings.append(saves_finding(readers))
         if not readers:
