@@ -15,7 +15,10 @@ thread, which runs them in the order they were asked for:
 - a load (``trainer.test(ckpt_path="best")``, a resume) and the strategy's teardown wait for
   every write first, so the file is whole when anything reads it.
 
-PyTorch's ``torch.distributed.checkpoint.async_save`` stages to host memory the same way.
+The file holds the same values, as host tensors: Lightning's loads (a resume, ``ckpt_path=``,
+``load_from_checkpoint``) put them on the model's device as before, and a bare ``torch.load`` of
+it needs no GPU. PyTorch's ``torch.distributed.checkpoint.async_save`` stages to host memory the
+same way.
 Lightning's experimental `AsyncCheckpointIO` clones on the device (a second copy of the state in
 GPU memory) and removes the old file while the new one may still be unwritten.
 """
