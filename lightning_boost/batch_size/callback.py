@@ -958,7 +958,7 @@ def _measured(trainer: L.Trainer, size: int, run: Callable[[], Trial]) -> Trial:
         cause = repr(error) if error else "on another rank"
         raise StepFailed(
             f"AutoBatchSize: the step failed at batch size {size} on a copy of the model, outside the fit"
-            f"{f': {error!r}' if error else ' on another rank'}. If `training_step` needs the trainer"
+            f"{': ' if error else ' '}{cause}. If `training_step` needs the trainer"
             " (`self.trainer`, `self.optimizers()`), set the batch size by hand instead.",
             cause,
         ) from error

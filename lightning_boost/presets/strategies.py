@@ -25,8 +25,8 @@ from lightning_boost._lightning import (
 )
 from lightning_boost.presets.autocast import MeasuredAutocast, MeasuredAutocastMixin
 from lightning_boost.presets.plans import PresetPlan
-from lightning_boost.presets.saves import OFF, BackgroundSaves, copies_saved_files, file_readers
-from lightning_boost.report import Finding, Severity
+from lightning_boost.presets.saves import BackgroundSaves, copies_saved_files, file_readers, saves_finding
+from lightning_boost.report import Finding
 
 
 def check_precision(user_flag: str, plan: PresetPlan) -> None:
@@ -286,23 +286,6 @@ def precision_plugin(plan: PresetPlan, namespace: str = "lightning.pytorch") -> 
     if plan.precision in ("bf16-true", "16-true"):
         return plugins.HalfPrecision(plan.precision)
     return plugins.Precision()
-
-
-def saves_finding(readers: list[str]) -> Finding:
-    """What the preset did with the run's checkpoint saves: on a worker thread, or not (`readers`:
-    the loggers that read each file as it is saved)."""
-    if readers:
-        title = f"checkpoint saves on the training thread: {', '.join(readers)} reads each file saved"
-        detail = "a save in the background could leave it no file to read yet"
-    else:
-        title = "checkpoint saves in the background"
-        detail = (
-            "the training thread copies the checkpoint's tensors to host memory and goes on; a worker"
-            " thread writes the file and then removes the one it replaces, in order, and a load or the"
-            f" end of the fit waits for it. {OFF} saves on the training thread"
-        )
-    data = {"background_saves": not readers}
-    return Finding("preset", "precision and strategy", Severity.INFO, title, detail, data=data)
 
 
 def _comm_hook(name: str | None) -> Any:
