@@ -2,14 +2,15 @@
 
 Heavy CPU augmentation (rotation, resized crop, colour jitter, blur) on torchvision FakeData feeds
 a small CNN, so the step waits for data unless workers keep up. Trained in one process, one
-epoch each: plain Lightning defaults (``num_workers=0``), the worker count Lightning's warning
-suggests, and an exhaustive sweep of ``num_workers`` (set by hand on the same `BoostedDataModule`,
-so only the worker count differs). Then, `repeats` times, `BoostedDataModule` tuning from a cold
-cache, the sweep's best setting, and the tuned datamodule from the warm cache, the best in the
-middle and the order alternating: the cold and settled rows are medians of each epoch over the
-best setting's beside it. This host has spells, minutes long, in which every epoch runs several
-percent slower (adjacent epochs at one setting have differed by 7-11 %), so an epoch of the sweep
-minutes earlier can differ from the same setting's now by more than the settings differ.
+epoch each: plain Lightning defaults (``num_workers=0``) and an exhaustive sweep of
+``num_workers`` (set by hand on the same `BoostedDataModule`, so only the worker count differs).
+Then, `repeats` times, `BoostedDataModule` tuning from a cold cache, a plain ``DataLoader`` at the
+worker count Lightning's warning suggests, the sweep's best setting, and the tuned datamodule from
+the warm cache, the order alternating: the cold, suggested-count and settled rows are medians of
+each epoch over the one beside it (the cold epoch's over the suggested count's and the best's).
+This host has spells, minutes long, in which every epoch runs several percent slower (adjacent
+epochs at one setting have differed by 7-11 %), so an epoch of the sweep minutes earlier can
+differ from the same setting's now by more than the settings differ.
 Run: ``python -m benchmarks data_bound`` (or ``make bench``).
 """
 
@@ -97,15 +98,11 @@ def run(samples: int = 32768, batch_size: int = 64, repeats: int = 3) -> list[Ro
         cache = Path(root) / "cache"
         plain = DataLoader(heavy_fake_data(samples), batch_size=batch_size, shuffle=True, drop_last=True)
         rates["plain"] = _fit(plain, root)
-        hinted = DataLoader(
-            heavy_fake_data(samples), batch_size, shuffle=True, drop_last=True, num_workers=suggested
-        )
-        rates["suggested"] = _fit(hinted, root)
         sweep = {n: _fit(HeavyFakeData(samples, batch_size=batch_size, num_workers=n), root)
                  for n in range(hw.cpus_per_process + 1)}  # fmt: skip
         best_n = max(sweep, key=lambda n: sweep[n])
         reps = [
-            _repeat(samples, batch_size, cache, best_n, root, first_cold=rep % 2 == 0)
+            _repeat(samples, batch_size, cache, (best_n, suggested), root, forward=rep % 2 == 0)
             for rep in range(repeats)
         ]
         warm_seconds = _warm_cache_seconds(samples, batch_size, cache, reps[-1].choice.source)
@@ -122,12 +119,14 @@ def run(samples: int = 32768, batch_size: int = 64, repeats: int = 3) -> list[Ro
     cold_ratio = statistics.median(rep.cold / rep.best for rep in reps)
     warm_ratio = statistics.median(rep.warm / rep.best for rep in reps)
     pairs = ", ".join(f"{rep.cold:.0f} / {rep.best:.0f} / {rep.warm:.0f}" for rep in reps)
+    hinted = ", ".join(f"{rep.cold:.0f} / {rep.suggested:.0f}" for rep in reps)
     return [
         Row("data-bound: boosted / plain defaults", cold / rates["plain"],
             f"samples/s {cold:.0f} vs {rates['plain']:.0f} (num_workers=0); {common}", COMMAND),
-        Row("data-bound: boosted / Lightning's suggested num_workers", cold / rates["suggested"],
-            f"samples/s {cold:.0f} vs {rates['suggested']:.0f} (num_workers={suggested}, the model on"
-            " every thread beside it)", COMMAND),
+        Row("data-bound: boosted / Lightning's suggested num_workers",
+            statistics.median(rep.cold / rep.suggested for rep in reps),
+            f"median of {repeats} cold epochs over a plain DataLoader's at num_workers={suggested} (the"
+            f" model on every thread beside it) run beside each; samples/s per repeat: {hinted}", COMMAND),
         Row("data-bound: cold first epoch, search included / best of an exhaustive sweep (target >= 0.95)",
             cold_ratio,
             f"median of {repeats} cold epochs over the sweep's best setting (num_workers={best_n}) run"
@@ -148,30 +147,44 @@ def run(samples: int = 32768, batch_size: int = 64, repeats: int = 3) -> list[Ro
 
 
 class _Repeat(NamedTuple):
-    """One repeat's samples/s: the cold-cache epoch, the sweep's best setting, the warm-cache epoch."""
+    """One repeat's samples/s: the cold-cache epoch, the sweep's best setting, the warm-cache epoch,
+    a plain ``DataLoader`` at Lightning's suggested worker count."""
 
     cold: float
     best: float
     warm: float
     choice: WorkerChoice
+    suggested: float
 
 
-def _repeat(samples: int, batch_size: int, cache: Path, best_n: int, root: str, first_cold: bool) -> _Repeat:
-    """A cold-cache epoch, the best setting's and a warm-cache epoch, the best in the middle so that
-    both are beside it; `first_cold` sets the order (alternated between repeats, so a host that
-    slows down or speeds up over minutes favours neither)."""
+def _repeat(
+    samples: int, batch_size: int, cache: Path, counts: tuple[int, int], root: str, forward: bool
+) -> _Repeat:
+    """A cold-cache epoch, a plain loader's at Lightning's suggested count, the best setting's and a
+    warm-cache epoch (`counts`: the best and the suggested), in an order that puts the cold epoch
+    beside the suggested count's and the best's beside both tuned ones; `forward` or reversed
+    (alternated between repeats, so a host that slows down or speeds up over minutes favours
+    neither)."""
+    best_n, suggested = counts
     rates: dict[str, float] = {}
     choice: WorkerChoice | None = None
-    for kind in ("cold", "best", "warm") if first_cold else ("warm", "best", "cold"):
+    order = ("suggested", "cold", "best", "warm")
+    for kind in order if forward else order[::-1]:
         if kind == "best":
             rates[kind] = _fit(HeavyFakeData(samples, batch_size=batch_size, num_workers=best_n), root)
+            continue
+        if kind == "suggested":
+            hinted = DataLoader(
+                heavy_fake_data(samples), batch_size, shuffle=True, drop_last=True, num_workers=suggested
+            )
+            rates[kind] = _fit(hinted, root)
             continue
         data = HeavyFakeData(samples, batch_size=batch_size, cache_dir=cache, retune=kind == "cold")
         rates[kind] = _fit(data, root)
         if kind == "cold":
             (choice,) = data.worker_tuner.choices.values()
     assert choice is not None
-    return _Repeat(rates["cold"], rates["best"], rates["warm"], choice)
+    return _Repeat(rates["cold"], rates["best"], rates["warm"], choice, rates["suggested"])
 
 
 def _searched(choice: WorkerChoice) -> str:

@@ -16,7 +16,8 @@ from typing_extensions import override
 
 from lightning_boost import preset
 from lightning_boost.hardware import HardwareInfo
-from lightning_boost.presets.saves import BackgroundSaves, file_readers
+from lightning_boost.presets import saves as saves_module
+from lightning_boost.presets.saves import BackgroundSaves, file_readers, host_copy
 from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
 
 
@@ -238,3 +239,60 @@ def test_a_link_that_windows_would_copy_keeps_the_saves_on_the_training_thread(
     assert not saves.copies_saved_files([link])  # a link needs no file yet: the directory is made first
     monkeypatch.setattr(saves, "os", types.SimpleNamespace(name="nt", path=os.path))
     assert saves.copies_saved_files([plain, link]) and not saves.copies_saved_files([plain])
+
+
+@pytest.mark.gpu
+def test_a_cuda_tensors_copy_is_queued_and_holds_its_value_at_the_call() -> None:
+    x = torch.randn(4096, 4096, device="cuda")
+    weights = torch.zeros(4096, 4096, device="cuda")
+    for _ in range(200):  # tenths of a second of work queued ahead of the copy
+        x = torch.tanh(x @ x)
+    weights.fill_(1.0)  # queued behind that work, as the step's last update is
+    snapshot, landed = host_copy({"state_dict": {"w": weights}, "step": torch.tensor(3)})
+    queued = torch.cuda.Event()
+    queued.record()
+    weights.add_(1)  # the next step's in-place update, queued behind the copy
+    assert not queued.query()  # the call returned without waiting for the device
+    landed()
+    assert snapshot["state_dict"]["w"].is_pinned() and snapshot["state_dict"]["w"].device.type == "cpu"
+    assert torch.equal(snapshot["state_dict"]["w"], torch.ones(4096, 4096))
+    assert snapshot["step"] == 3 and torch.equal(weights.cpu(), torch.full((4096, 4096), 2.0))
+
+
+@pytest.mark.gpu
+def test_a_cuda_fit_saves_in_the_background_and_its_last_checkpoint_holds_the_trained_weights(
+    tmp_path: Path,
+) -> None:
+    strategy = preset("auto", hardware=HardwareInfo.detect(), precision="32-true")
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1)
+    trainer = tiny_trainer(
+        tmp_path, strategy=strategy, callbacks=[checkpoint], limit_train_batches=8, accelerator="gpu"
+    )
+    model = BoringModel()
+    trainer.fit(model, datamodule=BoringDataModule())
+    assert strategy.saves_in_background
+    saved = torch.load(checkpoint.best_model_path, weights_only=False)
+    weights = {k: v.cpu() for k, v in model.state_dict().items()}
+    assert all(torch.equal(saved["state_dict"][k], v) for k, v in weights.items())
+    assert saved["global_step"] == 8
+
+
+def test_a_save_that_cannot_pin_memory_copies_as_before_for_the_rest_of_the_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    tries = []
+
+    def refused(checkpoint: dict[str, Any], pin: bool = True) -> Any:
+        tries.append(pin)
+        if pin:
+            raise RuntimeError("CUDA error: out of memory (pinned host memory)")  # simulated: no GPU here
+        return real(checkpoint, pin=False)
+
+    real = saves_module.host_copy
+    monkeypatch.setattr(saves_module, "host_copy", refused)
+    inner = _SlowIO()
+    saves = BackgroundSaves(inner)
+    saves.save_checkpoint({"w": torch.zeros(())}, "a")
+    saves.save_checkpoint({"w": torch.ones(())}, "b")
+    saves.teardown()
+    assert inner.log == [("save", "a=0.0"), ("save", "b=1.0")] and tries == [True, False, False]

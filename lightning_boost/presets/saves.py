@@ -9,6 +9,9 @@ tensors to host memory on the training thread (where the values are taken, so th
 cannot change them) and hands the serialization, the write and the removals to one worker
 thread, which runs them in the order they were asked for:
 
+- a CUDA tensor's copy goes into pinned memory without waiting for the device (`host_copy`): it
+  is queued on the tensor's stream ahead of the next step's in-place updates, and the worker
+  waits for it before it writes; other tensors are copied at once;
 - a file a save replaces is removed only after that save has landed; a failed save keeps it,
   and the next save, removal, load or the end of the fit raises the error;
 - at most one save is in flight: a save waits for the one before it, so host memory holds one
@@ -26,6 +29,7 @@ GPU memory) and removes the old file while the new one may still be unwritten.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -42,6 +46,10 @@ from lightning_boost.report import Finding, Severity
 
 #: How a user turns it off, for the error message.
 OFF = "preset(..., background_saves=False)"
+#: The most bytes of CUDA tensors a save copies into pinned host memory without waiting for the
+#: device; a larger checkpoint's are copied as the CPU's are, each copy waiting. PyTorch's caching
+#: host allocator keeps the pinned blocks for the next save, so this is also what stays pinned.
+PINNED_LIMIT_BYTES = 4 << 30
 
 
 def file_readers(loggers: Iterable[object]) -> list[str]:
@@ -91,9 +99,61 @@ def saves_finding(readers: list[str]) -> Finding:
     return Finding("preset", "precision and strategy", Severity.INFO, title, detail, data=data)
 
 
-def host_copy(checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """`checkpoint` with new containers and every tensor copied to host memory (detached)."""
-    return apply_to_collection(checkpoint, torch.Tensor, lambda t: t.detach().to("cpu", copy=True))
+def host_copy(checkpoint: dict[str, Any], pin: bool = True) -> tuple[dict[str, Any], Callable[[], None]]:
+    """`checkpoint` with new containers and every tensor copied to host memory (detached), and the
+    wait for those copies, to call before reading them.
+
+    With `pin`, CUDA tensors (`PINNED_LIMIT_BYTES` at most in all) are copied into pinned memory
+    without waiting for the device, on each device's current stream: queued ahead of whatever the
+    training thread launches next (the optimizer's in-place updates), each copy holds the value
+    at the call, and the wait is an event recorded after them. Other tensors are copied at once.
+
+    Example:
+        >>> snapshot, landed = host_copy({"state_dict": {"w": torch.ones(2, requires_grad=True)}})
+        >>> landed()
+        >>> snapshot["state_dict"]["w"]
+        tensor([1., 1.])
+    """
+    pinned = 0
+
+    def count(t: torch.Tensor) -> None:
+        nonlocal pinned
+        pinned += t.nbytes if _pinnable(t) else 0
+
+    apply_to_collection(checkpoint, torch.Tensor, count)
+    if not pin or not pinned or pinned > PINNED_LIMIT_BYTES:
+        return apply_to_collection(checkpoint, torch.Tensor, _copied), _landed
+    streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def staged(t: torch.Tensor) -> torch.Tensor:
+        if not _pinnable(t):
+            return _copied(t)
+        streams.setdefault(t.device, torch.cuda.current_stream(t.device))
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t.detach(), non_blocking=True)
+
+    snapshot = apply_to_collection(checkpoint, torch.Tensor, staged)
+    return snapshot, functools.partial(_landed, *map(_recorded, streams.values()))
+
+
+def _pinnable(t: torch.Tensor) -> bool:
+    return t.is_cuda and t.layout is torch.strided and not t.is_quantized
+
+
+def _copied(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+def _recorded(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    """An event after everything queued on `stream` so far; waiting for it sleeps (no CPU spun)."""
+    event = torch.cuda.Event(blocking=True)
+    event.record(stream)
+    return event
+
+
+def _landed(*events: torch.cuda.Event) -> None:
+    """Wait for `events` (the GIL released meanwhile)."""
+    for event in events:
+        event.synchronize()
 
 
 class BackgroundSaves(CheckpointIO):
@@ -105,14 +165,15 @@ class BackgroundSaves(CheckpointIO):
         self._last: Future[None] | None = None
         self._error: tuple[str, BaseException] | None = None  # kept: nothing after it runs
         self._raised = False
+        self._pin = True  # until pinned memory cannot be had
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any = None) -> None:
         self._wait()
         fs = get_filesystem(path)  # the directory now: `save_last="link"` links into it at once
         fs.makedirs(os.path.dirname(path), exist_ok=True)
-        snapshot = host_copy(checkpoint)
-        self._submit(f"saving {path}", self.inner.save_checkpoint, snapshot, path, storage_options)
+        snapshot, landed = self._host_copy(checkpoint)
+        self._submit(f"saving {path}", self._write, snapshot, landed, path, storage_options)
 
     @override
     def remove_checkpoint(self, path: _PATH) -> None:
@@ -139,6 +200,23 @@ class BackgroundSaves(CheckpointIO):
                 self._worker.shutdown(wait=True)
                 self._worker = None
             self.inner.teardown()
+
+    def _host_copy(self, checkpoint: dict[str, Any]) -> tuple[dict[str, Any], Callable[[], None]]:
+        """`host_copy`, without pinned memory from the first time it cannot be allocated (the
+        device's copies then wait, as a save on the training thread's do)."""
+        if self._pin:
+            try:
+                return host_copy(checkpoint)
+            except RuntimeError:  # pinned memory refused: copies already queued finish on their own
+                self._pin = False
+        return host_copy(checkpoint, pin=False)
+
+    def _write(
+        self, snapshot: dict[str, Any], landed: Callable[[], None], path: _PATH, storage_options: Any
+    ) -> None:
+        """On the worker: the write, once the snapshot's copies have landed."""
+        landed()
+        self.inner.save_checkpoint(snapshot, path, storage_options)
 
     def _submit(self, what: str, work: Callable[..., None], *args: Any) -> None:
         if self._worker is None:
