@@ -15,6 +15,7 @@ import lightning as L
 import torch
 from typing_extensions import override
 
+from lightning_boost import instrumented
 from lightning_boost._validation import Matches, validated
 from lightning_boost.guards.base import EveryNSteps, Guard, GuardMode, Overhead
 from lightning_boost.guards.sampling import Sampler
@@ -239,6 +240,8 @@ class SyncGuard(Guard):
         if phase == "training" and (checked or self.scope == "fit"):  # unchecked steps: no work
             self._mark_host_side(trainer)
         if checked and self._watch is not None:
+            if phase == "training":
+                instrumented.mark()  # tuners timing the run's steps leave this one out
             shapes = batch_shapes(batch)
             self._window = (phase, now, shapes not in self._shapes)
             self._shapes.add(shapes)

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader
 
+from lightning_boost import instrumented
 from lightning_boost.workers.loaders import SameOrderDataLoader, loader_options
 from lightning_boost.workers.online import (
     LOADER_BOUND,
@@ -199,15 +200,25 @@ class OnlineSearch:
 
 class _Timing:
     """One segment's batches as they arrive: when each came, and whether its workers failed;
-    the steps of its first `warmup` batches are not timed when enough steps remain."""
+    the steps of its first `warmup` batches are not timed when enough steps remain, nor are the
+    steps a guard checked (`marks`: `instrumented.count`)."""
 
-    def __init__(self, setting: Setting, chunk: list[list[int]], clock: Clock, warmup: int = 0) -> None:
+    def __init__(
+        self,
+        setting: Setting,
+        chunk: list[list[int]],
+        clock: Clock,
+        warmup: int = 0,
+        marks: Callable[[], int] = instrumented.count,
+    ) -> None:
         self.setting = setting
         self.warmup = warmup
         self.chunk = chunk
         self.clock = clock
+        self.marks = marks
         self.started = clock()
         self.times: list[float] = []
+        self.marked: list[int] = []  # `marks()` at each arrival: a step between two that differ was checked
         self.waits: list[float] = []  # in `next`: the host's wait for each batch (the first's is start-up)
         self.arrived = 0
         self.failed = ""
@@ -229,6 +240,7 @@ class _Timing:
             if not self.failed:
                 self.times.append(self.clock())
                 self.waits.append(self.times[-1] - asked if self.arrived else 0.0)
+                self.marked.append(self.marks())
             if self.arrived == 0:
                 self.batch_bytes = tensor_bytes(batch)
             self.arrived += 1
@@ -250,12 +262,20 @@ class _Timing:
         span = max(self.times[last] - self.times[first], 1e-9)
         return min(sum(self.waits[first + 1 : last + 1]) / span, 1.0)
 
+    def _unchecked(self, first: int, last: int) -> list[int]:
+        """The intervals from arrival `first` to arrival `last` during which no guard checked a
+        step, when there are `MIN_TIMED_STEPS` of them; else all of them."""
+        every = range(first, last)
+        unchecked = [step for step in every if self.marked[step + 1] == self.marked[step]]
+        return unchecked if len(unchecked) >= MIN_TIMED_STEPS else list(every)
+
     def trial(self) -> WorkerTrial:
         """Samples per second from the first batch's arrival to the last's (the steps between
         included), or the failure. The last steps, at the batches the workers' queue held when the
         segment started (loaded while the segment before ran), are left out when enough steps
         remain: no loading competes with them, so they would flatter the setting; so are the steps
-        at the first `warmup` batches."""
+        at the first `warmup` batches, and the steps a guard checked (slower than the run's, they
+        would count against the setting)."""
         workers, factor, threads = self.setting
         seconds = self.clock() - self.started
         if self.failed or len(self.times) < 2:
@@ -265,10 +285,11 @@ class _Timing:
         if last - queued >= MIN_TIMED_STEPS:
             last -= queued
         first = self.warmup if last - self.warmup >= MIN_TIMED_STEPS else 0
-        samples = sum(len(batch) for batch in self.chunk[first:last])  # the steps timed
-        span = max(self.times[last] - self.times[first], 1e-9)
+        steps = self._unchecked(first, last)  # from one arrival to the next: a step and a wait
+        samples = sum(len(self.chunk[step]) for step in steps)
+        span = max(sum(self.times[step + 1] - self.times[step] for step in steps), 1e-9)
+        share = min(sum(self.waits[step + 1] for step in steps) / span, 1.0)
         startup = self.times[0] - self.started
-        share = self._load_share(first, last)
         return WorkerTrial(
             workers, factor, samples / span, seconds, self.batch_bytes, "", startup, threads, share
         )
