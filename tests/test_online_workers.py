@@ -656,6 +656,33 @@ def test_each_loader_starts_with_its_threads_while_the_batch_before_it_steps() -
     assert sum(handed) == len(dataset)
 
 
+def test_a_segments_workers_stop_as_its_last_batch_arrives_and_count_in_the_search_cost() -> None:
+    """Forking a segment's workers and joining them run on the training thread: they are the
+    search's cost (a run set by hand starts one loader), and the workers of a finished segment
+    must not linger beside the next one's (its last batch came: they have nothing left to do)."""
+    dataset = TensorDataset(torch.arange(200))
+    hardware = EXAMPLES["cpu"].replace(cpus_available=2)
+    plan = SegmentPlan(8, 3)
+    lingering: list[int] = []  # worker processes alive as each loader's setting is applied
+    settled: list[WorkerChoice] = []
+    start = functools.partial(search_online, hardware, TUNING, plan, Setting(0))
+    search = OnlineSearch(
+        start,
+        plan,
+        TUNING,
+        Setting(0),
+        configure=lambda workers, threads: lingering.append(len(multiprocessing.active_children())),
+        settled=settled.append,
+    )
+    assert sum(len(batch) for (batch,) in SegmentedDataLoader(dataset, batch_size=3, online=search)) == 200
+    (choice,) = settled
+    assert any(trial.num_workers for trial in choice.trials)
+    assert lingering == [0] * len(lingering) and len(lingering) == len(choice.trials) + 1
+    started = [trial.overhead_s for trial in choice.trials if trial.num_workers]
+    assert all(seconds > 0 for seconds in started)
+    assert choice.seconds >= sum(trial.overhead_s for trial in choice.trials) > 0
+
+
 class _Slow(Dataset[int]):
     """Sample ``i`` is ``i``, after 2 ms of loading."""
 

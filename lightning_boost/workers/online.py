@@ -613,16 +613,20 @@ def _fewest_fed(near: list[int], trials: list[WorkerTrial], tuning: WorkerTuning
 
 def search_cost(trials: list[WorkerTrial], winner_rate: float) -> float:
     """Seconds the search's segments took beyond running them at the winner's rate (each segment
-    trains the run anyway: only the slower settings cost time; a failed one costs all of its).
+    trains the run anyway: only the slower settings cost time; a failed one costs all of its),
+    plus each segment's starting and stopping of its workers (`overhead_s`: a run set by hand
+    starts one loader).
 
     Example:
-        >>> trials = [WorkerTrial(0, None, 100.0, seconds=2.0), WorkerTrial(2, 2, 200.0, seconds=1.0)]
+        >>> trials = [WorkerTrial(0, None, 100.0, seconds=2.0), WorkerTrial(2, 2, 200.0, 1.0)]
+        >>> trials[1] = dataclasses.replace(trials[1], overhead_s=0.04)  # its workers' start and stop
         >>> search_cost(trials, 200.0)
-        1.0
+        1.04
     """
     if winner_rate <= 0:
         return 0.0
     return sum(
-        trial.seconds * max(0.0, 1 - trial.samples_per_s / winner_rate) if trial.ok else trial.seconds
+        (trial.seconds * max(0.0, 1 - trial.samples_per_s / winner_rate) if trial.ok else trial.seconds)
+        + trial.overhead_s
         for trial in trials
     )

@@ -128,6 +128,8 @@ class WorkerTrial:
         threads: the model's threads, when a segment of the run's own batches set them apart
             from its worker count (a CPU run's probe of the model at fewer threads).
         load_share: the share of a segment's time spent waiting for batches (host side).
+        overhead_s: a segment's seconds on the training thread starting its workers and stopping
+            them (forking and joining the processes), beyond `seconds`.
     """
 
     num_workers: int
@@ -139,6 +141,7 @@ class WorkerTrial:
     startup_s: float = 0.0
     threads: int | None = None
     load_share: float = 0.0
+    overhead_s: float = 0.0
 
     @property
     def ok(self) -> bool:

@@ -99,6 +99,7 @@ class OnlineSearch:
         self.prior = Setting(*prior)
         self.followers: list[DataLoader[Any]] = []
         self._trials: list[WorkerTrial] = []
+        self._start_s = 0.0  # the last `_start`'s seconds
 
     def follow(self, loader: DataLoader[Any]) -> None:
         """Give `loader` (an evaluation loader built at the prior) the winning setting too."""
@@ -122,7 +123,7 @@ class OnlineSearch:
         try:
             while setting is not None and chunk:
                 warmup = 0 if self._trials else WARMUP_STEPS  # the run's first segment
-                timing = _Timing(setting, chunk, self.clock, warmup)
+                timing = _Timing(setting, chunk, self.clock, warmup, start_s=self._start_s)
                 following: tuple[Setting | None, list[list[int]], Iterator[Any]] = (None, [], iter(()))
                 fallback = functools.partial(self._resume, loader, chunk, last_good, next(seeds))
                 for batch in timing.run(stream, fallback):
@@ -130,7 +131,7 @@ class OnlineSearch:
                         batches = itertools.chain(chunk[timing.arrived :], batches)
                         del chunk[timing.arrived :]  # not loaded yet (no workers), so they open the next
                     if timing.arrived == len(chunk):  # the last: decide and start the next before its step
-                        following = self._advance(loader, timing, batches, next(seeds))
+                        following = self._advance(loader, timing, batches, next(seeds), stream)
                     yield batch
                 if not timing.failed:
                     last_good = setting
@@ -146,11 +147,19 @@ class OnlineSearch:
                 self._settle([loader])
 
     def _advance(
-        self, loader: DataLoader[Any], timing: _Timing, batches: Iterator[list[int]], seed: int
+        self,
+        loader: DataLoader[Any],
+        timing: _Timing,
+        batches: Iterator[list[int]],
+        seed: int,
+        stream: Iterator[Any],
     ) -> tuple[Setting | None, list[list[int]], Iterator[Any]]:
         """The segment's trial to the search; the next segment's setting, batches and loader (no
-        setting once the search has ended: the loader of the epoch's remaining batches)."""
-        trial = self.share(timing.trial())
+        setting once the search has ended: the loader of the epoch's remaining batches). The
+        segment's loader (`stream`: every batch of it has arrived) stops its workers first."""
+        stopping = self.clock()
+        stop_loader(stream)
+        trial = self.share(timing.trial(stop_s=self.clock() - stopping))
         self._trials.append(trial)
         try:
             setting = Setting(*self.search.send(trial))
@@ -167,8 +176,11 @@ class OnlineSearch:
         step of the batch before, which must not keep the threads of a setting with fewer workers
         (on 2 CPUs, the model's 2 threads beside 2 starting workers made that step 330-560 ms
         against 45 ms, `data_bound` timed by hand, 2026-11-25)."""
+        starting = self.clock()
         self.configure(setting.num_workers, setting.threads)
-        return start_loader(loader, batches, setting, seed, self.tuning.timeout_s)
+        stream = start_loader(loader, batches, setting, seed, self.tuning.timeout_s)
+        self._start_s = self.clock() - starting  # the forks, on the training thread: a cost of the search
+        return stream
 
     def _rest(self, loader: DataLoader[Any], batches: Iterable[list[int]], seed: int) -> Iterator[Any]:
         """The search settled (`_settle`, which applies the winner's process side) and the epoch's
@@ -210,8 +222,10 @@ class _Timing:
         clock: Clock,
         warmup: int = 0,
         marks: Callable[[], int] = instrumented.count,
+        start_s: float = 0.0,
     ) -> None:
         self.setting = setting
+        self.start_s = start_s
         self.warmup = warmup
         self.chunk = chunk
         self.clock = clock
@@ -269,18 +283,22 @@ class _Timing:
         unchecked = [step for step in every if self.marked[step + 1] == self.marked[step]]
         return unchecked if len(unchecked) >= MIN_TIMED_STEPS else list(every)
 
-    def trial(self) -> WorkerTrial:
+    def trial(self, stop_s: float = 0.0) -> WorkerTrial:
         """Samples per second from the first batch's arrival to the last's (the steps between
         included), or the failure. The last steps, at the batches the workers' queue held when the
         segment started (loaded while the segment before ran), are left out when enough steps
         remain: no loading competes with them, so they would flatter the setting; so are the steps
         at the first `warmup` batches, and the steps a guard checked (slower than the run's, they
-        would count against the setting)."""
+        would count against the setting). Starting its loader (`start_s`) and stopping it
+        (`stop_s`) are its `overhead_s`."""
         workers, factor, threads = self.setting
         seconds = self.clock() - self.started
+        overhead = self.start_s + stop_s
         if self.failed or len(self.times) < 2:
             error = self.failed or "too few batches to time"
-            return WorkerTrial(workers, factor, 0.0, seconds, self.batch_bytes, error, threads=threads)
+            return WorkerTrial(
+                workers, factor, 0.0, seconds, self.batch_bytes, error, threads=threads, overhead_s=overhead
+            )
         last, queued = len(self.times) - 1, queue_depth(workers, factor)
         if last - queued >= MIN_TIMED_STEPS:
             last -= queued
@@ -291,7 +309,7 @@ class _Timing:
         share = min(sum(self.waits[step + 1] for step in steps) / span, 1.0)
         startup = self.times[0] - self.started
         return WorkerTrial(
-            workers, factor, samples / span, seconds, self.batch_bytes, "", startup, threads, share
+            workers, factor, samples / span, seconds, self.batch_bytes, "", startup, threads, share, overhead
         )
 
 
@@ -307,7 +325,20 @@ def start_loader(
         "timeout": (loader.timeout or timeout_s) if workers else 0,
         "generator": torch.Generator().manual_seed(seed & ((1 << 63) - 1)),
     }
-    return iter(DataLoader(loader.dataset, batch_sampler=_Once(batches), **options))
+    return _owned(iter(DataLoader(loader.dataset, batch_sampler=_Once(batches), **options)))
+
+
+def _owned(iterator: Iterator[Any]) -> Generator[Any, None, None]:
+    """`iterator`'s items, from a generator that holds the only reference to it: `stop_loader` releases
+    it, and a worker loader's iterator stops its workers when released."""
+    yield from iterator
+
+
+def stop_loader(stream: Iterator[Any]) -> None:
+    """Stop `stream` (from `start_loader`) at once: its workers, if any, exit now (joined)."""
+    close = getattr(stream, "close", None)
+    if close is not None:
+        close()
 
 
 class _Once:
