@@ -139,8 +139,9 @@ def run(samples: int = 32768, batch_size: int = 64, repeats: int = 3) -> list[Ro
             f" the sweep's best setting's, run beside it (the same repeats as the row above)", COMMAND),
         Row("data-bound: tuning time / one epoch (target <= 0.10)",
             max(rep.choice.seconds for rep in reps) / epoch_seconds,
-            f"cold cache, the most of {repeats}: the search's slower segments cost"
-            f" {', '.join(f'{rep.choice.seconds:.1f}' for rep in reps)} s against the winner's rate,"
+            f"cold cache, the most of {repeats}: the search's slower segments, and starting and stopping"
+            f" their workers, cost {', '.join(f'{rep.choice.seconds:.1f}' for rep in reps)} s against the"
+            " winner's rate,"
             f" nothing is timed before the fit; epoch {epoch_seconds:.1f} s; warm-cache tuning"
             f" {warm_seconds:.2f} s (target <= 1 s)", COMMAND),
     ]  # fmt: skip
