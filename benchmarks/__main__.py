@@ -23,6 +23,7 @@ BENCHMARKS = (
     "compute_bound",
     "data_bound",
     "worker_replay",
+    "checked_steps",
     "batch_size",
     "gpu_batch_size",
     "cudnn_autotune",

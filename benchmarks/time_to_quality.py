@@ -155,10 +155,17 @@ class Data(BoostedDataModule):
 
 
 def _fit(
-    workload: Workload, root: Path, seed: int, boosted: bool, cache: Path, grow: bool = False
+    workload: Workload,
+    root: Path,
+    seed: int,
+    boosted: bool,
+    cache: Path,
+    grow: bool = False,
+    datamodules: list[Data] | None = None,
 ) -> tuple[Throughput, AutoBatchSize | None, str]:
+    """One fit; a boosted one's datamodule goes to `datamodules` when given."""
     with _cold(cache):
-        return _fit_in(workload, root, seed, boosted, cache, grow)
+        return _fit_in(workload, root, seed, boosted, cache, grow, datamodules)
 
 
 @contextlib.contextmanager
@@ -176,7 +183,13 @@ def _cold(cache: Path) -> Iterator[None]:
 
 
 def _fit_in(
-    workload: Workload, root: Path, seed: int, boosted: bool, cache: Path, grow: bool
+    workload: Workload,
+    root: Path,
+    seed: int,
+    boosted: bool,
+    cache: Path,
+    grow: bool,
+    datamodules: list[Data] | None = None,
 ) -> tuple[Throughput, AutoBatchSize | None, str]:
     clock = Throughput()
     tuner = AutoBatchSize(cache_dir=cache, grow=grow) if boosted else None
@@ -197,7 +210,10 @@ def _fit_in(
         num_sanity_val_steps=0,
     )
     if boosted:
-        trainer.fit(workload.model(), datamodule=Data(workload, batch_size=64, cache_dir=cache))
+        data = Data(workload, batch_size=64, cache_dir=cache)
+        if datamodules is not None:
+            datamodules.append(data)
+        trainer.fit(workload.model(), datamodule=data)
     else:
         train = DataLoader(workload.train(), batch_size=64, shuffle=True)
         trainer.fit(workload.model(), train, DataLoader(workload.val(), batch_size=64))

@@ -151,6 +151,18 @@ def test_the_cudnn_autotune_benchmark_says_it_needs_cuda(capsys) -> None:
     assert "needs a CUDA device" in capsys.readouterr().out
 
 
+def test_the_checked_steps_benchmark_reads_both_first_segments() -> None:
+    """The path at a tiny size, not the figure: one fit of each kind, and the instrumented count
+    is put back."""
+    from benchmarks import checked_steps
+    from lightning_boost import instrumented
+
+    count = instrumented.count
+    (row,) = checked_steps.run(fits=1, workload="mlp")
+    assert row.ratio > 0 and row.command == checked_steps.COMMAND and instrumented.count is count
+    assert re.search(r"first segment [\d,]+ samples/s \([\d,]+; [01] of 1 kept", row.detail)
+
+
 def test_the_checkpoint_saves_benchmark_compares_the_two_settings(monkeypatch) -> None:
     """The path at a tiny size, not the figure: both settings fit, and the training thread's time
     in saves is measured for each."""

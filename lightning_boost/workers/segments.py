@@ -213,7 +213,7 @@ class OnlineSearch:
 class _Timing:
     """One segment's batches as they arrive: when each came, and whether its workers failed;
     the steps of its first `warmup` batches are not timed when enough steps remain, nor are the
-    steps a guard checked (`marks`: `instrumented.count`)."""
+    steps a guard checked (`marks`, by default `instrumented.count`)."""
 
     def __init__(
         self,
@@ -221,7 +221,7 @@ class _Timing:
         chunk: list[list[int]],
         clock: Clock,
         warmup: int = 0,
-        marks: Callable[[], int] = instrumented.count,
+        marks: Callable[[], int] | None = None,
         start_s: float = 0.0,
     ) -> None:
         self.setting = setting
@@ -229,7 +229,7 @@ class _Timing:
         self.warmup = warmup
         self.chunk = chunk
         self.clock = clock
-        self.marks = marks
+        self.marks = marks or instrumented.count
         self.started = clock()
         self.times: list[float] = []
         self.marked: list[int] = []  # `marks()` at each arrival: a step between two that differ was checked
