@@ -597,15 +597,18 @@ def test_a_short_first_epoch_is_not_searched(tmp_path: Path) -> None:
     assert choice.source == "short run" and "cannot time two settings" in choice.reason
 
 
-def _driver(shuffle: bool) -> tuple[Dataset[Any], SegmentedDataLoader, OnlineSearch, list[WorkerChoice]]:
+def _driver(
+    shuffle: bool, **options: Any
+) -> tuple[Dataset[Any], SegmentedDataLoader, OnlineSearch, list[WorkerChoice]]:
     """A `SegmentedDataLoader` over 200 indices, batch 3, with a pending search of three segments
-    of 8 batches on a 2-CPU machine, and the list its settled choice lands in."""
+    of 8 batches on a 2-CPU machine (`options`: more `OnlineSearch` arguments), and the list its
+    settled choice lands in."""
     dataset = TensorDataset(torch.arange(200))
     hardware = EXAMPLES["cpu"].replace(cpus_available=2)
     plan = SegmentPlan(8, 3)
     settled: list[WorkerChoice] = []
     start = functools.partial(search_online, hardware, TUNING, plan, Setting(0))
-    search = OnlineSearch(start, plan, TUNING, Setting(0), settled=settled.append)
+    search = OnlineSearch(start, plan, TUNING, Setting(0), settled=settled.append, **options)
     return (
         dataset,
         SegmentedDataLoader(dataset, batch_size=3, shuffle=shuffle, online=search),
@@ -660,21 +663,13 @@ def test_a_segments_workers_stop_as_its_last_batch_arrives_and_count_in_the_sear
     """Forking a segment's workers and joining them run on the training thread: they are the
     search's cost (a run set by hand starts one loader), and the workers of a finished segment
     must not linger beside the next one's (its last batch came: they have nothing left to do)."""
-    dataset = TensorDataset(torch.arange(200))
-    hardware = EXAMPLES["cpu"].replace(cpus_available=2)
-    plan = SegmentPlan(8, 3)
     lingering: list[int] = []  # worker processes alive as each loader's setting is applied
-    settled: list[WorkerChoice] = []
-    start = functools.partial(search_online, hardware, TUNING, plan, Setting(0))
-    search = OnlineSearch(
-        start,
-        plan,
-        TUNING,
-        Setting(0),
-        configure=lambda workers, threads: lingering.append(len(multiprocessing.active_children())),
-        settled=settled.append,
-    )
-    assert sum(len(batch) for (batch,) in SegmentedDataLoader(dataset, batch_size=3, online=search)) == 200
+
+    def configure(workers: int, threads: int | None) -> None:
+        lingering.append(len(multiprocessing.active_children()))
+
+    _, loader, _, settled = _driver(shuffle=False, configure=configure)
+    assert sum(len(batch) for (batch,) in loader) == 200
     (choice,) = settled
     assert any(trial.num_workers for trial in choice.trials)
     assert lingering == [0] * len(lingering) and len(lingering) == len(choice.trials) + 1
