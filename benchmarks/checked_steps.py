@@ -6,8 +6,8 @@ are the steps of the search's first segment, which times the setting the run sta
 is `time_to_quality`'s boosted one from a cold cache (README set-up); `fits` of each kind,
 alternating, with the count frozen for the counted ones (every step then looks unchecked). The
 ratio is the median first-segment samples/s left out over counted; the detail adds what each fit
-kept (a probe of the model on fewer threads wins against a slow first segment) and a plain
-Lightning fit's steady rate for scale.
+kept (a probe of the model on fewer threads wins against a slow first segment), a plain
+Lightning fit's rate for scale, and the search's reported cost with its workers' starts and stops.
 Run: ``python -m benchmarks checked_steps``.
 """
 
@@ -21,37 +21,43 @@ from pathlib import Path
 from benchmarks import time_to_quality
 from benchmarks.common import Row
 from lightning_boost import instrumented
+from lightning_boost.workers.search import WorkerChoice
 
 COMMAND = "python -m benchmarks checked_steps"
 
 
 def run(fits: int = 6, workload: str = "autoencoder") -> list[Row]:
     chosen = next(w for w in time_to_quality.WORKLOADS if w.name == workload)
-    readings: dict[bool, list[tuple[float, int | None]]] = {True: [], False: []}
+    searches: dict[bool, list[WorkerChoice]] = {True: [], False: []}
     for fit in range(fits):
         for left_out in (True, False) if fit % 2 == 0 else (False, True):
-            readings[left_out].append(_first_segment(chosen, left_out))
+            searches[left_out].append(_search(chosen, left_out))
     with tempfile.TemporaryDirectory() as folder:
         plain, _, _ = time_to_quality._fit(chosen, Path(folder), 0, False, Path(folder) / "cache")
-    left, counted = (statistics.median(rate for rate, _ in readings[key]) for key in (True, False))
+    first = {key: [choice.trials[0].samples_per_s for choice in value] for key, value in searches.items()}
+    left, counted = statistics.median(first[True]), statistics.median(first[False])
 
     def kept(key: bool) -> str:
-        threads = [t for _, t in readings[key]]
-        return f"{sum(t is None for t in threads)} of {len(threads)} kept the run's threads"
+        runs = searches[key]
+        return f"{sum(c.threads is None for c in runs)} of {len(runs)} kept the run's threads"
 
+    cost = statistics.median(choice.seconds for choice in searches[True])
+    overhead = statistics.median(sum(t.overhead_s for t in choice.trials) for choice in searches[True])
     detail = (
         f"{workload}, {fits} cold-cache fits each, alternating: first segment {left:,.0f} samples/s"
-        f" ({', '.join(f'{r:,.0f}' for r, _ in readings[True])}; {kept(True)}) with the checked steps"
-        f" left out, {counted:,.0f} ({', '.join(f'{r:,.0f}' for r, _ in readings[False])}; {kept(False)},"
+        f" ({', '.join(f'{r:,.0f}' for r in first[True])}; {kept(True)}) with the checked steps"
+        f" left out, {counted:,.0f} ({', '.join(f'{r:,.0f}' for r in first[False])}; {kept(False)},"
         f" the others a probe's fewer threads) counted; for scale, plain Lightning's fit"
-        f" {plain.samples_per_second:,.0f} from its first step to its last, validations included"
+        f" {plain.samples_per_second:,.0f} from its first step to its last, validations included. Left out,"
+        f" the search's reported cost {cost:.2f} s, {overhead:.3f} s of it starting and stopping its"
+        " segments' workers (medians)"
     )
     return [Row("worker search's first segment: checked steps left out / counted, samples/s", left / counted,
                 detail, COMMAND)]  # fmt: skip
 
 
-def _first_segment(workload: time_to_quality.Workload, left_out: bool) -> tuple[float, int | None]:
-    """One boosted fit: its first segment's samples/s and the model threads the search kept."""
+def _search(workload: time_to_quality.Workload, left_out: bool) -> WorkerChoice:
+    """One boosted fit's worker search."""
     count = instrumented.count
     if not left_out:
         instrumented.count = functools.partial(int, 0)  # every step looks unchecked to the segments
@@ -63,4 +69,4 @@ def _first_segment(workload: time_to_quality.Workload, left_out: bool) -> tuple[
     finally:
         instrumented.count = count
     (choice,) = datamodules[0].worker_tuner.choices.values()
-    return choice.trials[0].samples_per_s, choice.threads
+    return choice

@@ -114,13 +114,9 @@ def host_copy(checkpoint: dict[str, Any], pin: bool = True) -> tuple[dict[str, A
         >>> snapshot["state_dict"]["w"]
         tensor([1., 1.])
     """
-    pinned = 0
-
-    def count(t: torch.Tensor) -> None:
-        nonlocal pinned
-        pinned += t.nbytes if _pinnable(t) else 0
-
-    apply_to_collection(checkpoint, torch.Tensor, count)
+    tensors: list[torch.Tensor] = []
+    apply_to_collection(checkpoint, torch.Tensor, tensors.append)
+    pinned = sum(t.nbytes for t in tensors if _pinnable(t))
     if not pin or not pinned or pinned > PINNED_LIMIT_BYTES:
         return apply_to_collection(checkpoint, torch.Tensor, _copied), _landed
     streams: dict[torch.device, torch.cuda.Stream] = {}

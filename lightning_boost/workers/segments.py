@@ -21,7 +21,7 @@ from __future__ import annotations
 import functools
 import itertools
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -269,12 +269,15 @@ class _Timing:
         first = self.warmup
         if workers or threads is not None or self.failed or len(self.times) <= first + MIN_SEGMENT_BATCHES:
             return False
-        return self._load_share(first, len(self.times) - 1) >= LOADER_BOUND
+        return self._load_share(range(first, len(self.times) - 1)) >= LOADER_BOUND
 
-    def _load_share(self, first: int, last: int) -> float:
-        """The share of the steps from batch `first` to batch `last` spent waiting for batches."""
-        span = max(self.times[last] - self.times[first], 1e-9)
-        return min(sum(self.waits[first + 1 : last + 1]) / span, 1.0)
+    def _span(self, steps: Iterable[int]) -> float:
+        """The seconds of `steps`, each from its batch's arrival to the next's."""
+        return max(sum(self.times[step + 1] - self.times[step] for step in steps), 1e-9)
+
+    def _load_share(self, steps: Sequence[int]) -> float:
+        """The share of `steps`' time spent waiting for the batch after each."""
+        return min(sum(self.waits[step + 1] for step in steps) / self._span(steps), 1.0)
 
     def _unchecked(self, first: int, last: int) -> list[int]:
         """The intervals from arrival `first` to arrival `last` during which no guard checked a
@@ -305,8 +308,7 @@ class _Timing:
         first = self.warmup if last - self.warmup >= MIN_TIMED_STEPS else 0
         steps = self._unchecked(first, last)  # from one arrival to the next: a step and a wait
         samples = sum(len(self.chunk[step]) for step in steps)
-        span = max(sum(self.times[step + 1] - self.times[step] for step in steps), 1e-9)
-        share = min(sum(self.waits[step + 1] for step in steps) / span, 1.0)
+        span, share = self._span(steps), self._load_share(steps)
         startup = self.times[0] - self.started
         return WorkerTrial(
             workers, factor, samples / span, seconds, self.batch_bytes, "", startup, threads, share, overhead
