@@ -13,6 +13,9 @@ is sooner). A boosted run that never reaches it gets ratio 0.
 - ``autoencoder``: a 64-16-64 autoencoder with Adam on data with 8 latent factors (val MSE).
 - ``mlp (12 epochs)``: the MLP trained long enough for ``AutoBatchSize(grow=True)`` to grow its
   batch during the run; boosted once more without growing, so the row shows what growing adds.
+- ``mlp (own DataLoaders)``: the MLP's fit with the user's own DataLoaders passed to ``fit``, as
+  plain's: boosted by ``boost_callbacks()`` (`AutoNumWorkers` rebuilds them) and
+  ``preset("auto")`` alone, the set-up for a program that does not subclass `BoostedDataModule`.
 
 Each boosted fit has a cache directory of its own (``LIGHTNING_BOOST_CACHE_DIR`` too, where the
 precision's measurement is cached), so every one starts cold.
@@ -125,6 +128,7 @@ class Workload:
     epochs: int
     metric: str
     grows: bool = False  # boosted with AutoBatchSize(grow=True), and once more without
+    own_loaders: bool = False  # boosted with the plain DataLoaders, boost_callbacks() and the preset
 
 
 WORKLOADS = (
@@ -140,6 +144,15 @@ WORKLOADS = (
     Workload("autoencoder", AutoEncoder, lambda: factors(16384, 0), lambda: factors(2048, 1), 3, "val -MSE"),
     Workload(
         "mlp (12 epochs)", MLP, lambda: classes(7168, 0), lambda: classes(2048, 1), 12, "val accuracy", True
+    ),
+    Workload(
+        "mlp (own DataLoaders)",
+        MLP,
+        lambda: classes(7168, 0),
+        lambda: classes(2048, 1),
+        3,
+        "val accuracy",
+        own_loaders=True,
     ),
 )
 
@@ -192,10 +205,12 @@ def _fit_in(
     datamodules: list[Data] | None = None,
 ) -> tuple[Throughput, AutoBatchSize | None, str]:
     clock = Throughput()
-    tuner = AutoBatchSize(cache_dir=cache, grow=grow) if boosted else None
+    tuner = AutoBatchSize(cache_dir=cache, grow=grow) if boosted and not workload.own_loaders else None
     callbacks: list[L.Callback] = [clock]
+    if boosted:
+        callbacks += boost_callbacks(boost_report={"console": False}, auto_num_workers={"cache_dir": cache})
     if tuner is not None:
-        callbacks += [*boost_callbacks(boost_report={"console": False}), tuner]
+        callbacks.append(tuner)
     L.seed_everything(seed, verbose=False)
     trainer = L.Trainer(
         max_epochs=workload.epochs,
@@ -209,7 +224,7 @@ def _fit_in(
         val_check_interval=0.25,
         num_sanity_val_steps=0,
     )
-    if boosted:
+    if boosted and not workload.own_loaders:
         data = Data(workload, batch_size=64, cache_dir=cache)
         if datamodules is not None:
             datamodules.append(data)
@@ -222,6 +237,17 @@ def _fit_in(
 
 def _reach(clock: Throughput, target: float) -> float | None:
     return next((seconds for seconds, value in clock.curve if value >= target), None)
+
+
+def _batch(tuner: AutoBatchSize | None) -> str:
+    if tuner is None:
+        return "batch 64 (the user's DataLoaders: no AutoBatchSize)"
+    decision = tuner.decision
+    assert decision is not None
+    return (
+        f"batch {decision.batch_size}, lr x{decision.lr_factor:.2f}"
+        f" ({decision.kept or decision.stopped}){_growth(decision)}"
+    )
 
 
 def _growth(decision: BatchSizeDecision) -> str:
@@ -253,8 +279,7 @@ def run() -> list[Row]:
         target = plain.curve[-1][1]
         noise = abs(again.curve[-1][1] - target)
         plain_s, boosted_s = _reach(plain, target), _reach(boosted, target)
-        assert plain_s is not None and tuner is not None and tuner.decision is not None
-        decision = tuner.decision
+        assert plain_s is not None
         reached = f"{boosted_s:.1f} s" if boosted_s is not None else "never"
         rows.append(
             Row(
@@ -262,10 +287,8 @@ def run() -> list[Row]:
                 plain_s / boosted_s if boosted_s else 0.0,
                 f"{workload.metric}: plain {target:.4g} (second seed {again.curve[-1][1]:.4g}, noise"
                 f" {noise:.2g}), boosted {boosted.curve[-1][1]:.4g}; plain's final reached at {plain_s:.1f} s"
-                f" plain, {reached} boosted (tuning {boosted.before_training_s:.1f} s); batch"
-                f" {decision.batch_size}, lr x{decision.lr_factor:.2f}"
-                f" ({decision.kept or decision.stopped}){_growth(decision)}; precision {precision}."
-                f"{_without_growth(fixed, target)}",
+                f" plain, {reached} boosted (tuning {boosted.before_training_s:.1f} s);"
+                f" {_batch(tuner)}; precision {precision}.{_without_growth(fixed, target)}",
                 COMMAND,
             )
         )

@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_boost import AutoNumWorkers, WorkerTuning
 from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
+from lightning_boost.workers.search import MIN_TIMED_BATCHES
 from tests.test_datamodule import IndexDataset, SeenIndices
 
 #: Trials before the fit; the search on the training loader's own batches: test_online_workers.
@@ -172,11 +173,51 @@ def test_loaders_too_small_to_pay_back_measuring_load_in_the_main_process(tmp_pa
     assert not (tmp_path / "lightning_boost_cache" / "workers.json").exists()  # not cached for long runs
 
 
+class _CountedLoads(IndexDataset):
+    """Counts the samples loaded in this process (a main-process loader's: no workers)."""
+
+    loads = 0
+
+    @override
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        type(self).loads += 1
+        return super().__getitem__(index)
+
+
+class _LoadsBeforeTraining(L.Callback):
+    def __init__(self) -> None:
+        self.loads = -1
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.loads = _CountedLoads.loads
+
+
+def test_a_validation_set_that_loads_quickly_is_timed_for_a_few_batches_not_a_whole_window(
+    tmp_path: Path,
+) -> None:
+    # 2,048 validation samples over one epoch load in milliseconds: measuring them for the 0.5 s
+    # window once cost a short fit a third of its wall time (0.5 s of 1.5 s) to learn that no
+    # worker can pay back. The trial ends as soon as the run's whole load is projected shorter.
+    _CountedLoads.loads = 0
+    callback, before = AutoNumWorkers(WorkerTuning(window_s=30.0)), _LoadsBeforeTraining()
+    options = {"max_epochs": 1, "limit_train_batches": 2, "limit_val_batches": 1.0, "num_sanity_val_steps": 0}
+    trainer = tiny_trainer(tmp_path, callbacks=[callback, before], **options)
+    val = DataLoader(_CountedLoads(2048), batch_size=16)
+    trainer.fit(SeenIndices(), DataLoader(IndexDataset(64), batch_size=8), val)
+    (choice,) = [c for c in callback.worker_tuner.choices.values() if c.trials]
+    assert choice.num_workers == 0 and choice.source == "short run" and "(~30 s)" in choice.reason
+    assert before.loads == 16 * (1 + MIN_TIMED_BATCHES)  # one untimed batch, then the timed ones
+    assert trainer.state.finished
+
+
 def test_the_run_workload_comes_from_the_trainer(tmp_path: Path) -> None:
     from lightning_boost.workers.tuner import workload
 
     trainer = tiny_trainer(tmp_path, max_epochs=3, limit_train_batches=5, limit_val_batches=1.0)
     assert workload(trainer, "train", IndexDataset(64), 8) == 3 * 5 * 8
     assert workload(trainer, "val", IndexDataset(16), 4) == 3 * 16
+    four_a_epoch = tiny_trainer(tmp_path, max_epochs=3, val_check_interval=0.25, limit_val_batches=1.0)
+    assert workload(four_a_epoch, "val", IndexDataset(16), 4) == 3 * 4 * 16
     unbounded = tiny_trainer(tmp_path, max_epochs=-1, max_steps=-1)
     assert workload(unbounded, "train", IndexDataset(64), 8) is None  # unknown: measured

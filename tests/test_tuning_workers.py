@@ -24,6 +24,7 @@ from lightning_boost.workers.search import (
     compute_threads,
     describe_failure,
     measure_loader,
+    not_worth_measuring,
     open_files_plan,
     search_workers,
     worker_candidates,
@@ -246,6 +247,21 @@ def test_measure_loader_hands_each_timed_batch_to_the_consumer() -> None:
         consume=consume,
     )  # fmt: skip
     assert trial.samples_per_s == pytest.approx(8.0) and len(seen) == 5
+
+
+def test_measure_loader_ends_once_the_runs_whole_load_is_projected_under_the_window() -> None:
+    now = [0.0]
+    batch = torch.zeros(8, 3)
+    make = lambda n, pf: _batches(1 / 64, now, batch)  # noqa: E731  512 samples/s, exact in binary
+    clock = lambda: now[0]  # noqa: E731
+    quick = measure_loader(make, 0, None, batch_size=8, window_s=5.0, clock=clock, run_samples=512)
+    assert quick.samples_per_s == 512.0 and now[0] == 4 / 64  # one untimed batch and 3 timed
+    assert not_worth_measuring(quick, 512, window_s=5.0) is not None  # 1 s of loading, under 5 s
+    tiny = measure_loader(make, 0, None, batch_size=8, window_s=5.0, clock=clock, run_samples=8)
+    assert tiny.seconds == 2 / 64  # its only batch timed: the run loads no more
+    long = measure_loader(make, 0, None, batch_size=8, window_s=5.0, clock=clock, run_samples=10**5)
+    assert long.seconds == 1 / 64 + 5.0  # 195 s of loading: the whole window
+    assert not_worth_measuring(long, 10**5, window_s=5.0) is None
 
 
 def test_measure_loader_turns_errors_into_failed_trials() -> None:

@@ -85,7 +85,7 @@ def decide_workers(
     first = probes.loader(0, None)
     rates: Mapping[int, float] = {}
     skipped: list[str] = []
-    if not (tuning.skip_short_runs and not_worth_measuring(first, workload_samples)):
+    if not (tuning.skip_short_runs and not_worth_measuring(first, workload_samples, tuning.window_s)):
         if probes.cpu_step is not None:
             rates, tuning, skipped = _model_first(probes.cpu_step, hardware.cpus_per_process, tuning)
         elif probes.consumer_rate is not None and tuning.target_samples_per_s is None:

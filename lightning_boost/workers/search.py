@@ -41,6 +41,8 @@ from lightning_boost.hardware import HardwareInfo
 
 #: More worker processes than any machine runs: a cap above this is a mistake, not a cap.
 MAX_WORKERS_CAP = 1024
+#: Batches a main-process trial times before the run's projected load may end it early.
+MIN_TIMED_BATCHES = 3
 
 Clock = Callable[[], float]
 #: ``measure(num_workers, prefetch_factor)``: one timed trial of a loader setting.
@@ -337,11 +339,13 @@ def run_samples(
     max_steps: int = -1,
     accumulate: int = 1,
     val_every_n_epochs: int | None = 1,
+    val_checks_per_epoch: int = 1,
 ) -> int | None:
     """Samples a run loads from its ``"train"`` or ``"val"`` loader; ``None`` when unbounded.
 
     The arguments are the Trainer's (``limit_<split>_batches``, ``max_epochs``, ``max_steps``,
-    ``accumulate_grad_batches``, ``check_val_every_n_epoch``).
+    ``accumulate_grad_batches``, ``check_val_every_n_epoch``, and the validations an epoch its
+    ``val_check_interval`` asks for: `val_checks_per_epoch`).
 
     Example:
         >>> run_samples("val", 128, 32, 1.0, max_epochs=3)  # 4 batches, validated after each epoch
@@ -350,6 +354,8 @@ def run_samples(
         2000
         >>> run_samples("train", 50_000, 100, 1.0, max_epochs=-1, max_steps=300, accumulate=2)
         60000
+        >>> run_samples("val", 128, 32, 1.0, max_epochs=3, val_checks_per_epoch=4)  # interval 0.25
+        1536
         >>> run_samples("val", 128, 32, 1.0, max_epochs=-1, max_steps=100) is None  # by steps: unknown
         True
     """
@@ -361,7 +367,7 @@ def run_samples(
     if split == "val":
         if epochs is None or not val_every_n_epochs:
             return None
-        return batches * batch_size * max(epochs // val_every_n_epochs, 1)
+        return batches * batch_size * max(epochs // val_every_n_epochs, 1) * val_checks_per_epoch
     bounds = []  # in batches: the epochs', the optimizer steps'
     if epochs is not None:
         bounds.append(epochs * batches)
@@ -370,12 +376,15 @@ def run_samples(
     return min(bounds) * batch_size if bounds else None
 
 
-def not_worth_measuring(first: WorkerTrial, workload_samples: int | None) -> str | None:
+def not_worth_measuring(
+    first: WorkerTrial, workload_samples: int | None, window_s: float = 0.0
+) -> str | None:
     """Why measuring worker settings cannot pay back, or ``None`` when it may.
 
     Workers can save at most the time the run spends loading in the main process; when that is
-    less than one more trial takes (at least as long as the first, without worker start-up),
-    the run is faster without measuring (a small validation set, a few-batch job).
+    less than one more trial takes (at least as long as the first, without worker start-up, and
+    at least its `window_s`), the run is faster without measuring (a small validation set, a
+    few-batch job).
 
     Example:
         >>> first = WorkerTrial(0, None, samples_per_s=1000.0, seconds=0.6)
@@ -388,11 +397,12 @@ def not_worth_measuring(first: WorkerTrial, workload_samples: int | None) -> str
     if workload_samples is None or not first.ok or first.samples_per_s <= 0:
         return None
     loading_s = workload_samples / first.samples_per_s
-    if loading_s > first.seconds:
+    trial_s = max(first.seconds, window_s)
+    if loading_s > trial_s:
         return None
     return (
         f"the run loads {workload_samples} samples from it, about {loading_s:.2g} s in the main process,"
-        f" less than one more measurement takes (~{first.seconds:.2g} s)"
+        f" less than one more measurement takes (~{trial_s:.2g} s)"
     )
 
 
@@ -422,7 +432,9 @@ def search_workers(
     start = clock()
     factor = tuning.prefetch_factors[0]
     trials = [measure(0, None)]
-    short = not_worth_measuring(trials[0], workload_samples) if tuning.skip_short_runs else None
+    short = (
+        not_worth_measuring(trials[0], workload_samples, tuning.window_s) if tuning.skip_short_runs else None
+    )
     if short is not None:
         return WorkerChoice(
             0, None, f"no workers: {short}", tuple(trials), (), clock() - start, source="short run"
@@ -530,14 +542,19 @@ def measure_loader(
     window_s: float,
     clock: Clock = time.perf_counter,
     consume: Callable[[Any], object] | None = None,
+    run_samples: int | None = None,
 ) -> WorkerTrial:
     """Time the loader `make_loader(num_workers, prefetch_factor)` builds, over `window_s` seconds.
 
     One batch per worker is fetched before the clock starts, so worker start-up and the first
-    round (which arrives all at once) do not inflate the rate. `consume` takes each timed batch
-    as training would before its step (a GPU run: the copy to the device, whose pinning and
-    transfer share the main process's CPU with the workers). Any exception while loading makes
-    the trial a failure that says what happened; the workers are shut down either way.
+    round (which arrives all at once) do not inflate the rate. With `run_samples` (what the run
+    itself will load) the timing ends early once loading them all at the rate so far would take
+    less than `window_s` (after `MIN_TIMED_BATCHES`, or once that many samples are timed): no
+    worker setting can then save what one more trial costs, and the trial says so
+    (`not_worth_measuring`). `consume` takes each timed batch as training would before
+    its step (a GPU run: the copy to the device, whose pinning and transfer share the main
+    process's CPU with the workers). Any exception while loading makes the trial a failure that
+    says what happened; the workers are shut down either way.
     """
     start = clock()
     iterator = None
@@ -554,6 +571,10 @@ def measure_loader(
             if consume is not None:
                 consume(batch)
             batches += 1
+            if run_samples is not None and _run_loads_sooner(
+                run_samples, batches, batch_size, clock() - started, window_s
+            ):
+                break
         rate = batches * batch_size / max(clock() - started, 1e-9)
         return WorkerTrial(
             num_workers, prefetch_factor, rate, clock() - start, batch_bytes, startup_s=startup
@@ -563,6 +584,16 @@ def measure_loader(
         return WorkerTrial(num_workers, prefetch_factor, 0.0, clock() - start, batch_bytes, error)
     finally:
         del iterator  # shuts the workers down now, hung ones included
+
+
+def _run_loads_sooner(
+    run_samples: int, batches: int, batch_size: int, elapsed: float, window_s: float
+) -> bool:
+    """Whether the run's whole load, at the rate timed so far, takes less than `window_s`."""
+    timed = batches * batch_size
+    if timed >= run_samples:
+        return True
+    return batches >= MIN_TIMED_BATCHES and run_samples * elapsed < window_s * timed
 
 
 def describe_failure(err: BaseException) -> str:

@@ -258,12 +258,19 @@ class LoaderTuner:
         make_full = measurement_loaders(dataset, batch_size, settings, self.tuning.timeout_s)
         module = trainer.lightning_module if trainer is not None else None
         window, consume = self.tuning.window_s, None
+        short = workload_samples if self.tuning.skip_short_runs else None
         if trainer is not None and hardware.accelerator != "cpu":
             consume = device_transfer(trainer)
 
         def loader(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
             trial = measure_loader(
-                make, num_workers, prefetch_factor, batch_size=size, window_s=window, consume=consume
+                make,
+                num_workers,
+                prefetch_factor,
+                batch_size=size,
+                window_s=window,
+                consume=consume,
+                run_samples=short if num_workers == 0 else None,
             )  # the memory budget is for batches of the real size
             return dataclasses.replace(trial, batch_bytes=trial.batch_bytes * batch_size // size)
 
@@ -426,7 +433,22 @@ def workload(trainer: L.Trainer | None, split: str, dataset: Dataset[Any], batch
         trainer.max_steps,
         trainer.accumulate_grad_batches,
         trainer.check_val_every_n_epoch,
+        val_checks_per_epoch(trainer.val_check_interval),
     )
+
+
+def val_checks_per_epoch(interval: object) -> int:
+    """Validations an epoch for Lightning's ``val_check_interval``: a fraction of an epoch
+    gives ``int(1 / interval)`` of them (about what Lightning runs); a count of batches or a
+    time interval is taken as one (the least it can be, without the training set's length).
+
+    Example:
+        >>> val_checks_per_epoch(0.25), val_checks_per_epoch(1.0), val_checks_per_epoch(100)
+        (4, 1, 1)
+    """
+    if isinstance(interval, float) and 0 < interval < 1:
+        return int(1 / interval)
+    return 1
 
 
 def epoch_batches(
