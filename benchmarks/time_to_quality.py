@@ -13,9 +13,9 @@ is sooner). A boosted run that never reaches it gets ratio 0.
 - ``autoencoder``: a 64-16-64 autoencoder with Adam on data with 8 latent factors (val MSE).
 - ``mlp (12 epochs)``: the MLP trained long enough for ``AutoBatchSize(grow=True)`` to grow its
   batch during the run; boosted once more without growing, so the row shows what growing adds.
-- ``mlp (own DataLoaders)``: the MLP's fit with the user's own DataLoaders passed to ``fit``, as
-  plain's: boosted by ``boost_callbacks()`` (`AutoNumWorkers` rebuilds them) and
-  ``preset("auto")`` alone, the set-up for a program that does not subclass `BoostedDataModule`.
+- ``cnn (own DataLoaders)``, ``mlp (own DataLoaders)``: the fits with the user's own DataLoaders
+  passed to ``fit``, as plain's: boosted by ``boost_callbacks()`` (`AutoNumWorkers` rebuilds
+  them) and ``preset("auto")`` alone, the set-up for a program without `BoostedDataModule`.
 
 Each boosted fit has a cache directory of its own (``LIGHTNING_BOOST_CACHE_DIR`` too, where the
 precision's measurement is cached), so every one starts cold.
@@ -144,6 +144,15 @@ WORKLOADS = (
     Workload("autoencoder", AutoEncoder, lambda: factors(16384, 0), lambda: factors(2048, 1), 3, "val -MSE"),
     Workload(
         "mlp (12 epochs)", MLP, lambda: classes(7168, 0), lambda: classes(2048, 1), 12, "val accuracy", True
+    ),
+    Workload(
+        "cnn (own DataLoaders)",
+        ValidatedCNN,
+        lambda: ClassImages(4096, 0, train_transform()),
+        lambda: ClassImages(1024, 1, eval_transform()),
+        2,
+        "val accuracy",
+        own_loaders=True,
     ),
     Workload(
         "mlp (own DataLoaders)",

@@ -206,7 +206,7 @@ def test_a_validation_set_that_loads_quickly_is_timed_for_a_few_batches_not_a_wh
     val = DataLoader(_CountedLoads(2048), batch_size=16)
     trainer.fit(SeenIndices(), DataLoader(IndexDataset(64), batch_size=8), val)
     (choice,) = [c for c in callback.worker_tuner.choices.values() if c.trials]
-    assert choice.num_workers == 0 and choice.source == "short run" and "(~30 s)" in choice.reason
+    assert choice.num_workers == 0 and choice.source == "short run" and "(~60 s)" in choice.reason
     assert before.loads == 16 * (1 + MIN_TIMED_BATCHES)  # one untimed batch, then the timed ones
     assert trainer.state.finished
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import random
@@ -249,19 +250,39 @@ def test_measure_loader_hands_each_timed_batch_to_the_consumer() -> None:
     assert trial.samples_per_s == pytest.approx(8.0) and len(seen) == 5
 
 
-def test_measure_loader_ends_once_the_runs_whole_load_is_projected_under_the_window() -> None:
+def test_measure_loader_ends_once_the_runs_whole_load_is_projected_under_the_rest() -> None:
     now = [0.0]
     batch = torch.zeros(8, 3)
     make = lambda n, pf: _batches(1 / 64, now, batch)  # noqa: E731  512 samples/s, exact in binary
-    clock = lambda: now[0]  # noqa: E731
-    quick = measure_loader(make, 0, None, batch_size=8, window_s=5.0, clock=clock, run_samples=512)
+    timed = functools.partial(measure_loader, make, 0, None, batch_size=8, window_s=5.0, clock=lambda: now[0])
+    quick = timed(run_samples=512, rest_s=5.0)
     assert quick.samples_per_s == 512.0 and now[0] == 4 / 64  # one untimed batch and 3 timed
-    assert not_worth_measuring(quick, 512, window_s=5.0) is not None  # 1 s of loading, under 5 s
-    tiny = measure_loader(make, 0, None, batch_size=8, window_s=5.0, clock=clock, run_samples=8)
+    assert not_worth_measuring(quick, 512, rest_s=5.0) is not None  # 1 s of loading, under 5 s
+    tiny = timed(run_samples=8, rest_s=5.0)
     assert tiny.seconds == 2 / 64  # its only batch timed: the run loads no more
-    long = measure_loader(make, 0, None, batch_size=8, window_s=5.0, clock=clock, run_samples=10**5)
+    long = timed(run_samples=10**5, rest_s=5.0)
     assert long.seconds == 1 / 64 + 5.0  # 195 s of loading: the whole window
-    assert not_worth_measuring(long, 10**5, window_s=5.0) is None
+    assert not_worth_measuring(long, 10**5, rest_s=5.0) is None
+
+
+def test_a_cpu_run_counts_timing_the_models_step_in_the_rest_of_the_measurement() -> None:
+    from lightning_boost.workers.decision import WorkerProbes, decide_workers
+
+    timed_model = []
+
+    def cpu_step(threads: Any) -> Any:
+        timed_model.append(threads)
+        return 1000.0, {2: 400.0, 1: 300.0}
+
+    # 1,500 samples at 1,000 samples/s: 1.5 s of loading, more than one 1 s window, less than two
+    first = lambda n, pf: WorkerTrial(n, pf, 1000.0, 1.0, MIB)  # noqa: E731
+    tuning = WorkerTuning(window_s=1.0)
+    cpu = decide_workers(
+        WorkerProbes(first, cpu_step=cpu_step), EXAMPLES["cpu"], tuning, workload_samples=1500
+    )
+    assert cpu.source == "short run" and "(~2 s)" in cpu.reason and not timed_model
+    gpu = decide_workers(WorkerProbes(first), EXAMPLES["cpu"], tuning, workload_samples=1500)
+    assert gpu.source != "short run"  # no model to time: one more trial is the rest
 
 
 def test_measure_loader_turns_errors_into_failed_trials() -> None:

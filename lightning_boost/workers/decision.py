@@ -25,6 +25,7 @@ from lightning_boost.workers.search import (
     WorkerTuning,
     model_threads,
     not_worth_measuring,
+    rest_of_measuring,
     search_workers,
     split_cpus,
     worker_candidates,
@@ -85,7 +86,8 @@ def decide_workers(
     first = probes.loader(0, None)
     rates: Mapping[int, float] = {}
     skipped: list[str] = []
-    if not (tuning.skip_short_runs and not_worth_measuring(first, workload_samples, tuning.window_s)):
+    rest_s = rest_of_measuring(tuning, times_model=probes.cpu_step is not None)
+    if not (tuning.skip_short_runs and not_worth_measuring(first, workload_samples, rest_s)):
         if probes.cpu_step is not None:
             rates, tuning, skipped = _model_first(probes.cpu_step, hardware.cpus_per_process, tuning)
         elif probes.consumer_rate is not None and tuning.target_samples_per_s is None:
@@ -94,7 +96,7 @@ def decide_workers(
     def measure_once(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
         return first if num_workers == 0 else probes.loader(num_workers, prefetch_factor)
 
-    choice = search_workers(measure_once, hardware, tuning, clock, workload_samples)
+    choice = search_workers(measure_once, hardware, tuning, clock, workload_samples, rest_s)
     choice = choice.replace(seconds=clock() - start, skipped=(*skipped, *choice.skipped))
     if not rates:
         return choice  # an accelerator run, or no model step to weigh

@@ -376,34 +376,44 @@ def run_samples(
     return min(bounds) * batch_size if bounds else None
 
 
-def not_worth_measuring(
-    first: WorkerTrial, workload_samples: int | None, window_s: float = 0.0
-) -> str | None:
+def not_worth_measuring(first: WorkerTrial, workload_samples: int | None, rest_s: float = 0.0) -> str | None:
     """Why measuring worker settings cannot pay back, or ``None`` when it may.
 
     Workers can save at most the time the run spends loading in the main process; when that is
-    less than one more trial takes (at least as long as the first, without worker start-up, and
-    at least its `window_s`), the run is faster without measuring (a small validation set, a
-    few-batch job).
+    less than the rest of the measurement takes (at least as long as the first trial, without
+    worker start-up, and at least `rest_s`: `rest_of_measuring`), the run is faster without
+    measuring (a small validation set, a few-batch job).
 
     Example:
         >>> first = WorkerTrial(0, None, samples_per_s=1000.0, seconds=0.6)
         >>> print(not_worth_measuring(first, 128))
         the run loads 128 samples from it, about 0.13 s in the main process,
-        less than one more measurement takes (~0.6 s)
+        less than the rest of the measurement takes (~0.6 s)
         >>> not_worth_measuring(first, 50_000) is None  # 50 s of loading: worth measuring
         True
     """
     if workload_samples is None or not first.ok or first.samples_per_s <= 0:
         return None
     loading_s = workload_samples / first.samples_per_s
-    trial_s = max(first.seconds, window_s)
-    if loading_s > trial_s:
+    rest_s = max(first.seconds, rest_s)
+    if loading_s > rest_s:
         return None
     return (
         f"the run loads {workload_samples} samples from it, about {loading_s:.2g} s in the main process,"
-        f" less than one more measurement takes (~{trial_s:.2g} s)"
+        f" less than the rest of the measurement takes (~{rest_s:.2g} s)"
     )
+
+
+def rest_of_measuring(tuning: WorkerTuning, times_model: bool) -> float:
+    """The least the measurement takes after its first trial: one worker trial (``window_s``),
+    and on a CPU run first the model's step at each thread count the workers may leave, counted
+    as one more window (on the demo's CNN, 2 CPUs, it took 0.66 s against the 0.5 s window).
+
+    Example:
+        >>> rest_of_measuring(WorkerTuning(window_s=0.5), times_model=True)
+        1.0
+    """
+    return tuning.window_s * (2 if times_model else 1)
 
 
 def search_workers(
@@ -412,13 +422,15 @@ def search_workers(
     tuning: WorkerTuning,
     clock: Clock = time.perf_counter,
     workload_samples: int | None = None,
+    rest_s: float | None = None,
 ) -> WorkerChoice:
     """Measure the candidates the run needs (see the module's docstring) and return the choice.
 
     Falls back to ``num_workers=0`` and says why when every candidate with workers failed. With
     `workload_samples` (what the run will load from this loader) a run too short for workers to
-    pay back their measurement stops after the first trial (`not_worth_measuring`). A trial that
-    would end past ``budget_s`` (as long as the last one took) is not started.
+    pay back their measurement stops after the first trial (`not_worth_measuring` against
+    `rest_s`, by default `rest_of_measuring` without a model to time). A trial that would end
+    past ``budget_s`` (as long as the last one took) is not started.
 
     Example:
         >>> from lightning_boost.hardware import EXAMPLES
@@ -432,9 +444,8 @@ def search_workers(
     start = clock()
     factor = tuning.prefetch_factors[0]
     trials = [measure(0, None)]
-    short = (
-        not_worth_measuring(trials[0], workload_samples, tuning.window_s) if tuning.skip_short_runs else None
-    )
+    rest_s = rest_of_measuring(tuning, times_model=False) if rest_s is None else rest_s
+    short = not_worth_measuring(trials[0], workload_samples, rest_s) if tuning.skip_short_runs else None
     if short is not None:
         return WorkerChoice(
             0, None, f"no workers: {short}", tuple(trials), (), clock() - start, source="short run"
@@ -543,15 +554,17 @@ def measure_loader(
     clock: Clock = time.perf_counter,
     consume: Callable[[Any], object] | None = None,
     run_samples: int | None = None,
+    rest_s: float = 0.0,
 ) -> WorkerTrial:
     """Time the loader `make_loader(num_workers, prefetch_factor)` builds, over `window_s` seconds.
 
     One batch per worker is fetched before the clock starts, so worker start-up and the first
     round (which arrives all at once) do not inflate the rate. With `run_samples` (what the run
     itself will load) the timing ends early once loading them all at the rate so far would take
-    less than `window_s` (after `MIN_TIMED_BATCHES`, or once that many samples are timed): no
-    worker setting can then save what one more trial costs, and the trial says so
-    (`not_worth_measuring`). `consume` takes each timed batch as training would before
+    less than `rest_s` (after `MIN_TIMED_BATCHES`, or once that many samples are timed): no
+    worker setting can then save what the rest of the measurement costs (`rest_of_measuring`),
+    and the trial says so (`not_worth_measuring`). `consume` takes each timed batch as training
+    would before
     its step (a GPU run: the copy to the device, whose pinning and transfer share the main
     process's CPU with the workers). Any exception while loading makes the trial a failure that
     says what happened; the workers are shut down either way.
@@ -572,7 +585,7 @@ def measure_loader(
                 consume(batch)
             batches += 1
             if run_samples is not None and _run_loads_sooner(
-                run_samples, batches, batch_size, clock() - started, window_s
+                run_samples, batches, batch_size, clock() - started, rest_s
             ):
                 break
         rate = batches * batch_size / max(clock() - started, 1e-9)
@@ -586,14 +599,12 @@ def measure_loader(
         del iterator  # shuts the workers down now, hung ones included
 
 
-def _run_loads_sooner(
-    run_samples: int, batches: int, batch_size: int, elapsed: float, window_s: float
-) -> bool:
-    """Whether the run's whole load, at the rate timed so far, takes less than `window_s`."""
+def _run_loads_sooner(run_samples: int, batches: int, batch_size: int, elapsed: float, rest_s: float) -> bool:
+    """Whether the run's whole load, at the rate timed so far, takes less than `rest_s`."""
     timed = batches * batch_size
     if timed >= run_samples:
         return True
-    return batches >= MIN_TIMED_BATCHES and run_samples * elapsed < window_s * timed
+    return batches >= MIN_TIMED_BATCHES and run_samples * elapsed < rest_s * timed
 
 
 def describe_failure(err: BaseException) -> str:

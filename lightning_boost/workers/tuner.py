@@ -52,6 +52,7 @@ from lightning_boost.workers.search import (
     measure_loader,
     model_threads,
     open_files_plan,
+    rest_of_measuring,
     run_samples,
     workers_allowed,
 )
@@ -261,6 +262,8 @@ class LoaderTuner:
         short = workload_samples if self.tuning.skip_short_runs else None
         if trainer is not None and hardware.accelerator != "cpu":
             consume = device_transfer(trainer)
+        times_model = module is not None and consume is None  # a CPU run: the model's step timed too
+        rest_s = rest_of_measuring(self.tuning, times_model)
 
         def loader(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
             trial = measure_loader(
@@ -271,6 +274,7 @@ class LoaderTuner:
                 window_s=window,
                 consume=consume,
                 run_samples=short if num_workers == 0 else None,
+                rest_s=rest_s,
             )  # the memory budget is for batches of the real size
             return dataclasses.replace(trial, batch_bytes=trial.batch_bytes * batch_size // size)
 
@@ -287,7 +291,7 @@ class LoaderTuner:
 
         probes = WorkerProbes(
             loader,
-            cpu_step=cpu_step if module is not None and consume is None else None,
+            cpu_step=cpu_step if times_model else None,
             consumer_rate=step_rate if module is not None and consume is not None else None,
         )
         with preserved_rng():  # the measurement loaders draw their seeds from the run's generator
