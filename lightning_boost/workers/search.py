@@ -564,10 +564,9 @@ def measure_loader(
     less than `rest_s` (after `MIN_TIMED_BATCHES`, or once that many samples are timed): no
     worker setting can then save what the rest of the measurement costs (`rest_of_measuring`),
     and the trial says so (`not_worth_measuring`). `consume` takes each timed batch as training
-    would before
-    its step (a GPU run: the copy to the device, whose pinning and transfer share the main
-    process's CPU with the workers). Any exception while loading makes the trial a failure that
-    says what happened; the workers are shut down either way.
+    would before its step (a GPU run: the copy to the device, whose pinning and transfer share
+    the main process's CPU with the workers). Any exception while loading makes the trial a
+    failure that says what happened; the workers are shut down either way.
     """
     start = clock()
     iterator = None
