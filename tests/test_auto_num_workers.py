@@ -211,6 +211,18 @@ def test_a_validation_set_that_loads_quickly_is_timed_for_a_few_batches_not_a_wh
     assert trainer.state.finished
 
 
+def test_validate_alone_loads_one_pass_and_is_not_measured_longer_than_that(tmp_path: Path) -> None:
+    # `trainer.validate()` on a Trainer with no `max_epochs`: the workload was unknown, and 2,048
+    # samples that load in hundredths of a second got a full search before the one pass
+    _CountedLoads.loads = 0
+    callback = AutoNumWorkers(WorkerTuning(window_s=30.0))
+    trainer = tiny_trainer(tmp_path, callbacks=[callback], limit_val_batches=1.0, max_epochs=None)
+    trainer.validate(SeenIndices(), DataLoader(_CountedLoads(2048), batch_size=16))
+    (choice,) = callback.worker_tuner.choices.values()
+    assert choice.source == "short run" and "the run loads 2048 samples" in choice.reason
+    assert _CountedLoads.loads == 2048 + 16 * (1 + MIN_TIMED_BATCHES)  # the pass, and the trial
+
+
 def test_the_run_workload_comes_from_the_trainer(tmp_path: Path) -> None:
     from lightning_boost.workers.tuner import workload
 
