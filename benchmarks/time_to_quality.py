@@ -26,6 +26,7 @@ Run: ``python -m benchmarks time_to_quality``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import tempfile
 from collections.abc import Callable, Iterator
@@ -131,38 +132,23 @@ class Workload:
     own_loaders: bool = False  # boosted with the plain DataLoaders, boost_callbacks() and the preset
 
 
+_CNN = Workload(
+    "cnn",
+    ValidatedCNN,
+    lambda: ClassImages(4096, 0, train_transform()),
+    lambda: ClassImages(1024, 1, eval_transform()),
+    2,
+    "val accuracy",
+)
+_MLP = Workload("mlp", MLP, lambda: classes(7168, 0), lambda: classes(2048, 1), 3, "val accuracy")
+
 WORKLOADS = (
-    Workload(
-        "cnn",
-        ValidatedCNN,
-        lambda: ClassImages(4096, 0, train_transform()),
-        lambda: ClassImages(1024, 1, eval_transform()),
-        2,
-        "val accuracy",
-    ),
-    Workload("mlp", MLP, lambda: classes(7168, 0), lambda: classes(2048, 1), 3, "val accuracy"),
+    _CNN,
+    _MLP,
     Workload("autoencoder", AutoEncoder, lambda: factors(16384, 0), lambda: factors(2048, 1), 3, "val -MSE"),
-    Workload(
-        "mlp (12 epochs)", MLP, lambda: classes(7168, 0), lambda: classes(2048, 1), 12, "val accuracy", True
-    ),
-    Workload(
-        "cnn (own DataLoaders)",
-        ValidatedCNN,
-        lambda: ClassImages(4096, 0, train_transform()),
-        lambda: ClassImages(1024, 1, eval_transform()),
-        2,
-        "val accuracy",
-        own_loaders=True,
-    ),
-    Workload(
-        "mlp (own DataLoaders)",
-        MLP,
-        lambda: classes(7168, 0),
-        lambda: classes(2048, 1),
-        3,
-        "val accuracy",
-        own_loaders=True,
-    ),
+    dataclasses.replace(_MLP, name="mlp (12 epochs)", epochs=12, grows=True),
+    dataclasses.replace(_CNN, name="cnn (own DataLoaders)", own_loaders=True),
+    dataclasses.replace(_MLP, name="mlp (own DataLoaders)", own_loaders=True),
 )
 
 
