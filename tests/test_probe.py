@@ -7,14 +7,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from lightning_boost import AutoNumWorkers, BoostedDataModule, WorkerTuning
-from lightning_boost.testing import BoringModel, RandomDataset, tiny_trainer
+from lightning_boost import BoostedDataModule, WorkerTuning
+from lightning_boost.testing import BoringModel, tiny_trainer
 from lightning_boost.workers import model_rates, tuner
 from lightning_boost.workers.search import WorkerTrial, split_cpus
 
@@ -70,60 +69,6 @@ class ReadsTheTrainer(BoringModel):
 @pytest.mark.parametrize("model", [ManualOptimization(), ReadsTheTrainer()], ids=["manual", "trainer"])
 def test_a_step_that_needs_the_fit_gives_no_rates(model: BoringModel) -> None:
     assert model_rates.model_step_rates(model, (torch.randn(8, 32), torch.randn(8, 2)), [1]) == {}
-
-
-class PredictOnly(L.LightningModule):
-    """An inference module: no training step to time."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.Linear(32, 2)
-        self.calls: list[bool] = []
-
-    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
-        self.calls.append(torch.is_grad_enabled() or self.training)
-        return self.layer(batch[0])
-
-
-def test_an_evaluation_steps_rates_are_timed_without_gradients_in_eval_mode() -> None:
-    model, batch = PredictOnly(), (torch.randn(8, 32), torch.randn(8, 2))
-    assert model_rates.model_step_rates(model, batch, [1]) == {}  # no training step: nothing to time
-    rates = model_rates.model_step_rates(model, batch, [1], hook="predict_step")
-    assert set(rates) == {1} and rates[1] > 0
-    assert model.training and not model.calls  # a copy's steps, none with gradients or in train mode
-    assert model_rates.model_step_rates(model, batch, [1], hook="test_step") == {}  # not implemented
-
-
-@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_the_consumer_rate_of_a_predict_loader_is_the_predict_steps(tmp_path: Path, accelerator: str) -> None:
-    trainer = tiny_trainer(tmp_path, accelerator=accelerator, precision="bf16-mixed")
-    model = PredictOnly().to(trainer.strategy.root_device)
-    batch = (torch.randn(64, 32, device=model.device), torch.randn(64, 2, device=model.device))
-    rate = tuner.consumer_rate(trainer, model, batch, 64, hook="predict_step")
-    assert rate is not None and rate > 0
-    assert tuner.consumer_rate(trainer, model, batch, 64) is None  # no training step to time
-    assert not model.calls  # a copy took the steps
-
-
-def test_a_predict_loader_is_weighed_against_the_predict_step(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    real, timed = tuner.model_step_rates, []
-
-    def recording(module: Any, batch: Any, threads: list[int], **kwargs: Any) -> dict[int, float]:
-        rates = real(module, batch, threads, **kwargs)
-        timed.append((kwargs.get("hook"), rates))
-        return rates
-
-    monkeypatch.setattr(tuner, "model_step_rates", recording)
-    monkeypatch.setattr(tuner.HardwareInfo, "detect", lambda: _two_cpus())
-    tuning = WorkerTuning(window_s=0.2, max_workers=2, skip_short_runs=False, online=False)
-    callback = AutoNumWorkers(tuning, cache_dir=tmp_path)
-    trainer = tiny_trainer(tmp_path, callbacks=[callback], limit_predict_batches=1.0)
-    out = trainer.predict(PredictOnly(), DataLoader(RandomDataset(length=256), batch_size=8))
-    assert len(out) == 32  # type: ignore[arg-type]
-    ((hook, rates),) = timed
-    assert hook == "predict_step" and set(rates) == {2, 1}  # the step the loader feeds, per thread count
 
 
 def test_split_prefers_fewer_workers_within_tolerance_and_skips_what_it_cannot_predict() -> None:

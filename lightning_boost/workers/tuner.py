@@ -106,7 +106,6 @@ class LoaderTuner:
         while that search runs (an evaluation loader) gets the prior and the search, to follow it.
         """
         hardware = hardware_for(trainer)
-        hook = CONSUMING_STEPS.get(loader, "training_step")
         # a loader is decided again at each batch size (Lightning builds the training loader at the
         # configured one to count the run's steps before `AutoBatchSize` changes it): say which
         loader = f"{loader} loader at batch {batch_size}" if loader else ""
@@ -116,8 +115,6 @@ class LoaderTuner:
         model = describe_model(module)
         if model is not None and trainer is not None:
             model += f", precision {trainer.precision}"
-        if model is not None and hook != "training_step":  # weighed against another step: its own entry
-            model += f", feeding {hook}"
         parts = fingerprint_parts(hardware, dataset, batch_size, settings, self.tuning, model)
         key = cache.fingerprint(parts)
         pending = self.searches.get(key)
@@ -129,7 +126,7 @@ class LoaderTuner:
 
             def decide() -> dict[str, Any]:
                 return self._decide(
-                    hardware, key, dataset, batch_size, settings, trainer, workload_samples, online, hook
+                    hardware, key, dataset, batch_size, settings, trainer, workload_samples, online
                 )
 
             result = decided_on_rank_zero(
@@ -193,7 +190,6 @@ class LoaderTuner:
         trainer: L.Trainer | None,
         workload_samples: int | None,
         online: tuple[int | None, int | None] | None = None,
-        hook: str = "training_step",
     ) -> dict[str, Any]:
         """Rank zero: the cached choice, else the plan of a search on the run's own batches
         (`online`: the epoch's and the run's batches), else a measured one; never raises (the
@@ -224,7 +220,7 @@ class LoaderTuner:
                 why = plan.why_not or untimeable_reason(hardware, self.tuning, plan)
                 reason = f"{workers} workers, not searched: {why}"
                 return WorkerChoice(workers, factor, reason, source="short run").to_dict()
-            choice = self._measure(hardware, dataset, batch_size, settings, trainer, workload_samples, hook)
+            choice = self._measure(hardware, dataset, batch_size, settings, trainer, workload_samples)
             if choice.source == "measured":  # a short run's shortcut would shortchange a long one
                 cache.store_entry(path, key, {"choice": choice.to_dict()})
             return choice.to_dict()
@@ -253,10 +249,8 @@ class LoaderTuner:
         settings: Mapping[str, Any],
         trainer: L.Trainer | None,
         workload_samples: int | None = None,
-        hook: str = "training_step",
     ) -> WorkerChoice:
-        """The measurements `decide_workers` asks for, built on this run, the model's rates those of
-        `hook`, the step the loader feeds; its choice."""
+        """The measurements `decide_workers` asks for, built on this run; its choice."""
         # loader trials time samples per second, which the batch size barely changes: a batch tuned
         # to the whole dataset is timed at `MEASURE_BATCH_CAP` samples a batch, not loaded whole
         # by every trial; the model's step is still timed on one batch of the real size
@@ -289,13 +283,11 @@ class LoaderTuner:
             fetch = time.perf_counter()
             batch = next(iter(make_full(0, None)))
             loading = batch_size / max(time.perf_counter() - fetch, 1e-9)  # a first, pessimistic rate
-            budget_s = self.tuning.budget_s / 2
-            return loading, model_step_rates(module, batch, threads, budget_s=budget_s, hook=hook)
+            return loading, model_step_rates(module, batch, threads, budget_s=self.tuning.budget_s / 2)
 
         def step_rate() -> float | None:
             assert trainer is not None and module is not None and consume is not None
-            batch = consume(next(iter(make_full(0, None))))
-            return consumer_rate(trainer, module, batch, batch_size, hook)
+            return consumer_rate(trainer, module, consume(next(iter(make_full(0, None)))), batch_size)
 
         probes = WorkerProbes(
             loader,
@@ -399,26 +391,16 @@ def device_transfer(trainer: L.Trainer) -> Callable[[Any], Any]:
     return transfer
 
 
-def consumer_rate(
-    trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_size: int, hook: str = "training_step"
-) -> float | None:
+def consumer_rate(trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_size: int) -> float | None:
     """Samples/s of the run's training step alone (forward, backward, optimizer step, in the
-    run's precision) on a copy of the model at `batch`, already on the device; with an evaluation
-    `hook`, that step without gradients in its precision context. ``None`` when the step cannot
-    run outside the fit (manual optimization, a step that needs the trainer, one the module does
-    not implement), runs out of memory, or would call collectives on this rank alone
-    (``SyncBatchNorm``)."""
-    if any(isinstance(layer, torch.nn.SyncBatchNorm) for layer in module.modules()):
+    run's precision) on a copy of the model at `batch`, already on the device; ``None`` when the
+    step cannot run outside the fit (manual optimization, a step that needs the trainer), runs
+    out of memory, or would call collectives on this rank alone (``SyncBatchNorm``)."""
+    if not module.automatic_optimization or any(
+        isinstance(layer, torch.nn.SyncBatchNorm) for layer in module.modules()
+    ):
         return None
     plugin = trainer.precision_plugin
-    if hook != "training_step":
-        context = {"test_step": plugin.test_step_context, "predict_step": plugin.predict_step_context}
-        rates = model_step_rates(
-            module, batch, [torch.get_num_threads()], 3, 1, hook=hook, context=context[hook]
-        )
-        return next(iter(rates.values()), None)
-    if not module.automatic_optimization:
-        return None
     probe = StepProbe(module, trainer.optimizers, 3, plugin.train_step_context, plugin.val_step_context)
     try:
         trial = probe.train(batch, batch_size)
@@ -435,11 +417,6 @@ def apply_open_files_plan(action: str, minimum: int) -> str:
         return f"raised the open-file limit (ulimit -n) to {minimum}"
     torch.multiprocessing.set_sharing_strategy("file_system")
     return "switched torch's tensor sharing strategy to 'file_system'"
-
-
-#: The step a test or predict loader feeds: its measurements weigh that step, not training's
-#: (a validation loader's follow the training loader's, as alike datasets share one measurement).
-CONSUMING_STEPS = {"test": "test_step", "predict": "predict_step"}
 
 
 def workload(trainer: L.Trainer | None, split: str, dataset: Dataset[Any], batch_size: int) -> int | None:
