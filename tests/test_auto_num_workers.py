@@ -12,11 +12,11 @@ import lightning as L
 import pytest
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset, RandomSampler, SequentialSampler
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler
 from typing_extensions import override
 
 from lightning_boost import AutoNumWorkers, WorkerTuning
-from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
+from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
 from lightning_boost.workers.search import MIN_TIMED_BATCHES
 from tests.test_datamodule import IndexDataset, SeenIndices
 
@@ -221,55 +221,6 @@ def test_validate_alone_loads_one_pass_and_is_not_measured_longer_than_that(tmp_
     (choice,) = callback.worker_tuner.choices.values()
     assert choice.source == "short run" and "the run loads 2048 samples" in choice.reason
     assert _CountedLoads.loads == 2048 + 16 * (1 + MIN_TIMED_BATCHES)  # the pass, and the trial
-
-
-class _StageLoaders(L.Callback):
-    """The loaders the test and predict loops run on (Lightning forgets them when they end)."""
-
-    def __init__(self) -> None:
-        self.loaders: dict[str, Any] = {}
-
-    @override
-    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.loaders["test"] = trainer.test_dataloaders
-
-    @override
-    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.loaders["predict"] = trainer.predict_dataloaders
-
-
-def test_test_and_predict_loaders_are_tuned_with_every_other_setting_and_the_order_kept(
-    tmp_path: Path,
-) -> None:
-    callback, seen = AutoNumWorkers(FAST, retune=True), _StageLoaders()  # measured, though short
-    options = {"limit_test_batches": 1.0, "limit_predict_batches": 1.0}
-    trainer = tiny_trainer(tmp_path, callbacks=[callback, seen], **options)
-    model = BoringModel()
-    test = DataLoader(RandomDataset(length=64, seed=3), batch_size=8, drop_last=True)
-    (result,) = trainer.test(model, test)
-    predict = DataLoader(RandomDataset(length=48, seed=4), batch_size=4, collate_fn=_stack)
-    predicted = trainer.predict(model, predict)
-    tested, rebuilt = seen.loaders["test"], seen.loaders["predict"]
-    assert isinstance(tested, DataLoader) and isinstance(rebuilt, DataLoader)
-    assert tested is not test and rebuilt is not predict  # both rebuilt, in their own stage
-    assert tested.drop_last and tested.batch_size == 8
-    assert rebuilt.collate_fn is _stack and isinstance(rebuilt.sampler, SequentialSampler)
-    choices = list(callback.worker_tuner.choices.values())
-    assert sorted(c.trials[0].batch_bytes for c in choices) == [4 * 34 * 4, 8 * 34 * 4]  # one each
-    assert {rebuilt.num_workers, tested.num_workers} <= {c.num_workers for c in choices}
-    # what the user's own loaders give: the same loss, the same outputs in the same order
-    plain = tiny_trainer(tmp_path, **options)
-    assert plain.test(model, test)[0]["test_loss"] == pytest.approx(result["test_loss"])
-    assert torch.equal(torch.cat(plain.predict(model, predict)), torch.cat(predicted))  # type: ignore[arg-type]
-    assert trainer.state.finished
-
-
-def test_a_short_predict_pass_is_not_measured_longer_than_it_loads(tmp_path: Path) -> None:
-    callback = AutoNumWorkers(WorkerTuning(window_s=30.0))
-    trainer = tiny_trainer(tmp_path, callbacks=[callback], limit_predict_batches=1.0, max_epochs=None)
-    trainer.predict(BoringModel(), DataLoader(RandomDataset(length=2048), batch_size=16))
-    (choice,) = callback.worker_tuner.choices.values()
-    assert choice.source == "short run" and "the run loads 2048 samples" in choice.reason
 
 
 def test_the_run_workload_comes_from_the_trainer(tmp_path: Path) -> None:

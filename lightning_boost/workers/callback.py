@@ -29,13 +29,10 @@ from lightning_boost.workers.tuner import LoaderTuner, epoch_batches, workload
 
 
 class AutoNumWorkers(BoostCallback):
-    """Re-creates the DataLoaders of ``fit``, ``validate``, ``test`` and ``predict`` with measured
-    ``num_workers`` and ``prefetch_factor``.
+    """Re-creates the train and val DataLoaders with measured ``num_workers`` and ``prefetch_factor``.
 
     The training loader is searched on the first epoch's own batches (as `BoostedDataModule`'s:
-    every sample trained once, in the sampler's order); validation, test and predict loaders are
-    timed before their loop runs, and one too small to repay the timing (what the stage loads from
-    it, at the rate of its first batches) loads in the main process.
+    every sample trained once, in the sampler's order); validation loaders are timed before the fit.
 
     For users who do not subclass `BoostedDataModule`: whatever returns the loaders (a datamodule,
     the model's ``*_dataloader()`` hooks, or loaders passed to ``fit``), each plain ``DataLoader``

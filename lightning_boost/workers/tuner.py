@@ -421,17 +421,16 @@ def apply_open_files_plan(action: str, minimum: int) -> str:
 
 def workload(trainer: L.Trainer | None, split: str, dataset: Dataset[Any], batch_size: int) -> int | None:
     """Samples the run will load from its `split` loader over `dataset` (`run_samples`); ``None``
-    when unknown (no trainer, no length, validation by steps). ``trainer.validate()``, ``test()``
-    and ``predict()`` load one pass (``limit_<split>_batches`` of it), whatever the fit's epochs."""
+    when unknown (no trainer, no length, validation by steps). ``trainer.validate()`` loads one
+    pass (``limit_val_batches`` of it), whatever the fit's epochs."""
     try:
         length = len(dataset)  # type: ignore[arg-type]
     except TypeError:
         return None
-    if trainer is None or split not in ("train", "val", "test", "predict"):
+    if trainer is None or split not in ("train", "val"):
         return None
-    if split in ("test", "predict") or trainer.state.fn == "validate":
-        limit = getattr(trainer, f"limit_{split}_batches")
-        return run_samples("val", length, batch_size, limit, max_epochs=1)
+    if trainer.state.fn == "validate":
+        return run_samples("val", length, batch_size, trainer.limit_val_batches, max_epochs=1)
     return run_samples(
         split,
         length,
