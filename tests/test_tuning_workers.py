@@ -255,12 +255,12 @@ def test_measure_loader_ends_once_the_runs_whole_load_is_projected_under_the_res
     batch = torch.zeros(8, 3)
     make = lambda n, pf: _batches(1 / 64, now, batch)  # noqa: E731  512 samples/s, exact in binary
     timed = functools.partial(measure_loader, make, 0, None, batch_size=8, window_s=5.0, clock=lambda: now[0])
-    quick = timed(run_samples=512, rest_s=5.0)
+    quick = timed(workload_samples=512, rest_s=5.0)
     assert quick.samples_per_s == 512.0 and now[0] == 4 / 64  # one untimed batch and 3 timed
     assert not_worth_measuring(quick, 512, rest_s=5.0) is not None  # 1 s of loading, under 5 s
-    tiny = timed(run_samples=8, rest_s=5.0)
+    tiny = timed(workload_samples=8, rest_s=5.0)
     assert tiny.seconds == 2 / 64  # its only batch timed: the run loads no more
-    long = timed(run_samples=10**5, rest_s=5.0)
+    long = timed(workload_samples=10**5, rest_s=5.0)
     assert long.seconds == 1 / 64 + 5.0  # 195 s of loading: the whole window
     assert not_worth_measuring(long, 10**5, rest_s=5.0) is None
 

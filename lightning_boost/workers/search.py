@@ -405,9 +405,9 @@ def not_worth_measuring(first: WorkerTrial, workload_samples: int | None, rest_s
 
 
 def rest_of_measuring(tuning: WorkerTuning, times_model: bool) -> float:
-    """The least the measurement takes after its first trial: one worker trial (``window_s``),
+    """About what the measurement takes after its first trial: one worker trial (``window_s``),
     and on a CPU run first the model's step at each thread count the workers may leave, counted
-    as one more window (on the demo's CNN, 2 CPUs, it took 0.66 s against the 0.5 s window).
+    as one more window (an estimate: that timing runs a few of the model's steps per count).
 
     Example:
         >>> rest_of_measuring(WorkerTuning(window_s=0.5), times_model=True)
@@ -553,15 +553,15 @@ def measure_loader(
     window_s: float,
     clock: Clock = time.perf_counter,
     consume: Callable[[Any], object] | None = None,
-    run_samples: int | None = None,
+    workload_samples: int | None = None,
     rest_s: float = 0.0,
 ) -> WorkerTrial:
     """Time the loader `make_loader(num_workers, prefetch_factor)` builds, over `window_s` seconds.
 
     One batch per worker is fetched before the clock starts, so worker start-up and the first
-    round (which arrives all at once) do not inflate the rate. With `run_samples` (what the run
-    itself will load) the timing ends early once loading them all at the rate so far would take
-    less than `rest_s` (after `MIN_TIMED_BATCHES`, or once that many samples are timed): no
+    round (which arrives all at once) do not inflate the rate. With `workload_samples` (what the
+    run itself will load) the timing ends early once loading them all at the rate so far would
+    take less than `rest_s` (after `MIN_TIMED_BATCHES`, or once that many samples are timed): no
     worker setting can then save what the rest of the measurement costs (`rest_of_measuring`),
     and the trial says so (`not_worth_measuring`). `consume` takes each timed batch as training
     would before its step (a GPU run: the copy to the device, whose pinning and transfer share
@@ -583,8 +583,8 @@ def measure_loader(
             if consume is not None:
                 consume(batch)
             batches += 1
-            if run_samples is not None and _run_loads_sooner(
-                run_samples, batches, batch_size, clock() - started, rest_s
+            if workload_samples is not None and _run_loads_sooner(
+                workload_samples, batches, batch_size, clock() - started, rest_s
             ):
                 break
         rate = batches * batch_size / max(clock() - started, 1e-9)
@@ -598,12 +598,14 @@ def measure_loader(
         del iterator  # shuts the workers down now, hung ones included
 
 
-def _run_loads_sooner(run_samples: int, batches: int, batch_size: int, elapsed: float, rest_s: float) -> bool:
+def _run_loads_sooner(
+    workload_samples: int, batches: int, batch_size: int, elapsed: float, rest_s: float
+) -> bool:
     """Whether the run's whole load, at the rate timed so far, takes less than `rest_s`."""
     timed = batches * batch_size
-    if timed >= run_samples:
+    if timed >= workload_samples:
         return True
-    return batches >= MIN_TIMED_BATCHES and run_samples * elapsed < rest_s * timed
+    return batches >= MIN_TIMED_BATCHES and workload_samples * elapsed < rest_s * timed
 
 
 def describe_failure(err: BaseException) -> str:

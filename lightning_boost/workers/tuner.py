@@ -273,7 +273,7 @@ class LoaderTuner:
                 batch_size=size,
                 window_s=window,
                 consume=consume,
-                run_samples=short if num_workers == 0 else None,
+                workload_samples=short if num_workers == 0 else None,
                 rest_s=rest_s,
             )  # the memory budget is for batches of the real size
             return dataclasses.replace(trial, batch_bytes=trial.batch_bytes * batch_size // size)
