@@ -232,11 +232,13 @@ def rebuild_dataloaders(
 
     Lightning has no public hook between "the user's ``*_dataloader()`` returned" and "the loop
     uses it"; the loops' ``_data_source`` is that point. For ``"fit"`` the train and val loaders
-    are routed, for ``"validate"`` the val loaders; other stages are left alone.
+    are routed, for ``"validate"``, ``"test"`` and ``"predict"`` that stage's loaders.
     """
     loops: dict[str, list[tuple[str, Any]]] = {
         "fit": [("train", trainer.fit_loop), ("val", trainer.fit_loop.epoch_loop.val_loop)],
         "validate": [("val", trainer.validate_loop)],
+        "test": [("test", trainer.test_loop)],
+        "predict": [("predict", trainer.predict_loop)],
     }
     originals = []
     for split, loop in loops.get(stage, []):

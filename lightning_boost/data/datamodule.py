@@ -28,7 +28,7 @@ from lightning_boost.report import Finding, Severity
 from lightning_boost.workers.loaders import SameOrderDataLoader, keep_workers_alive
 from lightning_boost.workers.search import WorkerTuning
 from lightning_boost.workers.segments import OnlineSearch, SegmentedDataLoader
-from lightning_boost.workers.tuner import LoaderTuner, epoch_batches, workload
+from lightning_boost.workers.tuner import LoaderTuner, epoch_batches, own_pass, workload
 
 #: Loader arguments the mixin manages itself; the rest of DataLoader's may go in `loader_kwargs`.
 _MANAGED = {"dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn",
@@ -153,21 +153,26 @@ class BoostedDataMixin(_DataModule):
                 " the DataLoader's sampler needs the length of a map-style dataset. Define `__len__`,"
                 " or subclass `torch.utils.data.IterableDataset` if it is a stream."
             )
-        tuning_dataset = self.train_dataset if self.train_dataset is not None else dataset
-        settings, search = self._settings(tuning_dataset, drop_last)
+        # an evaluation stage run alone decides on its own pass; else the training set decides
+        alone = own_pass(self.trainer, split) and self.num_workers is None
+        tuning_dataset = self.train_dataset if self.train_dataset is not None and not alone else dataset
+        settings, search = self._settings(tuning_dataset, drop_last, split if alone else None)
         size = self.batch_size if split == "train" else self.evaluation_batch_size
         cap = self._eval_cap(split, dataset, size)
         if cap is not None and cap < settings["num_workers"]:
             settings = self._capped(split, settings, cap)
         batching: dict[str, Any] = {"batch_size": size, "shuffle": shuffle, "drop_last": drop_last}
-        if search is not None and split == "train":
+        if search is not None and (split == "train" or alone):
             persist = self.persistent_workers
             if persist is None:
                 reload = reload_every_n_epochs(self.trainer) if self.trainer is not None else 0
-                persist = keep_workers_alive(1, settings["pin_memory"], reload)
-            return SegmentedDataLoader(
+                persist = keep_workers_alive(1, settings["pin_memory"], reload) and not alone
+            segmented = SegmentedDataLoader(
                 dataset, **batching, online=search, persist_after_search=bool(persist), **settings
             )
+            if cap is not None:
+                segmented.workers_cap = cap
+            return segmented
         # tuned workers must not change the run's random draws: see `SameOrderDataLoader`
         loader_class = SameOrderDataLoader if self.num_workers is None else DataLoader
         loader = loader_class(dataset, **batching, **settings)
@@ -231,10 +236,11 @@ class BoostedDataMixin(_DataModule):
         return self._settings(tuning_dataset, self.drop_last)[0]
 
     def _settings(
-        self, tuning_dataset: Dataset[Any], drop_last: bool
+        self, tuning_dataset: Dataset[Any], drop_last: bool, alone: str | None = None
     ) -> tuple[dict[str, Any], OnlineSearch | None]:
         """`loader_settings`, and the search on the first epoch's own batches when one runs
-        (the settings are then its starting point)."""
+        (the settings are then its starting point); with `alone`, the split of an evaluation
+        stage run alone (`own_pass`), on that pass's own batches."""
         trainer = self.trainer
         destroy_process_group_at_exit()  # a DDP run with the pack ends without gloo's exit abort
         hardware = hardware_for(trainer)
@@ -248,16 +254,14 @@ class BoostedDataMixin(_DataModule):
         }
         workers, prefetch, search = self.num_workers, self.prefetch_factor, None
         if workers is None:
-            train = tuning_dataset is self.train_dataset
-            samples = workload(trainer, "train", tuning_dataset, self.batch_size) if train else None
+            train = tuning_dataset is self.train_dataset and alone is None
+            split = alone or ("train" if train else "evaluation")
+            size = self.batch_size if alone is None else self.evaluation_batch_size
+            samples = workload(trainer, split, tuning_dataset, size)
+            searched = train or alone is not None
+            batches = epoch_batches(trainer, tuning_dataset, size, drop_last, split) if searched else None
             choice, search = self.worker_tuner.decide(
-                trainer,
-                tuning_dataset,
-                self.batch_size,
-                settings,
-                samples,
-                "train" if train else "evaluation",
-                epoch_batches(trainer, tuning_dataset, self.batch_size, drop_last) if train else None,
+                trainer, tuning_dataset, size, settings, samples, split, batches
             )
             workers, prefetch = choice.num_workers, prefetch or choice.prefetch_factor
         else:

@@ -25,14 +25,18 @@ from lightning_boost.workers.loaders import (
 )
 from lightning_boost.workers.search import WorkerTuning
 from lightning_boost.workers.segments import SegmentedDataLoader
-from lightning_boost.workers.tuner import LoaderTuner, epoch_batches, workload
+from lightning_boost.workers.tuner import LoaderTuner, epoch_batches, own_pass, workload
 
 
 class AutoNumWorkers(BoostCallback):
-    """Re-creates the train and val DataLoaders with measured ``num_workers`` and ``prefetch_factor``.
+    """Re-creates the DataLoaders of ``fit``, ``validate``, ``test`` and ``predict`` with measured
+    ``num_workers`` and ``prefetch_factor``.
 
     The training loader is searched on the first epoch's own batches (as `BoostedDataModule`'s:
-    every sample trained once, in the sampler's order); validation loaders are timed before the fit.
+    every sample trained once, in the sampler's order); a fit's validation loaders are timed
+    before the fit. The loader of ``trainer.validate()``, ``test()`` or ``predict()`` is searched
+    on its one pass the same way, against the step that consumes it (a pass too short to search,
+    under 80 batches, keeps the prior: the main process on a CPU, the CPU budget on a GPU).
 
     For users who do not subclass `BoostedDataModule`: whatever returns the loaders (a datamodule,
     the model's ``*_dataloader()`` hooks, or loaders passed to ``fit``), each plain ``DataLoader``
@@ -106,8 +110,11 @@ class AutoNumWorkers(BoostCallback):
             return loader
         settings = {name: getattr(loader, name, None) for name in MEASURED_SETTINGS}
         samples = workload(trainer, split, loader.dataset, batch_size)
+        alone = own_pass(trainer, split)  # an evaluation stage run alone: searched on its own pass
         batches = (
-            epoch_batches(trainer, loader.dataset, batch_size, loader.drop_last) if split == "train" else None
+            epoch_batches(trainer, loader.dataset, batch_size, loader.drop_last, split)
+            if split == "train" or alone
+            else None
         )
         choice, search = self.worker_tuner.decide(
             trainer, loader.dataset, batch_size, settings, samples, split, batches
@@ -122,7 +129,8 @@ class AutoNumWorkers(BoostCallback):
         if search is None:  # the user's own draws from the global RNG kept: see `SameOrderDataLoader`
             same_order = SameOrderDataLoader if draws_each_iteration(loader) else DataLoader
             return rebuild_loader(loader, loader_class=same_order, **options)
-        persist = keep_workers_alive(1, loader.pin_memory, reload)  # for the winner, once it has workers
+        # for the winner, once it has workers (one pass of an evaluation stage needs none kept)
+        persist = keep_workers_alive(1, loader.pin_memory, reload) and not alone
         return rebuild_loader(
             loader, loader_class=SegmentedDataLoader, online=search, persist_after_search=persist, **options
         )

@@ -162,8 +162,8 @@ def choice_findings(source: str, choice: WorkerChoice, loader: str = "") -> list
     )
     detail = {
         "measured": f"Measured {measured}. Tuning took {choice.seconds:.1f} s.",
-        "searched": f"Searched on the first epoch's own training steps, {len(choice.trials)} segment(s):"
-        f" {measured}. Every segment trained the run; the slower settings, and starting and stopping"
+        "searched": f"Searched on the run's own batches and steps, {len(choice.trials)} segment(s):"
+        f" {measured}. Every segment was part of the run; the slower settings, and starting and stopping"
         f" each segment's workers, cost about {choice.seconds:.1f} s against the winner's rate.",
         "cache": "Reused the cached measurement (`retune=True` measures again).",
         "checkpoint": "Restored from the checkpoint; not measured again.",

@@ -79,43 +79,53 @@ class Setting(NamedTuple):
 class SegmentPlan:
     """How the search cuts the first epoch: `segment_batches` each, at most `max_segments`.
 
-    ``why_not`` is set (and the other fields are 0) when no search fits in the run.
+    ``why_not`` is set (and the other fields are 0) when no search fits in the run. `unit` names
+    what is cut: the training loader's ``"first epoch"``, or an evaluation stage's one pass
+    (``"predict pass"``: `trainer.predict` searched on its own batches).
     """
 
     segment_batches: int = 0
     max_segments: int = 0
     why_not: str = ""
+    unit: str = "first epoch"
 
 
-def plan_segments(epoch_batches: int | None, run_batches: int | None, cpus: int) -> SegmentPlan:
-    """The segments a search may run: `SEARCH_SHARE` of the first epoch, or of the whole run
-    when that is shorter, split among the settings a search up to `cpus` workers measures (the
-    CPU budget, or the user's ``max_workers`` when lower: a 16-CPU machine's count of settings
-    would leave segments too short to time the one or two workers the user allowed).
+def plan_segments(
+    epoch_batches: int | None, run_batches: int | None, cpus: int, unit: str = "first epoch"
+) -> SegmentPlan:
+    """The segments a search may run: `SEARCH_SHARE` of the first epoch (`unit`: an evaluation
+    stage's pass, for one), or of the whole run when that is shorter, split among the settings a
+    search up to `cpus` workers measures (the CPU budget, or the user's ``max_workers`` when
+    lower: a 16-CPU machine's count of settings would leave segments too short to time the one
+    or two workers the user allowed).
 
     Example:
         >>> plan_segments(128, 256, cpus=2)  # the demo: 12 batches, three segments of 4
-        SegmentPlan(segment_batches=4, max_segments=3, why_not='')
+        SegmentPlan(segment_batches=4, max_segments=3, why_not='', unit='first epoch')
         >>> plan_segments(10_000, None, cpus=16)  # segments long enough to time 16 workers
-        SegmentPlan(segment_batches=35, max_segments=28, why_not='')
+        SegmentPlan(segment_batches=35, max_segments=28, why_not='', unit='first epoch')
         >>> plan_segments(20, 40, cpus=2).why_not
         'the first epoch has 20 batches: 10% of it cannot time two settings of 4 batches'
+        >>> plan_segments(16, 16, cpus=2, unit="predict pass").why_not  # trainer.predict, 16 batches
+        'the predict pass has 16 batches: 10% of it cannot time two settings of 4 batches'
     """
     if epoch_batches is None:
-        return SegmentPlan(why_not="the training loader has no length, so 10% of an epoch is unknown")
+        why_not = f"the loader has no length, so {SEARCH_SHARE:.0%} of its {unit} is unknown"
+        return SegmentPlan(why_not=why_not, unit=unit)
     batches = epoch_batches if run_batches is None else min(epoch_batches, run_batches)
     budget = int(batches * SEARCH_SHARE)
     if budget < 2 * MIN_SEGMENT_BATCHES:
-        what = "first epoch" if batches == epoch_batches else "run"
+        what = unit if batches == epoch_batches else "run"
         return SegmentPlan(
             why_not=f"the {what} has {batches} batches: {SEARCH_SHARE:.0%} of it cannot time two"
-            f" settings of {MIN_SEGMENT_BATCHES} batches"
+            f" settings of {MIN_SEGMENT_BATCHES} batches",
+            unit=unit,
         )
     candidates = len(worker_candidates(max(cpus, 1)))
     expected = min(candidates, 2 + math.ceil(math.log2(candidates)))
     longest = max(MAX_SEGMENT_BATCHES, queue_depth(cpus, 2) + 1 + MIN_TIMED_STEPS)  # times `cpus` workers
     per = min(max(budget // expected, MIN_SEGMENT_BATCHES), longest)
-    return SegmentPlan(per, budget // per)
+    return SegmentPlan(per, budget // per, unit=unit)
 
 
 def queue_depth(num_workers: int, prefetch_factor: int | None) -> int:
@@ -196,7 +206,7 @@ def untimeable_reason(hardware: HardwareInfo, tuning: WorkerTuning, plan: Segmen
     workers, factor, _ = prior_setting(hardware, tuning)
     half = _half(workers)
     return (
-        f"segments of {plan.segment_batches} batches ({SEARCH_SHARE:.0%} of the first epoch) cannot"
+        f"segments of {plan.segment_batches} batches ({SEARCH_SHARE:.0%} of the {plan.unit}) cannot"
         f" time {half} workers ({queue_depth(half, factor)} batches in flight)"
     )
 
@@ -557,7 +567,7 @@ def choose_online(
     near = [count for count, rate in ran.items() if rate >= (1 - tuning.tolerance) * ran[best]]
     winner = _fewest_fed(near, trials, tuning, best) if fewest else best
     label = next(trial.label for trial in trials if trial.num_workers == best and trial.threads is None)
-    where = "on the run's own training steps"
+    where = "on the run's own steps"
     probes, lead, _, runs = _probe_lead(trials)
     margin = tuning.tolerance * (1 if runs >= 2 else PROBE_LEAD_ONCE)
     if fewest and probes and lead > 1 + margin:

@@ -114,7 +114,9 @@ class OnlineSearch:
         `configure`) while the one before delivers its last batch."""
         seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
         seeds = itertools.count(seed)  # each loader started gets its own workers' base seed
-        batches = iter(loader.batch_sampler)  # type: ignore[arg-type]  # after the seed, as DataLoader draws
+        # after the seed, as DataLoader draws; a generator, since `iter()` on Lightning's predict
+        # wrapper of the sampler (`_IndexBatchSamplerWrapper`) starts it over
+        batches: Iterator[list[int]] = (batch for batch in loader.batch_sampler)  # type: ignore[union-attr]
         first = Setting(*next(self.search))
         setting: Setting | None = first
         chunk = list(itertools.islice(batches, self.plan.segment_batches))

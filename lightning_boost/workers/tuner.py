@@ -104,8 +104,12 @@ class LoaderTuner:
         the training loader's `epoch_batches` (per rank) and ``WorkerTuning(online=True)``, the
         setting is the search's prior (`OnlineSearch`); a loader over the same dataset asked for
         while that search runs (an evaluation loader) gets the prior and the search, to follow it.
+        `loader` names the split (``"train"``, ``"val"``, ...); the loader of an evaluation stage
+        run alone (`own_pass`: ``trainer.predict``, ...) is given its pass's `epoch_batches` and
+        searched on that pass, timed against its own step, and cached apart from training's.
         """
         hardware = hardware_for(trainer)
+        unit = PASS_NAMES[loader] if own_pass(trainer, loader) else "first epoch"
         # a loader is decided again at each batch size (Lightning builds the training loader at the
         # configured one to count the run's steps before `AutoBatchSize` changes it): say which
         loader = f"{loader} loader at batch {batch_size}" if loader else ""
@@ -115,6 +119,8 @@ class LoaderTuner:
         model = describe_model(module)
         if model is not None and trainer is not None:
             model += f", precision {trainer.precision}"
+            if unit != "first epoch":  # its batches feed another step than training's
+                model += f", {unit}"
         parts = fingerprint_parts(hardware, dataset, batch_size, settings, self.tuning, model)
         key = cache.fingerprint(parts)
         pending = self.searches.get(key)
@@ -122,7 +128,7 @@ class LoaderTuner:
             return pending_choice(pending), pending
         choice = self.choices.get(key)
         if choice is None:
-            online = (epoch_batches, workload_samples) if self.tuning.online else None
+            online = (epoch_batches, workload_samples, unit) if self.tuning.online else None
 
             def decide() -> dict[str, Any]:
                 return self._decide(
@@ -189,11 +195,11 @@ class LoaderTuner:
         settings: Mapping[str, Any],
         trainer: L.Trainer | None,
         workload_samples: int | None,
-        online: tuple[int | None, int | None] | None = None,
+        online: tuple[int | None, int | None, str] | None = None,
     ) -> dict[str, Any]:
         """Rank zero: the cached choice, else the plan of a search on the run's own batches
-        (`online`: the epoch's and the run's batches), else a measured one; never raises (the
-        others are waiting)."""
+        (`online`: the epoch's or pass's batches, the run's samples, `SegmentPlan.unit`), else a
+        measured one; never raises (the others are waiting)."""
         try:
             checking = debugging_mode(trainer) if trainer is not None else ""
             if checking:  # nothing a check of a few batches could repay
@@ -209,11 +215,11 @@ class LoaderTuner:
                 if cached is not None:
                     return cached.to_dict()
             if online is not None and online[0] is not None:
-                epoch_batches, samples = online
+                epoch_batches, samples, unit = online
                 run_batches = None if samples is None else -(-samples // batch_size)
                 # the counts a search may try split its segments
                 most = workers_allowed(hardware.cpus_per_process, self.tuning)
-                plan = plan_segments(epoch_batches, run_batches, most)
+                plan = plan_segments(epoch_batches, run_batches, most, unit)
                 if not plan.why_not and search_start(hardware, self.tuning, plan) is not None:
                     return {"online": dataclasses.asdict(plan)}
                 workers, factor, _ = prior_setting(hardware, self.tuning)
@@ -374,7 +380,8 @@ class LoaderTuner:
 def pending_choice(search: OnlineSearch) -> WorkerChoice:
     """What a loader starts with while `search` runs: its prior setting."""
     workers, factor, _ = search.prior
-    return WorkerChoice(workers, factor, "searching on the first epoch's own batches", source="online")
+    reason = f"searching on the {search.plan.unit}'s own batches"
+    return WorkerChoice(workers, factor, reason, source="online")
 
 
 def device_transfer(trainer: L.Trainer) -> Callable[[Any], Any]:
@@ -419,18 +426,33 @@ def apply_open_files_plan(action: str, minimum: int) -> str:
     return "switched torch's tensor sharing strategy to 'file_system'"
 
 
+#: What an evaluation stage run alone loads from its split's loader: one pass.
+PASS_NAMES = {"val": "validation pass", "test": "test pass", "predict": "predict pass"}
+_STAGES = {"val": "validate", "test": "test", "predict": "predict"}
+
+
+def own_pass(trainer: L.Trainer | None, split: str) -> bool:
+    """Whether `split`'s loader feeds an evaluation stage run alone (``trainer.validate()``,
+    ``test()``, ``predict()``): one pass, whose own batches and step decide its workers. A
+    fit's validation loader does not: it follows the training loader's decision."""
+    return trainer is not None and split in _STAGES and trainer.state.fn == _STAGES[split]
+
+
 def workload(trainer: L.Trainer | None, split: str, dataset: Dataset[Any], batch_size: int) -> int | None:
     """Samples the run will load from its `split` loader over `dataset` (`run_samples`); ``None``
-    when unknown (no trainer, no length, validation by steps). ``trainer.validate()`` loads one
-    pass (``limit_val_batches`` of it), whatever the fit's epochs."""
+    when unknown (no trainer, no length, validation by steps). ``trainer.validate()``, ``test()``
+    and ``predict()`` load one pass (``limit_<split>_batches`` of it), whatever the fit's epochs."""
     try:
         length = len(dataset)  # type: ignore[arg-type]
     except TypeError:
         return None
-    if trainer is None or split not in ("train", "val"):
+    if trainer is None or split not in ("train", *_STAGES):
         return None
-    if trainer.state.fn == "validate":
-        return run_samples("val", length, batch_size, trainer.limit_val_batches, max_epochs=1)
+    if split != "train" and own_pass(trainer, split):
+        limit = getattr(trainer, f"limit_{split}_batches")
+        return run_samples("val", length, batch_size, limit, max_epochs=1)
+    if split not in ("train", "val"):
+        return None
     return run_samples(
         split,
         length,
