@@ -22,6 +22,7 @@ BENCHMARKS = (
     "demo_workload",
     "compute_bound",
     "data_bound",
+    "eval_pass",
     "worker_replay",
     "checked_steps",
     "batch_size",

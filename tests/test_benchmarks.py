@@ -31,6 +31,17 @@ def test_data_bound_runs_at_tiny_size() -> None:
     assert "warm-cache tuning" in rows[-1].detail
 
 
+def test_eval_pass_runs_at_tiny_size() -> None:
+    from benchmarks import eval_pass
+
+    # 640 images at batch 8: 80 batches, the fewest a pass searches; every tuned pass's
+    # predictions are checked against plain's inside the benchmark
+    rows = eval_pass.run(samples=640, batch_size=8, short=(64, 32), repeats=2)  # both orders
+    assert [row.benchmark.split(",")[0] for row in rows] == ["predict pass"] * 4
+    assert all(row.ratio > 0 and row.command == eval_pass.COMMAND for row in rows)
+    assert "searched" in rows[0].detail and "short run" in rows[-1].detail
+
+
 def test_monitor_overhead_runs_at_tiny_size() -> None:
     from benchmarks import monitor_overhead
 
