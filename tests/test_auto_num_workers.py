@@ -235,3 +235,23 @@ def test_the_run_workload_comes_from_the_trainer(tmp_path: Path) -> None:
     assert workload(four_a_epoch, "val", IndexDataset(16), 4) == 3 * 4 * 16
     unbounded = tiny_trainer(tmp_path, max_epochs=-1, max_steps=-1)
     assert workload(unbounded, "train", IndexDataset(64), 8) is None  # unknown: measured
+
+
+def test_an_evaluation_loader_gets_no_more_workers_than_a_pass_has_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the decision is simulated (2 workers for every loader, where a run this small stays in the
+    # main process); the rebuilt loaders and the fit are real
+    from lightning_boost.workers.search import WorkerChoice
+
+    callback = AutoNumWorkers()
+    choice = WorkerChoice(num_workers=2, prefetch_factor=2, reason="simulated", source="measured")
+    monkeypatch.setattr(callback.worker_tuner, "decide", lambda *args: (choice, None))
+    trainer = tiny_trainer(tmp_path, callbacks=[callback], logger=False, enable_checkpointing=False)
+    val = DataLoader(IndexDataset(16), batch_size=16)  # one batch a pass
+    trainer.fit(SeenIndices(), DataLoader(IndexDataset(64), batch_size=8), val)
+    train, rebuilt = trainer.train_dataloader, trainer.val_dataloaders
+    assert isinstance(train, DataLoader) and isinstance(rebuilt, DataLoader)
+    assert (train.num_workers, rebuilt.num_workers, rebuilt.persistent_workers) == (2, 1, True)
+    (capped,) = [f for f in callback.findings if f.title.startswith("val loader")]
+    assert capped.title == "val loader: num_workers=1, not the 2 decided"

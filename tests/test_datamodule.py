@@ -214,7 +214,7 @@ def test_an_evaluation_loader_starts_no_worker_its_pass_cannot_use(
     assert (train.num_workers, val.num_workers, val.persistent_workers) == (2, 1, True)
     assert sorted(seen[-16:]) == list(range(16))  # the last pass read every sample once
     (capped,) = [f for f in tuned.findings if f.title.startswith("val loader")]
-    assert capped.title == "val loader: num_workers=1, not the training loader's 2"
+    assert capped.title == "val loader: num_workers=1, not the 2 decided"
     apply_setting(val, WorkerChoice(num_workers=6, prefetch_factor=4, reason="the search's winner"))
     assert (val.num_workers, val.prefetch_factor) == (1, 4)
     by_hand = Indexed(batch_size=16, val=True, num_workers=2)

@@ -25,6 +25,7 @@ from lightning_boost._lightning import (
 )
 from lightning_boost._validation import Count, Directory, PositiveInt, unknown_choice_error, validated
 from lightning_boost.report import Finding, Severity
+from lightning_boost.workers.decision import capped_finding
 from lightning_boost.workers.loaders import SameOrderDataLoader, keep_workers_alive
 from lightning_boost.workers.search import WorkerTuning
 from lightning_boost.workers.segments import OnlineSearch, SegmentedDataLoader
@@ -195,17 +196,8 @@ class BoostedDataMixin(_DataModule):
 
     def _capped(self, split: str, settings: dict[str, Any], cap: int) -> dict[str, Any]:
         """`settings` with `cap` workers, and an INFO that says why."""
-        self.worker_tuner.add_finding(
-            Finding(
-                "BoostedDataModule",
-                "data",
-                Severity.INFO,
-                f"{split} loader: num_workers={cap}, not the training loader's {settings['num_workers']}",
-                f"a {split} pass has {cap} batch(es) per process, and each pass hands them to the workers"
-                " in turn from the first: a worker past them would never get one, and would only cost a"
-                " process start and its memory",
-            )
-        )
+        finding = capped_finding("BoostedDataModule", split, cap, settings["num_workers"])
+        self.worker_tuner.add_finding(finding)
         return settings | {
             "num_workers": cap,
             "prefetch_factor": settings["prefetch_factor"] if cap else None,

@@ -14,6 +14,7 @@ from lightning_boost._validation import Directory, validated
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.report import Finding, Severity
+from lightning_boost.workers.decision import capped_finding
 from lightning_boost.workers.loaders import (
     MEASURED_SETTINGS,
     SameOrderDataLoader,
@@ -111,29 +112,33 @@ class AutoNumWorkers(BoostCallback):
         settings = {name: getattr(loader, name, None) for name in MEASURED_SETTINGS}
         samples = workload(trainer, split, loader.dataset, batch_size)
         alone = own_pass(trainer, split)  # an evaluation stage run alone: searched on its own pass
-        batches = (
-            epoch_batches(trainer, loader.dataset, batch_size, loader.drop_last, split)
-            if split == "train" or alone
-            else None
-        )
+        per_pass = epoch_batches(trainer, loader.dataset, batch_size, loader.drop_last, split)
+        searched = per_pass if split == "train" or alone else None
         choice, search = self.worker_tuner.decide(
-            trainer, loader.dataset, batch_size, settings, samples, split, batches
+            trainer, loader.dataset, batch_size, settings, samples, split, searched
         )
+        workers = choice.num_workers
+        cap = per_pass if split != "train" else None  # a worker past a pass's batches never gets one
+        if cap is not None and cap < workers:
+            self.worker_tuner.add_finding(capped_finding(type(self).__name__, split, cap, workers))
+            workers = cap
         reload = reload_every_n_epochs(trainer)
-        persistent = keep_workers_alive(choice.num_workers, loader.pin_memory, reload)
         options: dict[str, Any] = {
-            "num_workers": choice.num_workers,
+            "num_workers": workers,
             "prefetch_factor": choice.prefetch_factor,
-            "persistent_workers": persistent,
+            "persistent_workers": keep_workers_alive(workers, loader.pin_memory, reload),
         }
         if search is None:  # the user's own draws from the global RNG kept: see `SameOrderDataLoader`
             same_order = SameOrderDataLoader if draws_each_iteration(loader) else DataLoader
             return rebuild_loader(loader, loader_class=same_order, **options)
         # for the winner, once it has workers (one pass of an evaluation stage needs none kept)
         persist = keep_workers_alive(1, loader.pin_memory, reload) and not alone
-        return rebuild_loader(
+        rebuilt = rebuild_loader(
             loader, loader_class=SegmentedDataLoader, online=search, persist_after_search=persist, **options
         )
+        if cap is not None:
+            rebuilt.workers_cap = cap  # for the search's winner (`apply_setting`)
+        return rebuilt
 
     def _cannot(self, split: str, why: str) -> None:
         self.worker_tuner.add_finding(

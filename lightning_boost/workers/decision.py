@@ -259,6 +259,19 @@ def threads_finding(
     return Finding(source, "data", Severity.INFO, title, why, data=data)
 
 
+def capped_finding(source: str, split: str, cap: int, workers: int) -> Finding:
+    """Why an evaluation loader of `split` got `cap` workers, not the `workers` decided for it."""
+    return Finding(
+        source,
+        "data",
+        Severity.INFO,
+        f"{split} loader: num_workers={cap}, not the {workers} decided",
+        f"a {split} pass has {cap} batch(es) per process, and each pass hands them to the workers in"
+        " turn from the first: a worker past them would never get one, and would only cost a process"
+        " start and its memory",
+    )
+
+
 def open_files_finding(source: str, done: str, hardware: HardwareInfo) -> Finding:
     return Finding(
         source,

@@ -448,7 +448,7 @@ def workload(trainer: L.Trainer | None, split: str, dataset: Dataset[Any], batch
         return None
     if trainer is None or split not in ("train", *_STAGES):
         return None
-    if split != "train" and own_pass(trainer, split):
+    if own_pass(trainer, split):
         limit = getattr(trainer, f"limit_{split}_batches")
         return run_samples("val", length, batch_size, limit, max_epochs=1)
     if split not in ("train", "val"):
