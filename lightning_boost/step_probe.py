@@ -219,21 +219,32 @@ class StepProbe:
         return dataclasses.replace(trial, **record) if not trial.oom else trial
 
     def rates(
-        self, batch: Any, size: int, threads: Sequence[int], rounds: int = 2, budget_s: float = 5.0
+        self,
+        batch: Any,
+        size: int,
+        threads: Sequence[int],
+        rounds: int = 2,
+        budget_s: float = 5.0,
+        hook: str = "training_step",
     ) -> dict[int, float]:
         """Samples/s of the training step at `batch` per intra-op thread count (a CPU run's split
         between the model and the DataLoader workers): on one copy, `rounds` rounds over the counts
         of `steps` timed steps each (after one warm-up step per count), the fastest kept, so a busy
         moment does not hit one count alone. Once `budget_s` is spent, counts already measured are
-        not measured again. Torch's thread count is put back.
+        not measured again. Torch's thread count is put back. With an evaluation `hook`
+        (``"test_step"``, ``"predict_step"``, ...) that step is timed instead, without gradients,
+        in evaluation mode under `eval_context`.
         """
         before = torch.get_num_threads()
         clone, optimizers = self._copies()
-        clone.train()
+        clone.train(hook == "training_step")
         rates: dict[int, float] = {}
 
         def step() -> None:
-            self._train_step(clone, optimizers, batch, None)
+            if hook == "training_step":
+                self._train_step(clone, optimizers, batch, None)
+            else:
+                self._eval_step(clone, hook, batch)
 
         start = time.perf_counter()
         try:
@@ -461,11 +472,14 @@ class StepProbe:
         clone.eval()
         peak.reset(batch)
         begin = time.perf_counter()
-        with torch.no_grad(), warnings.catch_warnings(), self.eval_context():
-            warnings.simplefilter("ignore")
-            call_step(clone, "validation_step", batch)
+        self._eval_step(clone, "validation_step", batch)
         _synchronize(self.device)
         return time.perf_counter() - begin
+
+    def _eval_step(self, clone: L.LightningModule, hook: str, batch: Any) -> None:
+        with torch.no_grad(), warnings.catch_warnings(), self.eval_context():
+            warnings.simplefilter("ignore")  # `self.log` on a copy without a trainer warns and returns
+            call_step(clone, hook, batch)
 
 
 class _Peak:

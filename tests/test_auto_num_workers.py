@@ -110,8 +110,11 @@ def test_a_datamodule_twice_and_then_validate(tmp_path: Path) -> None:
     trainer.fit_loop.max_epochs = 2
     trainer.fit(BoringModel(), datamodule=datamodule)
     trainer.validate(BoringModel(), datamodule=datamodule)
-    # the fit's train and val sets are alike: one measurement; validate alone decides on its own pass
-    _fitted, validated = callback.worker_tuner.choices.values()
+    # alike train and val sets, but each loader is decided against the step it feeds: training's
+    # search, the fit's validation loader before the fit, and validate alone on its own pass
+    choices = list(callback.worker_tuner.choices.values())
+    assert len(choices) == 3
+    validated = choices[-1]
     assert trainer.val_dataloaders.num_workers == validated.num_workers  # type: ignore[union-attr]
 
 

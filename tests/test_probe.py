@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
-from lightning_boost import BoostedDataModule, WorkerTuning
-from lightning_boost.testing import BoringModel, tiny_trainer
+from lightning_boost import AutoNumWorkers, BoostedDataModule, WorkerTuning
+from lightning_boost.testing import BoringModel, RandomDataset, tiny_trainer
 from lightning_boost.workers import model_rates, tuner
 from lightning_boost.workers.search import WorkerTrial, split_cpus
 
@@ -69,6 +69,63 @@ class ReadsTheTrainer(BoringModel):
 @pytest.mark.parametrize("model", [ManualOptimization(), ReadsTheTrainer()], ids=["manual", "trainer"])
 def test_a_step_that_needs_the_fit_gives_no_rates(model: BoringModel) -> None:
     assert model_rates.model_step_rates(model, (torch.randn(8, 32), torch.randn(8, 2)), [1]) == {}
+
+
+class Evaluates(BoringModel):
+    """Records whether each validation or predict step ran with gradients or in train mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[bool] = []
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.calls.append(torch.is_grad_enabled() or self.training)
+        self.log("val_loss", self._loss(batch))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> Tensor:
+        self.calls.append(torch.is_grad_enabled() or self.training)
+        return self.layer(batch[0])
+
+
+def test_an_evaluation_steps_rates_are_timed_without_gradients_in_eval_mode() -> None:
+    model, batch = Evaluates(), (torch.randn(8, 32), torch.randn(8, 2))
+    for hook in ("validation_step", "predict_step"):
+        rates = model_rates.model_step_rates(model, batch, [1], hook=hook)
+        assert set(rates) == {1} and rates[1] > 0
+    assert model.training and not model.calls  # a copy's steps, none with gradients or in train mode
+
+
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_consumer_rate_of_an_evaluation_loader_is_its_steps(tmp_path: Path, accelerator: str) -> None:
+    trainer = tiny_trainer(tmp_path, accelerator=accelerator, precision="bf16-mixed")
+    model = Evaluates().to(trainer.strategy.root_device)
+    batch = (torch.randn(64, 32, device=model.device), torch.randn(64, 2, device=model.device))
+    for hook in ("validation_step", "predict_step"):
+        rate = tuner.consumer_rate(trainer, model, batch, 64, hook=hook)
+        assert rate is not None and rate > 0
+    assert not model.calls  # a copy took the steps
+
+
+def test_a_fits_validation_loader_is_weighed_against_the_validation_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real, timed = tuner.model_step_rates, []
+
+    def recording(module: Any, batch: Any, threads: list[int], **kwargs: Any) -> dict[int, float]:
+        rates = real(module, batch, threads, **kwargs)
+        timed.append((kwargs.get("hook"), rates))
+        return rates
+
+    monkeypatch.setattr(tuner, "model_step_rates", recording)
+    monkeypatch.setattr(tuner.HardwareInfo, "detect", lambda: _two_cpus())
+    tuning = WorkerTuning(window_s=0.2, max_workers=2, skip_short_runs=False)
+    callback = AutoNumWorkers(tuning, cache_dir=tmp_path)
+    trainer = tiny_trainer(tmp_path, callbacks=[callback], limit_val_batches=1.0)
+    val = DataLoader(SlowSamples(), batch_size=8)  # a set of its own: measured before the fit
+    trainer.fit(Evaluates(), DataLoader(RandomDataset(length=64), batch_size=8), val)
+    ((hook, rates),) = timed  # the training loader is searched on its own steps, with no probe
+    assert hook == "validation_step" and set(rates) == {2, 1}  # the step it feeds, per thread count
+    assert trainer.state.finished
 
 
 def test_split_prefers_fewer_workers_within_tolerance_and_skips_what_it_cannot_predict() -> None:

@@ -42,9 +42,10 @@ class AutoNumWorkers(BoostCallback):
     For users who do not subclass `BoostedDataModule`: whatever returns the loaders (a datamodule,
     the model's ``*_dataloader()`` hooks, or loaders passed to ``fit``), each plain ``DataLoader``
     over a map-style dataset is rebuilt with every other argument kept, plus
-    ``persistent_workers`` when it has workers. Each dataset is measured on its own (a validation
-    set with lighter transforms may need fewer workers); datasets alike in type, length and
-    transforms share one measurement.
+    ``persistent_workers`` when it has workers. Each loader is decided on its own, against the
+    step it feeds (a validation set with lighter transforms and a lighter step may need fewer
+    workers); loaders over datasets alike in type, length and transforms that feed the same step
+    share one measurement.
     Loaders from a `BoostedDataModule` are left to it (it tunes its own, unless told a count).
     What it cannot rebuild (a DataLoader subclass, an ``IterableDataset``, a loader without a
     batch size) is left as it is, with a finding that says why. Measurements are made on rank

@@ -9,13 +9,14 @@ of that (with the step probe `AutoBatchSize` uses, `lightning_boost.step_probe.S
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.utilities.data import extract_batch_size
 
-from lightning_boost._lightning import preserved_rng
+from lightning_boost._lightning import overrides, preserved_rng
 from lightning_boost.step_probe import StepProbe
 
 
@@ -26,10 +27,15 @@ def model_step_rates(
     repeats: int = 2,
     rounds: int = 2,
     budget_s: float = 5.0,
+    hook: str = "training_step",
+    context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
 ) -> dict[int, float]:
     """Samples/s of ``training_step`` and its backward on `batch`, per intra-op thread count: the
     fastest step of `rounds` rounds over the counts, each `repeats` timed steps (after one warm-up
-    step per count, in the first round; `StepProbe.rates`).
+    step per count, in the first round; `StepProbe.rates`). With an evaluation `hook`
+    (``"test_step"``, ``"predict_step"``), that step without gradients: the one a test or predict
+    loader feeds (``{}`` when the module does not implement it), under `context` (the run's
+    precision for that step; none by default).
 
     A copy of `module`, detached from the trainer, takes the steps: the module's weights,
     gradients, buffers (BatchNorm statistics) and metrics are untouched, and the RNG states and
@@ -37,11 +43,11 @@ def model_step_rates(
     measured again. Returns ``{}`` when the step cannot run outside the fit (manual optimization,
     a step that reads the trainer): the caller then decides without it.
     """
-    if not module.automatic_optimization:
+    if not overrides(module, hook) or (hook == "training_step" and not module.automatic_optimization):
         return {}
-    probe = StepProbe(module, [], repeats, contextlib.nullcontext, contextlib.nullcontext)
+    probe = StepProbe(module, [], repeats, context, context)
     try:
         with preserved_rng():
-            return probe.rates(batch, extract_batch_size(batch), threads, rounds, budget_s)
+            return probe.rates(batch, extract_batch_size(batch), threads, rounds, budget_s, hook)
     except Exception:  # any step that needs the live fit: no rates rather than a failed tuning
         return {}

@@ -110,6 +110,7 @@ class LoaderTuner:
         """
         hardware = hardware_for(trainer)
         unit = PASS_NAMES[loader] if own_pass(trainer, loader) else "first epoch"
+        hook = CONSUMING_STEPS.get(loader, "training_step")  # what a measurement before the loop weighs
         # a loader is decided again at each batch size (Lightning builds the training loader at the
         # configured one to count the run's steps before `AutoBatchSize` changes it): say which
         loader = f"{loader} loader at batch {batch_size}" if loader else ""
@@ -119,8 +120,10 @@ class LoaderTuner:
         model = describe_model(module)
         if model is not None and trainer is not None:
             model += f", precision {trainer.precision}"
-            if unit != "first epoch":  # its batches feed another step than training's
+            if unit != "first epoch":  # searched on its pass, against the step it feeds
                 model += f", {unit}"
+            elif hook != "training_step":  # measured before the fit against the step it feeds
+                model += f", feeding {hook}"
         parts = fingerprint_parts(hardware, dataset, batch_size, settings, self.tuning, model)
         key = cache.fingerprint(parts)
         pending = self.searches.get(key)
@@ -132,7 +135,7 @@ class LoaderTuner:
 
             def decide() -> dict[str, Any]:
                 return self._decide(
-                    hardware, key, dataset, batch_size, settings, trainer, workload_samples, online
+                    hardware, key, dataset, batch_size, settings, trainer, workload_samples, online, hook
                 )
 
             result = decided_on_rank_zero(
@@ -196,6 +199,7 @@ class LoaderTuner:
         trainer: L.Trainer | None,
         workload_samples: int | None,
         online: tuple[int | None, int | None, str] | None = None,
+        hook: str = "training_step",
     ) -> dict[str, Any]:
         """Rank zero: the cached choice, else the plan of a search on the run's own batches
         (`online`: the epoch's or pass's batches, the run's samples, `SegmentPlan.unit`), else a
@@ -226,7 +230,7 @@ class LoaderTuner:
                 why = plan.why_not or untimeable_reason(hardware, self.tuning, plan)
                 reason = f"{workers} workers, not searched: {why}"
                 return WorkerChoice(workers, factor, reason, source="short run").to_dict()
-            choice = self._measure(hardware, dataset, batch_size, settings, trainer, workload_samples)
+            choice = self._measure(hardware, dataset, batch_size, settings, trainer, workload_samples, hook)
             if choice.source == "measured":  # a short run's shortcut would shortchange a long one
                 cache.store_entry(path, key, {"choice": choice.to_dict()})
             return choice.to_dict()
@@ -255,8 +259,10 @@ class LoaderTuner:
         settings: Mapping[str, Any],
         trainer: L.Trainer | None,
         workload_samples: int | None = None,
+        hook: str = "training_step",
     ) -> WorkerChoice:
-        """The measurements `decide_workers` asks for, built on this run; its choice."""
+        """The measurements `decide_workers` asks for, built on this run, the model's rates those of
+        `hook`, the step the loader feeds; its choice."""
         # loader trials time samples per second, which the batch size barely changes: a batch tuned
         # to the whole dataset is timed at `MEASURE_BATCH_CAP` samples a batch, not loaded whole
         # by every trial; the model's step is still timed on one batch of the real size
@@ -289,11 +295,13 @@ class LoaderTuner:
             fetch = time.perf_counter()
             batch = next(iter(make_full(0, None)))
             loading = batch_size / max(time.perf_counter() - fetch, 1e-9)  # a first, pessimistic rate
-            return loading, model_step_rates(module, batch, threads, budget_s=self.tuning.budget_s / 2)
+            budget_s = self.tuning.budget_s / 2
+            return loading, model_step_rates(module, batch, threads, budget_s=budget_s, hook=hook)
 
         def step_rate() -> float | None:
             assert trainer is not None and module is not None and consume is not None
-            return consumer_rate(trainer, module, consume(next(iter(make_full(0, None)))), batch_size)
+            batch = consume(next(iter(make_full(0, None))))
+            return consumer_rate(trainer, module, batch, batch_size, hook)
 
         probes = WorkerProbes(
             loader,
@@ -398,16 +406,30 @@ def device_transfer(trainer: L.Trainer) -> Callable[[Any], Any]:
     return transfer
 
 
-def consumer_rate(trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_size: int) -> float | None:
+def consumer_rate(
+    trainer: L.Trainer, module: L.LightningModule, batch: Any, batch_size: int, hook: str = "training_step"
+) -> float | None:
     """Samples/s of the run's training step alone (forward, backward, optimizer step, in the
-    run's precision) on a copy of the model at `batch`, already on the device; ``None`` when the
-    step cannot run outside the fit (manual optimization, a step that needs the trainer), runs
-    out of memory, or would call collectives on this rank alone (``SyncBatchNorm``)."""
-    if not module.automatic_optimization or any(
-        isinstance(layer, torch.nn.SyncBatchNorm) for layer in module.modules()
-    ):
+    run's precision) on a copy of the model at `batch`, already on the device; with an evaluation
+    `hook`, that step without gradients in its precision context. ``None`` when the step cannot
+    run outside the fit (manual optimization, a step that needs the trainer, one the module does
+    not implement), runs out of memory, or would call collectives on this rank alone
+    (``SyncBatchNorm``)."""
+    if any(isinstance(layer, torch.nn.SyncBatchNorm) for layer in module.modules()):
         return None
     plugin = trainer.precision_plugin
+    if hook != "training_step":
+        contexts = {
+            "validation_step": plugin.val_step_context,
+            "test_step": plugin.test_step_context,
+            "predict_step": plugin.predict_step_context,
+        }
+        rates = model_step_rates(
+            module, batch, [torch.get_num_threads()], 3, 1, hook=hook, context=contexts[hook]
+        )
+        return next(iter(rates.values()), None)
+    if not module.automatic_optimization:
+        return None
     probe = StepProbe(module, trainer.optimizers, 3, plugin.train_step_context, plugin.val_step_context)
     try:
         trial = probe.train(batch, batch_size)
@@ -426,6 +448,9 @@ def apply_open_files_plan(action: str, minimum: int) -> str:
     return "switched torch's tensor sharing strategy to 'file_system'"
 
 
+#: The step each split's loader feeds: a measurement before the loop weighs that one (a fit's
+#: validation loader over a set of its own; test and predict with ``WorkerTuning(online=False)``).
+CONSUMING_STEPS = {"val": "validation_step", "test": "test_step", "predict": "predict_step"}
 #: What an evaluation stage run alone loads from its split's loader: one pass.
 PASS_NAMES = {"val": "validation pass", "test": "test pass", "predict": "predict pass"}
 _STAGES = {"val": "validate", "test": "test", "predict": "predict"}
