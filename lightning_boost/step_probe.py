@@ -232,8 +232,8 @@ class StepProbe:
         of `steps` timed steps each (after one warm-up step per count), the fastest kept, so a busy
         moment does not hit one count alone. Once `budget_s` is spent, counts already measured are
         not measured again. Torch's thread count is put back. With an evaluation `hook`
-        (``"test_step"``, ``"predict_step"``, ...) that step is timed instead, without gradients,
-        in evaluation mode under `eval_context`.
+        (``"validation_step"``, ``"test_step"``, ``"predict_step"``) that step is timed instead,
+        without gradients, in evaluation mode under `eval_context`.
         """
         before = torch.get_num_threads()
         clone, optimizers = self._copies()

@@ -33,9 +33,9 @@ def model_step_rates(
     """Samples/s of ``training_step`` and its backward on `batch`, per intra-op thread count: the
     fastest step of `rounds` rounds over the counts, each `repeats` timed steps (after one warm-up
     step per count, in the first round; `StepProbe.rates`). With an evaluation `hook`
-    (``"test_step"``, ``"predict_step"``), that step without gradients: the one a test or predict
-    loader feeds (``{}`` when the module does not implement it), under `context` (the run's
-    precision for that step; none by default).
+    (``"validation_step"``, ``"test_step"``, ``"predict_step"``), that step without gradients: the
+    one an evaluation loader feeds (``{}`` when the module does not implement it), under
+    `context` (the run's precision for that step; none by default).
 
     A copy of `module`, detached from the trainer, takes the steps: the module's weights,
     gradients, buffers (BatchNorm statistics) and metrics are untouched, and the RNG states and

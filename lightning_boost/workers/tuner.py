@@ -459,7 +459,8 @@ _STAGES = {"val": "validate", "test": "test", "predict": "predict"}
 def own_pass(trainer: L.Trainer | None, split: str) -> bool:
     """Whether `split`'s loader feeds an evaluation stage run alone (``trainer.validate()``,
     ``test()``, ``predict()``): one pass, whose own batches and step decide its workers. A
-    fit's validation loader does not: it follows the training loader's decision."""
+    fit's validation loader does not: `BoostedDataModule`'s follows the training loader's
+    decision, `AutoNumWorkers`' is measured before the fit against its step (`CONSUMING_STEPS`)."""
     return trainer is not None and split in _STAGES and trainer.state.fn == _STAGES[split]
 
 
