@@ -197,7 +197,7 @@ class _SavePredicted(L.Callback):
 
 @pytest.mark.ddp
 def test_two_ranks_search_a_predict_pass_together_each_predicting_its_share_once(tmp_path: Path) -> None:
-    # an odd length: Lightning's unrepeated sampler gives the ranks 481 and 480 samples
+    # an odd length: Lightning's unrepeated sampler gives the ranks 961 and 960 samples
     data = Sets(predict=IndexedData(2 * PASS + 1, load_s=0.001))
     trainer = _trainer(tmp_path, _SavePredicted(tmp_path), devices=2, strategy="ddp_spawn")
     trainer.predict(Evaluated(), datamodule=data, return_predictions=False)
