@@ -228,10 +228,10 @@ class BoostedDataMixin(_DataModule):
         return self._settings(tuning_dataset, self.drop_last)[0]
 
     def _settings(
-        self, tuning_dataset: Dataset[Any], drop_last: bool, alone: str | None = None
+        self, tuning_dataset: Dataset[Any], drop_last: bool, own_split: str | None = None
     ) -> tuple[dict[str, Any], OnlineSearch | None]:
         """`loader_settings`, and the search on the first epoch's own batches when one runs
-        (the settings are then its starting point); with `alone`, the split of an evaluation
+        (the settings are then its starting point); with `own_split`, the split of an evaluation
         stage run alone (`own_pass`), on that pass's own batches."""
         trainer = self.trainer
         destroy_process_group_at_exit()  # a DDP run with the pack ends without gloo's exit abort
@@ -246,11 +246,11 @@ class BoostedDataMixin(_DataModule):
         }
         workers, prefetch, search = self.num_workers, self.prefetch_factor, None
         if workers is None:
-            train = tuning_dataset is self.train_dataset and alone is None
-            split = alone or ("train" if train else "evaluation")
-            size = self.batch_size if alone is None else self.evaluation_batch_size
+            train = tuning_dataset is self.train_dataset and own_split is None
+            split = own_split or ("train" if train else "evaluation")
+            size = self.batch_size if own_split is None else self.evaluation_batch_size
             samples = workload(trainer, split, tuning_dataset, size)
-            searched = train or alone is not None
+            searched = train or own_split is not None
             batches = epoch_batches(trainer, tuning_dataset, size, drop_last, split) if searched else None
             choice, search = self.worker_tuner.decide(
                 trainer, tuning_dataset, size, settings, samples, split, batches

@@ -36,8 +36,9 @@ class AutoNumWorkers(BoostCallback):
     The training loader is searched on the first epoch's own batches (as `BoostedDataModule`'s:
     every sample trained once, in the sampler's order); a fit's validation loaders are timed
     before the fit. The loader of ``trainer.validate()``, ``test()`` or ``predict()`` is searched
-    on its one pass the same way, against the step that consumes it (a pass too short to search,
-    under 80 batches, keeps the prior: the main process on a CPU, the CPU budget on a GPU).
+    on its one pass the same way, against the step that consumes it; a pass too short to search
+    keeps the prior: under 80 batches, the main process on a CPU; on a GPU, one too short to
+    time half the CPU budget's workers (about 1,200 batches on 16 CPUs), the budget.
 
     For users who do not subclass `BoostedDataModule`: whatever returns the loaders (a datamodule,
     the model's ``*_dataloader()`` hooks, or loaders passed to ``fit``), each plain ``DataLoader``

@@ -472,12 +472,10 @@ def workload(trainer: L.Trainer | None, split: str, dataset: Dataset[Any], batch
         length = len(dataset)  # type: ignore[arg-type]
     except TypeError:
         return None
-    if trainer is None or split not in ("train", *_STAGES):
-        return None
     if own_pass(trainer, split):
         limit = getattr(trainer, f"limit_{split}_batches")
         return run_samples("val", length, batch_size, limit, max_epochs=1)
-    if split not in ("train", "val"):
+    if trainer is None or split not in ("train", "val"):
         return None
     return run_samples(
         split,
