@@ -10,7 +10,7 @@ OLDEST_PYTHON ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.10*/bin/python
 OLDEST_VENV ?= .venv-oldest
 OLDEST_STAMP := $(OLDEST_VENV)/.lightning-boost-installed
 
-.PHONY: demo test test-gpu test-oldest lint typecheck pytest doctor bench install clean
+.PHONY: demo test test-gpu test-oldest lint typecheck pytest doctor bench device-wheels install clean
 
 demo: $(STAMP)
 	$(BIN)/lightning-boost demo
@@ -43,6 +43,13 @@ doctor: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
+
+# The test wheels a lent GPU machine lacks, from the workplace's shared folder, into the git-ignored
+# .device-wheels/ that each device call carries (benchmarks/gpu.sh; docs/development.md).
+DEVICE_WHEELS ?= ../shared/device-wheels
+device-wheels:
+	mkdir -p .device-wheels
+	cp $(DEVICE_WHEELS)/*.whl .device-wheels/
 
 install: $(STAMP)
 

@@ -1,6 +1,8 @@
 import re
 
-from benchmarks.__main__ import BEGIN, END, HEADER, update_results
+import pytest
+
+from benchmarks.__main__ import BEGIN, END, HEADER, parse_spec, update_results
 from benchmarks.common import median_ratio
 
 TEMPLATE = (
@@ -16,6 +18,25 @@ def test_update_results_replaces_rows_by_name_and_keeps_the_rest() -> None:
     again = update_results(text, {"old": "| old | 1.50x | d | `c` | m | 2026-11-21 |"})
     assert "| old | 1.50x" in again and "| old | 1.00x" not in again and "| new | 2.00x" in again
     assert again.count(HEADER.splitlines()[1]) == 1
+
+
+def test_parse_spec_reads_run_arguments_as_literals() -> None:
+    assert parse_spec("eval_pass") == ("eval_pass", {})
+    assert parse_spec("eval_pass:repeats=1:short=(64,32)") == ("eval_pass", {"repeats": 1, "short": (64, 32)})
+    assert parse_spec("checkpoint_saves:cpu=True") == ("checkpoint_saves", {"cpu": True})
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("data_bnd", "`NAME` expected one of .* got 'data_bnd'. Did you mean 'data_bound'"),
+        ("data_bound:sample=1", "`data_bound's argument` .*got 'sample'. Did you mean 'samples'"),
+        ("data_bound:8192", "`data_bound:8192`: write each argument after the name as KEY=VALUE"),
+    ],
+)
+def test_parse_spec_names_what_is_wrong_before_anything_runs(spec: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        parse_spec(spec)
 
 
 def test_median_ratio() -> None:

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Issue 32's checks on a lent GPU machine, in parts sized for one device call each.
+#
+#   bash benchmarks/gpu.sh PART [PART ...]        (from the repository root, on that machine)
+#
+# Here, first: `make device-wheels` (the test wheels that machine lacks, into the git-ignored
+# .device-wheels/), then carry that path: run(command="bash benchmarks/gpu.sh gpu-tests demo",
+# carry=[".device-wheels"], kind="nvidia-h100-x1", timeout_s=...). Every part's output, the
+# rewritten benchmarks/RESULTS.md and the demo's reports come back under $OUT. A part that runs
+# past its own limit is stopped and the next one runs.
+#
+# part        seconds  what it checks (issue 32's criterion)
+# gpu-tests        20  1: every gpu-marked test
+# suite           200  2: the whole suite, 14 processes
+# guards           60  3: the guards' overhead on CUDA
+# data-bound      150  4: workers against the sweep and Lightning's count, 8,192 images
+# demo            150  5: the demo cold, then warm, then warm under cProfile ($DEMO_SAMPLES images)
+# batch-size      450  6: AutoBatchSize on ResNet-50 against BatchSizeFinder (a call of its own)
+# saves           100  checkpoint saves: on the training thread / background; pinned / pageable
+# eval-pass       120  a predict job alone: tuned loaders against the plain one
+set -uo pipefail
+
+OUT=${OUT:-/tmp/gpu-out}
+EXTRA=/tmp/lightning-boost-extra
+mkdir -p "$OUT"
+
+setup() {
+  if [ ! -d "$EXTRA" ]; then
+    pip install --quiet --no-index --no-deps --target "$EXTRA" .device-wheels/*.whl
+    pip install --quiet --no-index --no-deps --no-build-isolation -e .
+  fi
+  export PYTHONPATH="$EXTRA:."
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
+  git rev-parse --short HEAD >> "$OUT/gpu.txt" 2>/dev/null || true
+}
+
+# `timed LIMIT NAME COMMAND...`: the command's output to $OUT/NAME.txt and here, stopped at LIMIT s.
+timed() {
+  local limit=$1 name=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt" | tail -n 40
+  echo "== $name: exit ${PIPESTATUS[0]} in $((SECONDS - start)) s"
+  cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
+}
+
+demo() {
+  local cache
+  cache=$(mktemp -d)
+  export LIGHTNING_BOOST_CACHE_DIR=$cache
+  local args=(--samples "${DEMO_SAMPLES:-16384}" --epochs 2)
+  timed 150 demo-cold python3 -m lightning_boost demo "${args[@]}" --root /tmp/demo-cold
+  timed 100 demo-warm python3 -m lightning_boost demo "${args[@]}" --root /tmp/demo-warm
+  timed 100 demo-profile python3 -m cProfile -o "$OUT/demo-warm.prof" -m lightning_boost demo "${args[@]}" \
+    --root /tmp/demo-profile
+  python3 -c "import pstats, sys; pstats.Stats(sys.argv[1]).sort_stats('cumulative').print_stats(60)" \
+    "$OUT/demo-warm.prof" > "$OUT/demo-warm-profile.txt"
+  for run in cold warm; do
+    find "/tmp/demo-$run" -name 'boost_report.json' -exec cp {} "$OUT/demo-$run-report.json" \; -quit
+  done
+  unset LIGHTNING_BOOST_CACHE_DIR
+}
+
+PARTS=(gpu-tests suite guards data-bound demo batch-size saves eval-pass)
+
+run_part() {
+  case $1 in
+    gpu-tests) timed 60 gpu-tests python3 -m pytest -p no:benchmark -p no:cacheprovider -m gpu -rA ;;
+    suite) timed 400 suite python3 -m pytest -p no:benchmark -p no:cacheprovider -n 14 -q ;;
+    guards) timed 120 guards python3 -m benchmarks guard_overhead ;;
+    data-bound) timed 240 data-bound python3 -m benchmarks data_bound:samples=8192 ;;
+    demo) demo ;;
+    batch-size) timed 560 batch-size python3 -m benchmarks gpu_batch_size ;;
+    saves) timed 200 saves python3 -m benchmarks checkpoint_saves ;;
+    eval-pass) timed 200 eval-pass python3 -m benchmarks eval_pass:repeats=1 ;;
+  esac
+}
+
+if [ $# -eq 0 ]; then
+  sed -n '2,20p' "$0"
+  exit 2
+fi
+for part in "$@"; do  # every name checked before the machine spends time on any
+  if [[ ! " ${PARTS[*]} " =~ " $part " ]]; then
+    echo "unknown part '$part': expected one of ${PARTS[*]}" >&2
+    exit 2
+  fi
+done
+setup
+for part in "$@"; do
+  run_part "$part"
+done
