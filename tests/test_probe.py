@@ -128,6 +128,43 @@ def test_a_fits_validation_loader_is_weighed_against_the_validation_step(
     assert trainer.state.finished
 
 
+@pytest.mark.parametrize(
+    ("step_rates", "probed"),
+    [({2: 16.0}, [[2]]), ({2: 1600.0, 1: 900.0}, [[2], [2, 1]])],
+    ids=["slow step: not worth timing", "fast step: its rates timed"],
+)
+def test_one_step_prices_a_fits_validation_loader_measurement_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step_rates: dict[int, float], probed: list[list[int]]
+) -> None:
+    # The model's rates are scripted (real ones would depend on this shared machine's load); the
+    # loader is real: 256 samples at about 5 ms each, 1.3 s of loading in the main process, more
+    # than the 0.4 s rest_of_measuring estimates. A step of 0.5 s a batch prices timing the
+    # model's rates alone at 5 s (2 thread counts x 5 steps): not worth it, decided after one step.
+    measured: list[list[int]] = []
+
+    def rates(module: Any, batch: Any, threads: list[int], **kwargs: Any) -> dict[int, float]:
+        measured.append(threads)
+        return {count: step_rates[count] for count in threads}
+
+    monkeypatch.setattr(tuner, "model_step_rates", rates)
+    monkeypatch.setattr(tuner.HardwareInfo, "detect", lambda: _two_cpus())
+    callback = AutoNumWorkers(WorkerTuning(window_s=0.2, max_workers=2), cache_dir=tmp_path)
+    trainer = tiny_trainer(tmp_path, callbacks=[callback], limit_val_batches=1.0, num_sanity_val_steps=0)
+    val = DataLoader(SlowerSamples(), batch_size=8)
+    trainer.fit(Evaluates(), DataLoader(RandomDataset(length=64), batch_size=8), val)
+    # the validation set's choice: it loads about 190 samples/s (the training set's, thousands)
+    choices = callback.worker_tuner.choices.values()
+    (choice,) = [c for c in choices if c.trials and c.trials[0].samples_per_s < 500]
+    assert measured == probed
+    if len(probed) == 1:
+        assert choice.source == "short run" and [t.num_workers for t in choice.trials] == [0]
+        assert choice.reason.startswith("no workers: the run loads 256 samples from it")
+        assert "less than the rest of the measurement takes (~5." in choice.reason
+    else:  # 900 samples/s beside a worker could save about 1 s of 1.5: the workers were timed
+        assert [t.num_workers for t in choice.trials] == [0, 1, 2] and choice.source != "short run"
+    assert trainer.state.finished
+
+
 def test_split_prefers_fewer_workers_within_tolerance_and_skips_what_it_cannot_predict() -> None:
     trials = [
         WorkerTrial(0, None, 1000.0),
@@ -149,6 +186,14 @@ class SlowSamples(Dataset[tuple[Tensor, Tensor]]):
     def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
         time.sleep(0.0002)
         return torch.full((32,), float(index)), torch.zeros(2)
+
+
+class SlowerSamples(SlowSamples):
+    """Each sample takes about 5 ms without using a CPU."""
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        time.sleep(0.005)
+        return super().__getitem__(index)
 
 
 class SlowData(BoostedDataModule):

@@ -285,6 +285,23 @@ def test_a_cpu_run_counts_timing_the_models_step_in_the_rest_of_the_measurement(
     assert gpu.source != "short run"  # no model to time: one more trial is the rest
 
 
+def test_a_cpu_run_stops_before_timing_workers_that_cannot_repay_their_trials() -> None:
+    from lightning_boost.workers.decision import WorkerProbes, decide_workers
+
+    # ResNet-18's evaluation step on 2 CPUs: 409 samples/s at 2 threads, 218 at 1 (what a worker
+    # leaves it), loading 336 samples/s; 1,024 samples could save at most 0.85 s, under two trials
+    loader = lambda n, pf: WorkerTrial(n, pf, 336.0, 0.77, MIB)  # noqa: E731
+    probes = WorkerProbes(loader, cpu_step=lambda threads: (336.0, {2: 409.0, 1: 218.0}))
+    cpu = EXAMPLES["cpu"].replace(cpus_available=2)
+    small = decide_workers(probes, cpu, WorkerTuning(), workload_samples=1024)
+    assert small.num_workers == 0 and [trial.num_workers for trial in small.trials] == [0]
+    assert small.reason.startswith("no workers: workers could save at most 0.85 s of the 1024 samples'")
+    longer = decide_workers(probes, cpu, WorkerTuning(), workload_samples=8 * 1024)  # 6.8 s to save
+    assert [trial.num_workers for trial in longer.trials] == [0, 1, 2]
+    kept = decide_workers(probes, cpu, WorkerTuning(skip_short_runs=False), workload_samples=1024)
+    assert [trial.num_workers for trial in kept.trials] == [0, 1, 2]  # measured to cache the result
+
+
 def test_measure_loader_turns_errors_into_failed_trials() -> None:
     def broken(num_workers: int, prefetch_factor: int | None) -> Iterator[Any]:
         raise RuntimeError("DataLoader worker (pid(s) 123) exited unexpectedly")

@@ -25,11 +25,13 @@ from lightning_boost.workers.search import (
     WorkerTuning,
     model_threads,
     not_worth_measuring,
+    priced_measuring,
     rest_of_measuring,
     search_workers,
     split_cpus,
     worker_candidates,
     workers_allowed,
+    workers_cannot_repay,
     workers_worth_measuring,
 )
 
@@ -46,11 +48,15 @@ class WorkerProbes:
             fit). The workers and the model share the CPUs, so both decide.
         consumer_rate: an accelerator run: the training step's samples/s, the rate the loader must
             feed (``None`` when it cannot be measured).
+        step_s: a CPU run: the seconds of one model step at the given thread count on a batch of
+            the real size, after a warm-up step (``None`` when the step cannot run outside the
+            fit), to price the rest of the measurement before timing it (`priced_measuring`).
     """
 
     loader: Measure
     cpu_step: Callable[[Sequence[int]], tuple[float, Mapping[int, float]]] | None = None
     consumer_rate: Callable[[], float | None] | None = None
+    step_s: Callable[[int], float | None] | None = None
 
 
 def decide_workers(
@@ -86,10 +92,12 @@ def decide_workers(
     first = probes.loader(0, None)
     rates: Mapping[int, float] = {}
     skipped: list[str] = []
-    rest_s = rest_of_measuring(tuning, times_model=probes.cpu_step is not None)
+    rest_s = _rest_of_measuring(probes, first, hardware.cpus_per_process, tuning, workload_samples)
     if not (tuning.skip_short_runs and not_worth_measuring(first, workload_samples, rest_s)):
         if probes.cpu_step is not None:
-            rates, tuning, skipped = _model_first(probes.cpu_step, hardware.cpus_per_process, tuning)
+            rates, tuning, skipped = _model_first(
+                probes.cpu_step, hardware.cpus_per_process, tuning, first.seconds, workload_samples
+            )
         elif probes.consumer_rate is not None and tuning.target_samples_per_s is None:
             tuning = dataclasses.replace(tuning, target_samples_per_s=probes.consumer_rate())
 
@@ -105,15 +113,49 @@ def decide_workers(
     return _beside_model(choice, rates, hardware.cpus_per_process, tuning.tolerance)
 
 
+def _rest_of_measuring(
+    probes: WorkerProbes, first: WorkerTrial, cpus: int, tuning: WorkerTuning, workload_samples: int | None
+) -> float:
+    """What the measurement takes after its first trial: the estimate (`rest_of_measuring`), and on
+    a CPU run whose loading could repay that, at least its price from one step of the model
+    (`priced_measuring`: a slow step makes timing the model's rates and the workers dear)."""
+    rest_s = rest_of_measuring(tuning, times_model=probes.cpu_step is not None)
+    if (
+        probes.cpu_step is None
+        or probes.step_s is None
+        or not tuning.skip_short_runs
+        or workload_samples is None
+        or not_worth_measuring(first, workload_samples, rest_s)
+    ):
+        return rest_s
+    step_s = probes.step_s(cpus)
+    if step_s is None:
+        return rest_s
+    counts = worker_candidates(workers_allowed(cpus, tuning))
+    threads = {model_threads(cpus, count) for count in counts}
+    return max(rest_s, priced_measuring(step_s, len(threads), min(2, len(counts) - 1), first.seconds))
+
+
 def _model_first(
-    cpu_step: Callable[[Sequence[int]], tuple[float, Mapping[int, float]]], cpus: int, tuning: WorkerTuning
+    cpu_step: Callable[[Sequence[int]], tuple[float, Mapping[int, float]]],
+    cpus: int,
+    tuning: WorkerTuning,
+    trial_s: float,
+    workload_samples: int | None,
 ) -> tuple[Mapping[int, float], WorkerTuning, list[str]]:
     """A CPU run: the model's step rates at the thread counts the candidates leave, and the
-    tuning capped at the most workers that can still win (`workers_worth_measuring`)."""
+    tuning capped at the most workers that can still win (`workers_worth_measuring`) and repay
+    their trials (`workers_cannot_repay`: none when they cannot)."""
     counts = worker_candidates(workers_allowed(cpus, tuning))
     threads = sorted({model_threads(cpus, count) for count in counts}, reverse=True)
     loading, rates = cpu_step(threads)
     cap, why = workers_worth_measuring(counts, rates, loading, cpus, tuning.tolerance)
+    unpaid = None
+    if cap and tuning.skip_short_runs:
+        worth = [count for count in counts if count <= cap]
+        unpaid = workers_cannot_repay(worth, rates, loading, cpus, workload_samples, trial_s)
+    if unpaid is not None:
+        cap, why = 0, unpaid
     if cap >= counts[-1]:
         return rates, tuning, []
     return rates, dataclasses.replace(tuning, max_workers=cap), [why]

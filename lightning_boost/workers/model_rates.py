@@ -18,14 +18,15 @@ from lightning.pytorch.utilities.data import extract_batch_size
 
 from lightning_boost._lightning import overrides, preserved_rng
 from lightning_boost.step_probe import StepProbe
+from lightning_boost.workers.search import PROBE_REPEATS, PROBE_ROUNDS
 
 
 def model_step_rates(
     module: L.LightningModule,
     batch: Any,
     threads: Sequence[int],
-    repeats: int = 2,
-    rounds: int = 2,
+    repeats: int = PROBE_REPEATS,
+    rounds: int = PROBE_ROUNDS,
     budget_s: float = 5.0,
     hook: str = "training_step",
     context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,

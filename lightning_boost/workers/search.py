@@ -404,6 +404,23 @@ def not_worth_measuring(first: WorkerTrial, workload_samples: int | None, rest_s
     )
 
 
+#: The model-rate probe's timed steps per thread count a round, and its rounds (`model_step_rates`).
+PROBE_REPEATS, PROBE_ROUNDS = 2, 2
+
+
+def priced_measuring(step_s: float, thread_counts: int, loader_trials: int, trial_s: float) -> float:
+    """At least what a CPU run's measurement costs after its first trial, priced from one step of
+    the model at all its threads (`step_s`; at fewer threads a step takes no less): the model's
+    rates (a warm-up and `PROBE_REPEATS` timed steps a round, `PROBE_ROUNDS` rounds, at each of
+    `thread_counts` counts) and `loader_trials` loader trials as long as the first (`trial_s`).
+
+    Example:
+        >>> priced_measuring(0.15, thread_counts=2, loader_trials=2, trial_s=0.75)  # 1.5 s + 1.5 s
+        3.0
+    """
+    return thread_counts * (1 + PROBE_REPEATS * PROBE_ROUNDS) * step_s + loader_trials * trial_s
+
+
 def rest_of_measuring(tuning: WorkerTuning, times_model: bool) -> float:
     """About what the measurement takes after its first trial: one worker trial (``window_s``),
     and on a CPU run first the model's step at each thread count the workers may leave, counted
@@ -744,6 +761,49 @@ def workers_worth_measuring(
         f"{first} worker(s) and up: the model's step on the {threads} CPU(s) they leave"
         f" ({step_rates[threads]:.0f} samples/s) cannot beat loading in the main process"
         f" ({alone:.0f} samples/s predicted)"
+    )
+
+
+def workers_cannot_repay(
+    counts: Sequence[int],
+    step_rates: Mapping[int, float],
+    loading: float,
+    cpus: int,
+    workload_samples: int | None,
+    trial_s: float,
+) -> str | None:
+    """On a CPU run with the model's rates measured: why timing `counts` workers cannot pay back,
+    or ``None`` when it may.
+
+    With workers the run trains at most at the model's best rate on the CPUs they leave, so over
+    the `workload_samples` the run loads they save at most ``W / alone - W / best`` seconds
+    (``alone`` as in `workers_worth_measuring`), while timing them takes at least one trial as long
+    as the first (`trial_s`) per count, up to two. Timing the step (2 CPUs: 409 samples/s at 2
+    threads, 218 at 1) bounds what workers save far below the loading time (`not_worth_measuring`):
+
+    Example:
+        >>> rates = {2: 409.0, 1: 218.0}
+        >>> print(workers_cannot_repay([0, 1, 2], rates, 336.0, 2, 1024, trial_s=0.77))
+        workers could save at most 0.85 s of the 1024 samples' loading and steps (the model's step
+        on the CPUs they leave: 218 samples/s; in turns with loading in the main process: 184),
+        less than timing them takes (~1.5 s)
+        >>> workers_cannot_repay([0, 1, 2], rates, 336.0, 2, 8 * 1024, trial_s=0.77) is None
+        True
+    """
+    full = step_rates.get(cpus)
+    with_workers = [step_rates.get(model_threads(cpus, n), 0.0) for n in counts if n]
+    if workload_samples is None or not full or loading <= 0 or not with_workers or max(with_workers) <= 0:
+        return None
+    alone = 1 / (1 / loading + 1 / full)
+    best = max(with_workers)
+    saving_s = workload_samples / alone - workload_samples / best
+    cost_s = min(2, len(with_workers)) * trial_s
+    if saving_s > cost_s:
+        return None
+    return (
+        f"workers could save at most {saving_s:.2g} s of the {workload_samples} samples' loading and"
+        f" steps (the model's step on the CPUs they leave: {best:.0f} samples/s; in turns with"
+        f" loading in the main process: {alone:.0f}), less than timing them takes (~{cost_s:.2g} s)"
     )
 
 

@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import resource
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -290,24 +290,17 @@ class LoaderTuner:
             )  # the memory budget is for batches of the real size
             return dataclasses.replace(trial, batch_bytes=trial.batch_bytes * batch_size // size)
 
-        def cpu_step(threads: Sequence[int]) -> tuple[float, Mapping[int, float]]:
-            assert module is not None
-            fetch = time.perf_counter()
-            batch = next(iter(make_full(0, None)))
-            loading = batch_size / max(time.perf_counter() - fetch, 1e-9)  # a first, pessimistic rate
-            budget_s = self.tuning.budget_s / 2
-            return loading, model_step_rates(module, batch, threads, budget_s=budget_s, hook=hook)
-
         def step_rate() -> float | None:
             assert trainer is not None and module is not None and consume is not None
             batch = consume(next(iter(make_full(0, None))))
             return consumer_rate(trainer, module, batch, batch_size, hook)
 
         probes = WorkerProbes(
-            loader,
-            cpu_step=cpu_step if times_model else None,
-            consumer_rate=step_rate if module is not None and consume is not None else None,
+            loader, consumer_rate=step_rate if module is not None and consume is not None else None
         )
+        if times_model:
+            assert module is not None
+            probes = cpu_probes(probes, module, make_full, batch_size, hook, self.tuning.budget_s / 2)
         with preserved_rng():  # the measurement loaders draw their seeds from the run's generator
             return decide_workers(probes, hardware, self.tuning, workload_samples)
 
@@ -454,6 +447,37 @@ CONSUMING_STEPS = {"val": "validation_step", "test": "test_step", "predict": "pr
 #: What an evaluation stage run alone loads from its split's loader: one pass.
 PASS_NAMES = {"val": "validation pass", "test": "test pass", "predict": "predict pass"}
 _STAGES = {"val": "validate", "test": "test", "predict": "predict"}
+
+
+def cpu_probes(
+    probes: WorkerProbes,
+    module: L.LightningModule,
+    make_full: Callable[[int, int | None], Iterable[Any]],
+    batch_size: int,
+    hook: str,
+    budget_s: float,
+) -> WorkerProbes:
+    """`probes` with a CPU run's model probes on one batch of the real size, fetched once in the
+    main process (its samples/s: a first, pessimistic loading rate): the model's `hook` step
+    rates per thread count, and one step's seconds to price them first."""
+    fetched: list[tuple[Any, float]] = []
+
+    def batch() -> tuple[Any, float]:
+        if not fetched:
+            start = time.perf_counter()
+            first = next(iter(make_full(0, None)))
+            fetched.append((first, batch_size / max(time.perf_counter() - start, 1e-9)))
+        return fetched[0]
+
+    def cpu_step(threads: Sequence[int]) -> tuple[float, Mapping[int, float]]:
+        data, loading = batch()
+        return loading, model_step_rates(module, data, threads, budget_s=budget_s, hook=hook)
+
+    def step_s(threads: int) -> float | None:
+        rates = model_step_rates(module, batch()[0], [threads], repeats=1, rounds=1, hook=hook)
+        return batch_size / rates[threads] if rates else None
+
+    return dataclasses.replace(probes, cpu_step=cpu_step, step_s=step_s)
 
 
 def own_pass(trainer: L.Trainer | None, split: str) -> bool:
