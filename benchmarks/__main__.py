@@ -29,6 +29,7 @@ BENCHMARKS = (
     "compute_bound",
     "data_bound",
     "eval_pass",
+    "fit_val_set",
     "worker_replay",
     "checked_steps",
     "batch_size",

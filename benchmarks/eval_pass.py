@@ -45,12 +45,13 @@ class Predictor(SmallCNN):
         return self(batch[0]).argmax(1)
 
 
-def images(samples: int) -> datasets.FakeData:
-    """96x96 FakeData images resized, cropped to 32x32, blurred and normalized (no randomness)."""
+def images(samples: int, offset: int = 0) -> datasets.FakeData:
+    """96x96 FakeData images resized, cropped to 32x32, blurred and normalized (no randomness);
+    `offset` starts them at another image of FakeData's sequence."""
     normalize = T.Normalize((0.5,) * 3, (0.25,) * 3)
     blur = T.GaussianBlur(5, sigma=1.0)
     pipeline = T.Compose([T.Resize(48), T.CenterCrop(32), blur, T.ToTensor(), normalize])
-    return datasets.FakeData(samples, (3, 96, 96), 10, transform=pipeline)
+    return datasets.FakeData(samples, (3, 96, 96), 10, transform=pipeline, random_offset=offset)
 
 
 class Images(BoostedDataModule):

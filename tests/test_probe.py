@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from torch import Tensor, nn
@@ -163,6 +164,51 @@ def test_one_step_prices_a_fits_validation_loader_measurement_first(
     else:  # 900 samples/s beside a worker could save about 1 s of 1.5: the workers were timed
         assert [t.num_workers for t in choice.trials] == [0, 1, 2] and choice.source != "short run"
     assert trainer.state.finished
+
+
+class ThreadsSeen(L.Callback):
+    """Records torch's intra-op threads at each training and validation batch."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, set[int]] = {"train": set(), "val": set()}
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.seen["train"].add(torch.get_num_threads())
+
+    def on_validation_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.seen["val"].add(torch.get_num_threads())
+
+
+def test_each_loop_gets_the_threads_its_own_loaders_workers_leave(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The training loader (4 batches: too few to search) loads in the main process; the
+    # validation set, slow to load beside a fast step (scripted rates, as above), gets workers.
+    # Training keeps both CPUs, validation leaves its workers theirs; teardown puts the count back.
+    monkeypatch.setattr(
+        tuner, "model_step_rates", lambda module, batch, threads, **kwargs: {2: 1600.0, 1: 900.0}
+    )
+    monkeypatch.setattr(tuner.HardwareInfo, "detect", lambda: _two_cpus())
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        spy, callback = (
+            ThreadsSeen(),
+            AutoNumWorkers(WorkerTuning(window_s=0.2, max_workers=2), cache_dir=tmp_path),
+        )
+        trainer = tiny_trainer(
+            tmp_path, callbacks=[callback, spy], limit_val_batches=1.0, val_check_interval=2
+        )
+        trainer.fit(
+            Evaluates(),
+            DataLoader(RandomDataset(length=64), batch_size=8),
+            DataLoader(SlowerSamples(), batch_size=8),
+        )
+        assert trainer.val_dataloaders.num_workers > 0 and trainer.train_dataloader.num_workers == 0
+        assert spy.seen == {"train": {2}, "val": {1}}  # validation ran mid-epoch, between training steps
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_split_prefers_fewer_workers_within_tolerance_and_skips_what_it_cannot_predict() -> None:

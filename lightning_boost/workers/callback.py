@@ -88,6 +88,28 @@ class AutoNumWorkers(BoostCallback):
             trainer, stage, lambda split, loaders: self._rebuild(trainer, split, loaders)
         )
 
+    # a CPU run's model threads follow the loop that runs: each loader's workers leave it theirs
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.worker_tuner.enter("train")
+
+    @override
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.worker_tuner.enter("val")
+
+    @override
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.state.fn == "fit":
+            self.worker_tuner.enter("train")
+
+    @override
+    def on_test_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.worker_tuner.enter("test")
+
+    @override
+    def on_predict_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.worker_tuner.enter("predict")
+
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self._undo is not None:

@@ -83,6 +83,7 @@ class LoaderTuner:
         self.findings: list[Finding] = []
         self.restored: set[str] = set()
         self._threads_before: int | None = None
+        self._split_threads: dict[str, int] = {}  # a CPU run's model threads beside each split's workers
         self._files_before: tuple[tuple[int, int], str] | None = None
 
     def decide(
@@ -109,6 +110,7 @@ class LoaderTuner:
         searched on that pass, timed against its own step, and cached apart from training's.
         """
         hardware = hardware_for(trainer)
+        split = loader
         unit = PASS_NAMES[loader] if own_pass(trainer, loader) else "first epoch"
         hook = CONSUMING_STEPS.get(loader, "training_step")  # what a measurement before the loop weighs
         # a loader is decided again at each batch size (Lightning builds the training loader at the
@@ -144,9 +146,10 @@ class LoaderTuner:
                 decide,
             )
             if "online" in result:
-                search = self._online(trainer, hardware, key, SegmentPlan(**result["online"]), loader)
+                plan = SegmentPlan(**result["online"])
+                search = self._online(trainer, hardware, key, plan, loader, split)
                 self.searches[key] = search
-                self.configure_segment(hardware, search.prior.num_workers)
+                self.configure_segment(hardware, search.prior.num_workers, split=split)
                 return pending_choice(search), search
             choice = WorkerChoice.from_dict(result)
             self.choices[key] = choice
@@ -154,11 +157,17 @@ class LoaderTuner:
         elif key in self.restored:
             self.restored.discard(key)
             self.findings += choice_findings(self.source, choice.replace(source="checkpoint"), loader)
-        self.apply_process_settings(hardware, choice.num_workers, choice.threads)
+        self.apply_process_settings(hardware, choice.num_workers, choice.threads, split)
         return choice, None
 
     def _online(
-        self, trainer: L.Trainer | None, hardware: HardwareInfo, key: str, plan: SegmentPlan, loader: str
+        self,
+        trainer: L.Trainer | None,
+        hardware: HardwareInfo,
+        key: str,
+        plan: SegmentPlan,
+        loader: str,
+        split: str,
     ) -> OnlineSearch:
         """The search every rank runs on its own batches, each deciding on rank zero's measurements."""
         prior = search_start(hardware, self.tuning, plan)
@@ -173,7 +182,7 @@ class LoaderTuner:
         def settled(choice: WorkerChoice) -> None:
             self.choices[key] = choice
             self.findings += choice_findings(self.source, choice, loader)
-            self.apply_process_settings(hardware, choice.num_workers, choice.threads)
+            self.apply_process_settings(hardware, choice.num_workers, choice.threads, split)
             searched = len(choice.trials) >= min(plan.max_segments, 2)
             if searched and (trainer is None or trainer.is_global_zero):
                 path = Path(self.cache_dir or cache.default_cache_dir()) / CACHE_FILE
@@ -185,7 +194,7 @@ class LoaderTuner:
             self.tuning,
             prior,
             share=share,
-            configure=lambda count, threads: self.configure_segment(hardware, count, threads),
+            configure=lambda count, threads: self.configure_segment(hardware, count, threads, split),
             settled=settled,
         )
 
@@ -304,10 +313,12 @@ class LoaderTuner:
         with preserved_rng():  # the measurement loaders draw their seeds from the run's generator
             return decide_workers(probes, hardware, self.tuning, workload_samples)
 
-    def configure_segment(self, hardware: HardwareInfo, num_workers: int, threads: int | None = None) -> None:
+    def configure_segment(
+        self, hardware: HardwareInfo, num_workers: int, threads: int | None = None, split: str = ""
+    ) -> None:
         """Before a search segment at `num_workers`: the open-file limit, and on a CPU run the
         model's threads on the CPUs the workers leave (all it had, with none), or `threads` (never
-        more than it had)."""
+        more than it had), kept as `split`'s (`enter`)."""
         plan = open_files_plan(hardware, num_workers)
         if plan is not None and self._files_before is None:
             self._files_before = (
@@ -323,14 +334,16 @@ class LoaderTuner:
         if threads is None:
             threads = model_threads(hardware.cpus_per_process, num_workers) if num_workers else before
         threads = min(threads, before)
+        self._split_threads[split] = threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
 
     def apply_process_settings(
-        self, hardware: HardwareInfo, num_workers: int, measured_threads: int | None = None
+        self, hardware: HardwareInfo, num_workers: int, measured_threads: int | None = None, split: str = ""
     ) -> None:
         """Open-file limit and, on a CPU run, the model's threads beside the workers, or the
-        `measured_threads` a search found faster (`WorkerChoice.threads`)."""
+        `measured_threads` a search found faster (`WorkerChoice.threads`); those are `split`'s, set
+        again whenever it runs (`enter`): all the threads the run had for a split without workers."""
         plan = open_files_plan(hardware, num_workers)
         if plan is not None:
             if self._files_before is None:  # put back at teardown: they are the process's, not the run's
@@ -346,10 +359,21 @@ class LoaderTuner:
             threads = measured_threads if measured_threads < before else None
         if threads is not None:
             self._threads_before = before
-            torch.set_num_threads(threads)
             self.add_finding(
                 threads_finding(self.source, threads, num_workers, hardware, measured_threads is not None)
             )
+        if hardware.accelerator == "cpu":
+            self._split_threads[split] = threads or before
+            if torch.get_num_threads() != self._split_threads[split]:
+                torch.set_num_threads(self._split_threads[split])
+
+    def enter(self, split: str) -> None:
+        """As `split`'s loop starts: a CPU run's model threads beside that split's workers, when
+        they were decided (a fit's training loader may have none while its validation loader has
+        two: training keeps every CPU, validation leaves the workers theirs)."""
+        threads = self._split_threads.get(split)
+        if threads is not None and torch.get_num_threads() != threads:
+            torch.set_num_threads(threads)
 
     def add_finding(self, finding: Finding) -> None:
         """Record `finding` once, however often its cause recurs."""
@@ -362,6 +386,7 @@ class LoaderTuner:
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
+        self._split_threads.clear()
         if self._files_before is not None:
             limits, strategy = self._files_before
             resource.setrlimit(resource.RLIMIT_NOFILE, limits)
