@@ -14,6 +14,7 @@ the CPUs its workers leave). Run: ``python -m benchmarks eval_pass``.
 
 from __future__ import annotations
 
+import functools
 import statistics
 import tempfile
 import time
@@ -26,6 +27,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from torchvision import datasets
 from torchvision import transforms as T
+from torchvision.transforms import functional as TF
 from typing_extensions import override
 
 from benchmarks.common import Row
@@ -46,10 +48,11 @@ class Predictor(SmallCNN):
 
 
 def images(samples: int, offset: int = 0) -> datasets.FakeData:
-    """96x96 FakeData images resized, cropped to 32x32, blurred and normalized (no randomness);
-    `offset` starts them at another image of FakeData's sequence."""
+    """96x96 FakeData images resized, cropped to 32x32, blurred and normalized (no randomness:
+    ``T.GaussianBlur`` would draw its sigma from the global RNG, of the training process when no
+    worker loads); `offset` starts them at another image of FakeData's sequence."""
     normalize = T.Normalize((0.5,) * 3, (0.25,) * 3)
-    blur = T.GaussianBlur(5, sigma=1.0)
+    blur = functools.partial(TF.gaussian_blur, kernel_size=[5, 5], sigma=[1.0, 1.0])
     pipeline = T.Compose([T.Resize(48), T.CenterCrop(32), blur, T.ToTensor(), normalize])
     return datasets.FakeData(samples, (3, 96, 96), 10, transform=pipeline, random_offset=offset)
 
