@@ -38,7 +38,8 @@ class AutoNumWorkers(BoostCallback):
     before the fit. The loader of ``trainer.validate()``, ``test()`` or ``predict()`` is searched
     on its one pass the same way, against the step that consumes it; a pass too short to search
     keeps the prior: under 80 batches, the main process on a CPU; on a GPU, one too short to
-    time half the CPU budget's workers (about 1,200 batches on 16 CPUs), the budget.
+    time half the CPU budget's workers (about 1,200 batches on 16 CPUs), the budget. On a CPU
+    run each loop's model gets the threads its own loader's workers leave, set as the loop starts.
 
     For users who do not subclass `BoostedDataModule`: whatever returns the loaders (a datamodule,
     the model's ``*_dataloader()`` hooks, or loaders passed to ``fit``), each plain ``DataLoader``
