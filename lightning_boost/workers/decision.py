@@ -18,6 +18,7 @@ from typing import Any
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.report import Finding, Severity, plot_data
 from lightning_boost.workers.search import (
+    PRICED_TRIALS,
     Clock,
     Measure,
     WorkerChoice,
@@ -131,9 +132,15 @@ def _rest_of_measuring(
     step_s = probes.step_s(cpus)
     if step_s is None:
         return rest_s
+    counts, threads = _candidates(cpus, tuning)
+    trials = min(PRICED_TRIALS, len(counts) - 1)
+    return max(rest_s, priced_measuring(step_s, len(threads), trials, first.seconds))
+
+
+def _candidates(cpus: int, tuning: WorkerTuning) -> tuple[list[int], list[int]]:
+    """A CPU run's worker counts to time, and the model's thread counts they leave, most first."""
     counts = worker_candidates(workers_allowed(cpus, tuning))
-    threads = {model_threads(cpus, count) for count in counts}
-    return max(rest_s, priced_measuring(step_s, len(threads), min(2, len(counts) - 1), first.seconds))
+    return counts, sorted({model_threads(cpus, count) for count in counts}, reverse=True)
 
 
 def _model_first(
@@ -146,8 +153,7 @@ def _model_first(
     """A CPU run: the model's step rates at the thread counts the candidates leave, and the
     tuning capped at the most workers that can still win (`workers_worth_measuring`) and repay
     their trials (`workers_cannot_repay`: none when they cannot)."""
-    counts = worker_candidates(workers_allowed(cpus, tuning))
-    threads = sorted({model_threads(cpus, count) for count in counts}, reverse=True)
+    counts, threads = _candidates(cpus, tuning)
     loading, rates = cpu_step(threads)
     cap, why = workers_worth_measuring(counts, rates, loading, cpus, tuning.tolerance)
     unpaid = None

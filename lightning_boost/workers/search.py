@@ -406,13 +406,16 @@ def not_worth_measuring(first: WorkerTrial, workload_samples: int | None, rest_s
 
 #: The model-rate probe's timed steps per thread count a round, and its rounds (`model_step_rates`).
 PROBE_REPEATS, PROBE_ROUNDS = 2, 2
+#: Worker trials a CPU run's measurement is priced at, at least (fewer where fewer counts remain).
+PRICED_TRIALS = 2
 
 
 def priced_measuring(step_s: float, thread_counts: int, loader_trials: int, trial_s: float) -> float:
     """At least what a CPU run's measurement costs after its first trial, priced from one step of
     the model at all its threads (`step_s`; at fewer threads a step takes no less): the model's
     rates (a warm-up and `PROBE_REPEATS` timed steps a round, `PROBE_ROUNDS` rounds, at each of
-    `thread_counts` counts) and `loader_trials` loader trials as long as the first (`trial_s`).
+    `thread_counts` counts) and `loader_trials` loader trials (`PRICED_TRIALS` where the CPUs
+    allow that many) as long as the first (`trial_s`).
 
     Example:
         >>> priced_measuring(0.15, thread_counts=2, loader_trials=2, trial_s=0.75)  # 1.5 s + 1.5 s
@@ -778,7 +781,7 @@ def workers_cannot_repay(
     With workers the run trains at most at the model's best rate on the CPUs they leave, so over
     the `workload_samples` the run loads they save at most ``W / alone - W / best`` seconds
     (``alone`` as in `workers_worth_measuring`), while timing them takes at least one trial as long
-    as the first (`trial_s`) per count, up to two. Timing the step (2 CPUs: 409 samples/s at 2
+    as the first (`trial_s`) per count, up to `PRICED_TRIALS`. Timing the step (2 CPUs: 409 samples/s at 2
     threads, 218 at 1) bounds what workers save far below the loading time (`not_worth_measuring`):
 
     Example:
@@ -797,7 +800,7 @@ def workers_cannot_repay(
     alone = 1 / (1 / loading + 1 / full)
     best = max(with_workers)
     saving_s = workload_samples / alone - workload_samples / best
-    cost_s = min(2, len(with_workers)) * trial_s
+    cost_s = min(PRICED_TRIALS, len(with_workers)) * trial_s
     if saving_s > cost_s:
         return None
     return (
