@@ -453,6 +453,35 @@ def test_growing_allocator_retries_are_a_finding_and_can_shrink(
     assert "peak allocated 3.00 GiB" in pressure.detail and "was halved" in pressure.detail
 
 
+class _OnCuda(L.Callback):
+    """After `AutoMicroBatch` read the module's device at the start of training, has it read CUDA:
+    this machine has no GPU."""
+
+    def __init__(self, callback: AutoMicroBatch) -> None:
+        self.callback = callback
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.callback._on_cuda = True
+
+
+@pytest.mark.parametrize("cuda", [False, True])
+def test_allocator_pressure_is_read_on_cuda_only_every_n_optimizer_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cuda: bool
+) -> None:
+    callback = AutoMicroBatch(pressure_every_n_steps=2)
+    checked: list[int] = []
+
+    def check(trainer: L.Trainer, device: torch.device, step: int, current: Any) -> None:
+        checked.append(step)
+        callback._pressure.append((step, 0))  # what a real check records
+
+    monkeypatch.setattr(callback, "_check_pressure", check)
+    extra = [_OnCuda(callback)] if cuda else []
+    fit(tmp_path, OOMModel(), [callback, *extra], max_epochs=4, accumulate_grad_batches=2)
+    # 8 batches, an optimizer step every 2: global steps 0, 1, 1, 2, 2, 3, 3, 4 at the batches' ends
+    assert checked == ([0, 2, 4] if cuda else [])
+
+
 class CudaOOMModel(OOMModel):
     """Each step holds a buffer of `per_sample` bytes per sample on the GPU: a real CUDA
     out-of-memory error above some batch size."""

@@ -140,12 +140,13 @@ class AutoMicroBatch(BoostCallback):
         self._group: Any = None
         self._params: list[torch.nn.Parameter] = []
         self._current: _Step | None = None
+        self._on_cuda = False
         self._wrapped: list[tuple[object, str, object]] = []
         self._signatures: dict[str, inspect.Signature] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("_trainer", "_group", "_params", "_current", "_wrapped", "_signatures"):
+        for name in ("_trainer", "_group", "_params", "_current", "_on_cuda", "_wrapped", "_signatures"):
             state.pop(name, None)
         return state
 
@@ -175,16 +176,18 @@ class AutoMicroBatch(BoostCallback):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._params = [p for p in pl_module.parameters() if p.requires_grad]
+        self._on_cuda = pl_module.device.type == "cuda"  # read once: the step's end is a hot path
 
     @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         current, self._current = self._current, None
+        if not (self._wrapped and self._on_cuda):  # the allocator's retries exist on CUDA only
+            return
         step = trainer.global_step
         checked = self._pressure[-1][0] if self._pressure else None  # one check per optimizer step
-        due = step % self.pressure_every_n_steps == 0 and step != checked
-        if self._wrapped and due and pl_module.device.type == "cuda":
+        if step % self.pressure_every_n_steps == 0 and step != checked:
             self._check_pressure(trainer, pl_module.device, step, current)
 
     @override
