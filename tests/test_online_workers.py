@@ -35,7 +35,7 @@ from lightning_boost.workers.online import (
     search_start,
 )
 from lightning_boost.workers.search import WorkerChoice, WorkerTrial
-from lightning_boost.workers.segments import OnlineSearch, SegmentedDataLoader, _Timing
+from lightning_boost.workers.segments import OnlineSearch, SegmentedDataLoader, _Timing, probe_first
 
 #: At most 2 workers whatever the machine, so the candidates (0, 1, 2) are the same on every CI box.
 TUNING = WorkerTuning(max_workers=2, timeout_s=20.0)
@@ -133,6 +133,67 @@ def test_one_segments_lead_of_the_probe_does_not_set_the_threads() -> None:
     close = {0: (350.0, 0.05), ("threads", 1): (365.0, 0.05)}
     measured, choice = _run(close.__getitem__, cpu, SegmentPlan(4, 3), prior=(0, None))
     assert measured == [0, 0] and choice.threads is None  # within the tolerance: nothing to confirm
+
+
+def test_a_probe_of_the_threads_alternates_them_step_by_step_and_compares_the_pairs() -> None:
+    """ABBA over a segment of 8 (a scripted clock): the probe's steps take 2 ms, those at the
+    threads of loading in the main process 3 ms. A segment that probes no threads alternates none."""
+    now = [0.0]
+    chunk = [[4 * i + j for j in range(4)] for i in range(8)]
+
+    def stream(probe_ms: float, other_ms: float) -> Any:
+        for k in range(8):
+            if k:  # the step of batch k - 1 ran while it was yielded
+                now[0] += (probe_ms if probe_first(k - 1) else other_ms) / 1e3
+            yield k
+
+    turns: list[int | None] = []
+    timing = _Timing(Setting(0, None, 1), chunk, lambda: now[0], alternate=turns.append)
+    assert len(list(timing.run(stream(2.0, 3.0), lambda done: iter(())))) == 8
+    assert turns == [1, None, None, 1, 1, None, None, 1]
+    trial = timing.trial()  # steps 0-6: the probe's 0, 3 and 4 against 1, 2, 5 and 6
+    assert trial.samples_per_s == pytest.approx(12 / 0.006) and trial.paired == pytest.approx(1.5)
+    turns.clear()
+    plain = _Timing(Setting(0), chunk, lambda: now[0], alternate=turns.append)
+    list(plain.run(stream(2.0, 2.0), lambda done: iter(())))
+    assert turns == [] and plain.trial().paired == 0.0
+
+
+def test_a_paired_probes_lead_sets_the_threads_without_a_segment_to_confirm_it() -> None:
+    """The lead of `test_one_segments_lead_of_the_probe_does_not_set_the_threads`, timed step for
+    step against the other threads: no segment is spent measuring both threads again."""
+    cpu = EXAMPLES["cpu"].replace(cpus_available=2)
+    for paired, measured in ((1.08, 2), (0.0, 3)):
+        search = search_online(cpu, WorkerTuning(), SegmentPlan(4, 3), Setting(0))
+        settings = [next(search)]
+        trials = iter([
+            WorkerTrial(0, None, 350.0, seconds=1.0, load_share=0.05),
+            WorkerTrial(0, None, 385.0, seconds=1.0, threads=1, load_share=0.05, paired=paired),
+            WorkerTrial(0, None, 350.0, seconds=1.0, load_share=0.05),
+        ])  # fmt: skip
+        with pytest.raises(StopIteration) as stop:
+            while True:
+                settings.append(search.send(next(trials)))
+        assert settings[:2] == [Setting(0), Setting(0, None, 1)] and len(settings) == measured
+        expected = (0, 1) if paired else (0, None)  # unpaired, measured once: 4 tolerances needed
+        assert (stop.value.value.num_workers, stop.value.value.threads) == expected
+
+
+def test_a_paired_probes_other_steps_count_as_a_run_of_no_workers() -> None:
+    """The time-to-quality autoencoder on 2 CPUs, as one cold run's segments read it: a first
+    segment twice as slow as the run's steps, the probe on 1 thread 11 % behind the other threads
+    step for step, 2 workers slow. Without the probe's other steps, 2 workers read fastest and the
+    probe beat them by 31 %: the run trained on 1 thread."""
+    cpu = EXAMPLES["cpu"].replace(cpus_available=2)
+    search = search_online(cpu, WorkerTuning(), SegmentPlan(8, 3), Setting(0))
+    next(search)
+    probe = search.send(WorkerTrial(0, None, 11000.0, seconds=1.0, load_share=0.08))
+    assert probe == Setting(0, None, 1)
+    workers = search.send(WorkerTrial(0, None, 19138.0, seconds=1.0, threads=1, load_share=0.1, paired=0.89))
+    assert workers.num_workers == 2
+    with pytest.raises(StopIteration) as stop:
+        search.send(WorkerTrial(2, 2, 14649.0, seconds=1.0, load_share=0.24))
+    assert (stop.value.value.num_workers, stop.value.value.threads) == (0, None)
 
 
 def test_a_cpu_run_that_waits_for_its_data_goes_to_workers_at_once() -> None:

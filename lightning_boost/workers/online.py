@@ -9,15 +9,16 @@ segment's `WorkerTrial`, and returns the `WorkerChoice`. The driver that runs th
 `lightning_boost.workers.segments`.
 
 On a CPU run that waits little for its data, the second segment trains the model alone at the
-threads one worker would leave; when that cannot beat loading in the main process, no worker is
-started (`workers_cannot_win`). Otherwise the search assumes a throughput curve that rises,
-flattens, and may fall again where workers take CPUs from the training process: it bisects the
-unmeasured gaps beside the fastest count, and beside any count within twice the tolerance of it
-(`_next_count`), until they close or the planned segments run out, and keeps the fewest workers
-within `tolerance` of the fastest whose steps did not wait for their batches on a CPU run, the
-fastest on a GPU run (`choose_online`). A GPU
-run's winner whose segments waited for data then runs a segment at each larger prefetch factor
-of the tuning, kept when faster (`_deeper_prefetch`).
+threads one worker would leave, step for step alternating with the threads loading in the main
+process runs (a paired probe, `WorkerTrial.paired`); when that cannot beat loading in the main
+process, no worker is started (`workers_cannot_win`). Otherwise the search assumes a throughput
+curve that rises, flattens, and may fall again where workers take CPUs from the training process:
+it bisects the unmeasured gaps beside the fastest count, and beside any count within twice the
+tolerance of it (`_next_count`), until they close or the planned segments run out, and keeps the
+fewest workers within `tolerance` of the fastest whose steps did not wait for their batches on a
+CPU run, the fastest on a GPU run (`choose_online`). A GPU run's winner whose segments waited for
+data then runs a segment at each larger prefetch factor of the tuning, kept when faster
+(`_deeper_prefetch`).
 """
 
 from __future__ import annotations
@@ -419,12 +420,17 @@ def _next_setting(
 
 def _probe_lead(trials: list[WorkerTrial]) -> tuple[list[WorkerTrial], float, int | None, int]:
     """A CPU run's probes of the model on fewer threads, their mean rate over the fastest worker
-    count's mean, that count, and the fewer of the two settings' segment counts."""
+    count's mean, that count, and the fewer of the two settings' segment counts. Where loading in
+    the main process is the fastest and the probes were paired with its threads step for step
+    (`WorkerTrial.paired`), the lead is their paired ratio, as good as two segments of each."""
     probes = [t for t in trials if t.ok and t.threads is not None and not t.num_workers]
     ran = mean_rates(trials)
     if not probes or not ran:
         return probes, 0.0, None, 0
     best = max(sorted(ran), key=ran.__getitem__)
+    paired = [t.paired for t in probes if t.paired > 0]
+    if best == 0 and paired:
+        return probes, sum(paired) / len(paired), best, 2
     lead = sum(t.samples_per_s for t in probes) / len(probes) / max(ran[best], 1e-9)
     return probes, lead, best, min(len(probes), len(_runs_of(trials, best)))
 
@@ -468,17 +474,25 @@ def workers_cannot_win(alone: WorkerTrial, probe: WorkerTrial | None, tolerance:
 
 
 def mean_rates(trials: list[WorkerTrial]) -> dict[int, float]:
-    """Samples/s per worker count, the mean of its segments; a count that failed once is out.
+    """Samples/s per worker count, the mean of its segments; a count that failed once is out. A
+    probe of the model's threads is no setting, but the other steps of a paired one ran loading in
+    the main process at its threads: one more run of no workers (its rate over `paired`).
 
     Example:
         >>> mean_rates([WorkerTrial(2, 2, 100.0), WorkerTrial(0, None, 50.0), WorkerTrial(2, 2, 120.0)])
         {2: 110.0, 0: 50.0}
+        >>> mean_rates([WorkerTrial(0, None, 50.0), WorkerTrial(0, None, 88.0, threads=1, paired=1.1)])
+        {0: 65.0}
     """
     failed = {trial.num_workers for trial in trials if not trial.ok and trial.threads is None}
     runs: dict[int, list[float]] = {}
     for trial in trials:
-        if trial.num_workers not in failed and trial.threads is None:  # a probe of the model is no setting
+        if trial.num_workers in failed:
+            continue
+        if trial.threads is None:
             runs.setdefault(trial.num_workers, []).append(trial.samples_per_s)
+        elif trial.ok and trial.paired > 0 and not trial.num_workers:
+            runs.setdefault(0, []).append(trial.samples_per_s / trial.paired)
     return {count: sum(rates) / len(rates) for count, rates in runs.items()}
 
 
@@ -546,8 +560,8 @@ def choose_online(
     (`_fewest_fed`), the fastest on a GPU run; no workers when
     nothing ran. A CPU run's probe of the model on fewer threads (no workers) wins when it beat
     every count by more than `tolerance` (`PROBE_LEAD_ONCE` tolerances when either was measured
-    once): a small model's step can lose more to starting its threads than they add
-    (`WorkerChoice.threads`).
+    once, unless paired: `_probe_lead`): a small model's step can lose more to starting its
+    threads than they add (`WorkerChoice.threads`).
 
     Example:
         >>> trials = [WorkerTrial(0, None, 400.0), WorkerTrial(2, 2, 430.0), WorkerTrial(1, 2, 420.0)]

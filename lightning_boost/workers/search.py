@@ -132,6 +132,8 @@ class WorkerTrial:
         load_share: the share of a segment's time spent waiting for batches (host side).
         overhead_s: a segment's seconds on the training thread starting its workers and stopping
             them (forking and joining the processes), beyond `seconds`.
+        paired: a probe of the model's threads timed step for step against the threads it would
+            otherwise run (alternating in the same segment): its rate over theirs; 0 when not.
     """
 
     num_workers: int
@@ -144,6 +146,7 @@ class WorkerTrial:
     threads: int | None = None
     load_share: float = 0.0
     overhead_s: float = 0.0
+    paired: float = 0.0
 
     @property
     def ok(self) -> bool:

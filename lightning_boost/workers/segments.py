@@ -125,7 +125,9 @@ class OnlineSearch:
         try:
             while setting is not None and chunk:
                 warmup = 0 if self._trials else WARMUP_STEPS  # the run's first segment
-                timing = _Timing(setting, chunk, self.clock, warmup, start_s=self._start_s)
+                timing = _Timing(
+                    setting, chunk, self.clock, warmup, start_s=self._start_s, alternate=self._threads
+                )
                 following: tuple[Setting | None, list[list[int]], Iterator[Any]] = (None, [], iter(()))
                 fallback = functools.partial(self._resume, loader, chunk, last_good, next(seeds))
                 for batch in timing.run(stream, fallback):
@@ -184,6 +186,11 @@ class OnlineSearch:
         self._start_s = self.clock() - starting  # the forks, on the training thread: a cost of the search
         return stream
 
+    def _threads(self, threads: int | None) -> None:
+        """A paired probe's turn: the model at the probe's `threads`, or at those of loading in the
+        main process (``None``)."""
+        self.configure(0, threads)
+
     def _rest(self, loader: DataLoader[Any], batches: Iterable[list[int]], seed: int) -> Iterator[Any]:
         """The search settled (`_settle`, which applies the winner's process side) and the epoch's
         remaining `batches` at the winner."""
@@ -212,10 +219,27 @@ class OnlineSearch:
         return self.choice
 
 
+def probe_first(step: int) -> bool:
+    """Whether a paired probe's step `step` runs at the probe's threads: pairs of steps, the probe
+    first in every other pair (ABBA), so a host that speeds up or slows down favours neither.
+
+    Example:
+        >>> "".join("P" if probe_first(step) else "-" for step in range(8))
+        'P--PP--P'
+    """
+    return (step // 2) % 2 == step % 2
+
+
 class _Timing:
     """One segment's batches as they arrive: when each came, and whether its workers failed;
     the steps of its first `warmup` batches are not timed when enough steps remain, nor are the
-    steps a guard checked (`marks`, by default `instrumented.count`)."""
+    steps a guard checked (`marks`, by default `instrumented.count`).
+
+    A probe of the model's threads (no workers, `Setting.threads`) given `alternate` is paired: it
+    calls ``alternate(threads)`` before each step, the probe's threads and ``None`` (the threads
+    loading in the main process runs) taking turns (`probe_first`), and its trial compares the two
+    step for step (`WorkerTrial.paired`): two segments of a few steps, one after the other, differ
+    by up to 25 % on a busy 2-CPU host, steps interleaved in one segment by far less."""
 
     def __init__(
         self,
@@ -225,6 +249,7 @@ class _Timing:
         warmup: int = 0,
         marks: Callable[[], int] | None = None,
         start_s: float = 0.0,
+        alternate: Callable[[int | None], None] | None = None,
     ) -> None:
         self.setting = setting
         self.start_s = start_s
@@ -239,6 +264,9 @@ class _Timing:
         self.arrived = 0
         self.failed = ""
         self.batch_bytes = 0
+        paired = setting.num_workers == 0 and setting.threads is not None and alternate is not None
+        self.alternate = alternate if paired else None
+        self.probed: list[bool] = []  # of a paired probe: whether each step ran at the probe's threads
 
     def run(self, stream: Iterator[Any], fallback: Callable[[int], Iterator[Any]]) -> Iterator[Any]:
         """Yield the segment's batches in order; if its workers fail, the rest from `fallback`
@@ -259,6 +287,9 @@ class _Timing:
                 self.marked.append(self.marks())
             if self.arrived == 0:
                 self.batch_bytes = tensor_bytes(batch)
+            if self.alternate is not None:  # the step of this batch, at the threads of its turn
+                self.probed.append(probe_first(self.arrived))
+                self.alternate(self.setting.threads if self.probed[-1] else None)
             self.arrived += 1
             yield batch
 
@@ -309,12 +340,32 @@ class _Timing:
             last -= queued
         first = self.warmup if last - self.warmup >= MIN_TIMED_STEPS else 0
         steps = self._unchecked(first, last)  # from one arrival to the next: a step and a wait
-        samples = sum(len(self.chunk[step]) for step in steps)
-        span, share = self._span(steps), self._load_share(steps)
+        paired = 0.0
+        if self.probed:
+            probe = [step for step in steps if self.probed[step]]
+            other = [step for step in steps if not self.probed[step]]
+            if min(len(probe), len(other)) >= MIN_TIMED_STEPS:
+                paired = self._rate(probe) / self._rate(other)
+                steps = probe
+        share = self._load_share(steps)
         startup = self.times[0] - self.started
         return WorkerTrial(
-            workers, factor, samples / span, seconds, self.batch_bytes, "", startup, threads, share, overhead
+            workers,
+            factor,
+            self._rate(steps),
+            seconds,
+            self.batch_bytes,
+            "",
+            startup,
+            threads,
+            share,
+            overhead,
+            paired,
         )
+
+    def _rate(self, steps: Sequence[int]) -> float:
+        """Samples per second over `steps`."""
+        return sum(len(self.chunk[step]) for step in steps) / self._span(steps)
 
 
 def start_loader(
