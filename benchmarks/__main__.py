@@ -41,6 +41,7 @@ BENCHMARKS = (
     "monitor_overhead",
     "guard_overhead",
     "micro_batch",
+    "stack_overhead",
     "diagnosis",
     "arguments",
 )

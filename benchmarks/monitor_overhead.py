@@ -14,10 +14,12 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -48,28 +50,43 @@ class MLP(L.LightningModule):
 
 
 class TrainTime(L.Callback):
-    def __init__(self) -> None:
+    """Seconds from the start of training, or from training batch `from_step`, to its end."""
+
+    def __init__(self, from_step: int = 0) -> None:
         self.seconds = 0.0
+        self.from_step = from_step
         self._start = 0.0
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._start = time.perf_counter()
+        if not self.from_step:
+            self._start = time.perf_counter()
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.from_step and batch_idx == self.from_step:
+            self._start = time.perf_counter()
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.seconds = time.perf_counter() - self._start
 
 
-def fit_per_step(root: str, steps: int, callbacks: list[L.Callback]) -> float:
-    """Seconds per training step of one fit of the MLP with `callbacks` (``guard_overhead`` uses it too)."""
-    timer = TrainTime()
+def fit_per_step(
+    root: str, steps: int, callbacks: list[L.Callback], strategy: Strategy | str = "auto", from_step: int = 0
+) -> float:
+    """Seconds per training step of one fit of the MLP with `callbacks` and `strategy`, timed from
+    step `from_step` (``guard_overhead`` and ``stack_overhead`` use it too)."""
+    timer = TrainTime(from_step)
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(
         torch.randn(steps * 32, 64, generator=generator), torch.randint(0, 10, (steps * 32,))
     )
     trainer = L.Trainer(
         accelerator="auto",  # the GPU where there is one: where users train
+        strategy=strategy,
         max_epochs=1,
         logger=CSVLogger(root, name="overhead"),
         callbacks=[timer, *callbacks],
@@ -80,7 +97,7 @@ def fit_per_step(root: str, steps: int, callbacks: list[L.Callback]) -> float:
     )
     L.seed_everything(0, verbose=False)
     trainer.fit(MLP(), train_dataloaders=DataLoader(data, batch_size=32))
-    return timer.seconds / steps
+    return timer.seconds / (steps - from_step)
 
 
 def run(steps: int = 1000, repeats: int = 11) -> list[Row]:

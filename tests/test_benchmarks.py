@@ -96,6 +96,34 @@ def test_micro_batch_runs_at_tiny_size() -> None:
     assert "same weights at the end in 1 of 1 pairs" in retry.detail
 
 
+def test_time_to_quality_row_is_the_median_pair_at_tiny_size() -> None:
+    from benchmarks import time_to_quality
+
+    tiny = time_to_quality.Workload(
+        "tiny", time_to_quality.MLP, lambda: time_to_quality.classes(512, 0),
+        lambda: time_to_quality.classes(128, 1), 1, "val accuracy",
+    )  # fmt: skip
+    row = time_to_quality._row(tiny, pairs=3)
+    assert row.benchmark == "time to quality (tiny)" and row.command == time_to_quality.COMMAND
+    ratios = row.detail.split("(ratios ")[1].split(")")[0].split(", ")
+    assert len(ratios) == 3 and ratios == sorted(ratios, key=float) and f"{row.ratio:.2f}" == ratios[1]
+    assert "median of 3 alternating pairs" in row.detail and "the median pair reached" in row.detail
+    assert time_to_quality._finals([0.5, 0.25]) == "0.5, 0.25"
+
+
+def test_stack_overhead_runs_at_tiny_size_and_names_the_run_s_decisions() -> None:
+    from benchmarks import stack_overhead
+
+    rows = stack_overhead.run(steps=30, repeats=1, from_step=10)
+    assert [row.benchmark.split(":")[0] for row in rows] == [
+        "README set-up (boost_callbacks() + preset('auto')), once decided",
+        "README set-up, once decided",
+    ]
+    assert all(row.ratio > 0 and row.command == stack_overhead.COMMAND for row in rows)
+    assert "precision 32-true" in rows[0].detail or "bf16" in rows[0].detail
+    assert "workers" in rows[0].detail and "6 callbacks that do nothing" in rows[0].detail
+
+
 def test_demo_workloads_run_at_tiny_size() -> None:
     from benchmarks import compute_bound, demo_workload
 
