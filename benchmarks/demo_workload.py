@@ -21,7 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from benchmarks.common import Row, median_ratio
-from lightning_boost.demo import FakeCIFAR, fake_cifar, fit_fake_cifar, run_demo
+from lightning_boost.demo import FakeCIFAR, demo_dataset, fit_fake_cifar, precision_text, run_demo
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.presets import preset
 
@@ -87,17 +87,18 @@ def compare(
                     trainer, rate = fit_fake_cifar(datamodule, strategy, epochs, root, **options)
                     loader = trainer.train_dataloader
                     threads = next(  # set beside the workers for the fit, restored at teardown
-                        (f.data["threads"] for f in datamodule.findings if "threads" in f.data),
+                        (f.data["threads"] for f in datamodule.findings if f.data.get("threads")),
                         torch.get_num_threads(),
                     )
                     tuned = (
                         f"num_workers={loader.num_workers}, prefetch_factor={loader.prefetch_factor},"
-                        f" {threads} model thread(s)"
+                        f" {threads} model thread(s), precision {precision_text(trainer)}"
                     )
                 timings[variant].append(rate)
     return timings, tuned
 
 
 def _plain(samples: int, batch_size: int) -> DataLoader[Any]:
-    """What a Lightning user writes first: a shuffled loader with PyTorch's defaults."""
-    return DataLoader(fake_cifar(samples), batch_size=batch_size, shuffle=True, drop_last=True)
+    """What a Lightning user writes first: a shuffled loader with PyTorch's defaults, over the
+    images `FakeCIFAR` loads (`demo_dataset`)."""
+    return DataLoader(demo_dataset(samples), batch_size=batch_size, shuffle=True, drop_last=True)

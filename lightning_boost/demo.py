@@ -172,13 +172,6 @@ def eval_transform() -> transforms.Compose:
     return transforms.Compose([transforms.ToTensor(), transforms.Normalize(CIFAR_MEAN, CIFAR_STD)])
 
 
-def fake_cifar(samples: int) -> datasets.FakeData:
-    """`samples` CIFAR-sized FakeData images (3x32x32, 10 classes) through `train_transform`."""
-    return datasets.FakeData(
-        size=samples, image_size=(3, 32, 32), num_classes=10, transform=train_transform()
-    )
-
-
 #: Validation images of the demo: CIFAR-10's test split is 10,000; the made-up set is this many.
 VAL_SAMPLES = 1024
 
