@@ -333,10 +333,8 @@ class LoaderTuner:
         before = self._threads_before
         if threads is None:
             threads = model_threads(hardware.cpus_per_process, num_workers) if num_workers else before
-        threads = min(threads, before)
-        self._split_threads[split] = threads
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        self._split_threads[split] = min(threads, before)
+        self.enter(split)
 
     def apply_process_settings(
         self, hardware: HardwareInfo, num_workers: int, measured_threads: int | None = None, split: str = ""
@@ -364,13 +362,12 @@ class LoaderTuner:
             )
         if hardware.accelerator == "cpu":
             self._split_threads[split] = threads or before
-            if torch.get_num_threads() != self._split_threads[split]:
-                torch.set_num_threads(self._split_threads[split])
+            self.enter(split)
 
     def enter(self, split: str) -> None:
-        """As `split`'s loop starts: a CPU run's model threads beside that split's workers, when
-        they were decided (a fit's training loader may have none while its validation loader has
-        two: training keeps every CPU, validation leaves the workers theirs)."""
+        """A CPU run's model threads beside `split`'s workers, once decided: set as they are
+        decided and again as its loop starts (a fit's training loader may have none while its
+        validation loader has two: training keeps every CPU, validation leaves the workers theirs)."""
         threads = self._split_threads.get(split)
         if threads is not None and torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
