@@ -44,12 +44,14 @@ doctor: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks
 
-# The test wheels a lent GPU machine lacks, from the workplace's shared folder, into the git-ignored
-# .device-wheels/ that each device call carries (benchmarks/gpu.sh; docs/development.md).
+# The test wheels a lent GPU machine lacks, from the workplace's shared folder, and this package's
+# own wheel (that machine has no build backend: the contract test reads the installed metadata), into
+# the git-ignored .device-wheels/ that each device call carries (benchmarks/gpu.sh; docs/development.md).
 DEVICE_WHEELS ?= ../shared/device-wheels
-device-wheels:
-	mkdir -p .device-wheels
+device-wheels: $(STAMP)
+	rm -rf .device-wheels && mkdir -p .device-wheels
 	cp $(DEVICE_WHEELS)/*.whl .device-wheels/
+	$(BIN)/python -m pip wheel --quiet --no-deps --wheel-dir .device-wheels .
 
 install: $(STAMP)
 

@@ -8,7 +8,9 @@ alternating, with the count frozen for the counted ones (every step then looks u
 ratio is the median first-segment samples/s left out over counted; the detail adds what each fit
 kept (a probe of the model on fewer threads wins against a slow first segment), a plain
 Lightning fit's rate for scale, and the search's reported cost with its workers' starts and stops.
-Run: ``python -m benchmarks checked_steps``.
+`accelerator` and `max_workers` pin the fits to a device and a worker budget: a GPU machine's 16
+CPUs do not search these short fits at all, so the tests run the 2-CPU path there as
+``run(..., accelerator="cpu", max_workers=2)``. Run: ``python -m benchmarks checked_steps``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import functools
 import statistics
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from benchmarks import time_to_quality
 from benchmarks.common import Row
@@ -26,14 +29,17 @@ from lightning_boost.workers.search import WorkerChoice
 COMMAND = "python -m benchmarks checked_steps"
 
 
-def run(fits: int = 6, workload: str = "autoencoder") -> list[Row]:
+def run(
+    fits: int = 6, workload: str = "autoencoder", accelerator: str = "auto", max_workers: int | None = None
+) -> list[Row]:
     chosen = next(w for w in time_to_quality.WORKLOADS if w.name == workload)
+    pin = {"accelerator": accelerator, "max_workers": max_workers}
     searches: dict[bool, list[WorkerChoice]] = {True: [], False: []}
     for fit in range(fits):
         for left_out in (True, False) if fit % 2 == 0 else (False, True):
-            searches[left_out].append(_search(chosen, left_out))
+            searches[left_out].append(_search(chosen, left_out, pin))
     with tempfile.TemporaryDirectory() as folder:
-        plain, _, _ = time_to_quality._fit(chosen, Path(folder), 0, False, Path(folder) / "cache")
+        plain, _, _ = time_to_quality._fit(chosen, Path(folder), 0, False, Path(folder) / "cache", **pin)
     first = {key: [choice.trials[0].samples_per_s for choice in value] for key, value in searches.items()}
     left, counted = statistics.median(first[True]), statistics.median(first[False])
 
@@ -56,8 +62,12 @@ def run(fits: int = 6, workload: str = "autoencoder") -> list[Row]:
                 detail, COMMAND)]  # fmt: skip
 
 
-def _search(workload: time_to_quality.Workload, left_out: bool) -> WorkerChoice:
-    """One boosted fit's worker search."""
+def _search(workload: time_to_quality.Workload, left_out: bool, pin: dict[str, Any]) -> WorkerChoice:
+    """One boosted fit's worker search.
+
+    Raises:
+        RuntimeError: when the fit's loader was not searched (nothing to compare).
+    """
     count = instrumented.count
     if not left_out:
         instrumented.count = functools.partial(int, 0)  # every step looks unchecked to the segments
@@ -65,8 +75,13 @@ def _search(workload: time_to_quality.Workload, left_out: bool) -> WorkerChoice:
     try:
         with tempfile.TemporaryDirectory() as folder:
             root = Path(folder)
-            time_to_quality._fit(workload, root / "fit", 0, True, root / "cache", datamodules=datamodules)
+            time_to_quality._fit(workload, root / "fit", 0, True, root / "cache", False, datamodules, **pin)
     finally:
         instrumented.count = count
     (choice,) = datamodules[0].worker_tuner.choices.values()
+    if not choice.trials:
+        raise RuntimeError(
+            f"checked_steps: the {workload.name} fit's loader was not searched here ({choice.reason}), so"
+            " it has no first segment: pin a smaller worker budget, e.g. checked_steps:max_workers=2"
+        )
     return choice

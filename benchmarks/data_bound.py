@@ -189,7 +189,10 @@ def _repeat(
 
 
 def _searched(choice: WorkerChoice) -> str:
-    """The count chosen and each segment's samples/s by count, e.g. ``"2 from 0: 430, 2: 650"``."""
+    """The count chosen and each segment's samples/s by count, e.g. ``"2 from 0: 430, 2: 650"``, or
+    why nothing was searched (``"15 unsearched (short run)"``)."""
+    if not choice.trials:
+        return f"{choice.num_workers} unsearched ({choice.source})"
     return f"{choice.num_workers} from " + ", ".join(
         f"{trial.num_workers}: {trial.samples_per_s:.0f}" for trial in choice.trials
     )

@@ -9,7 +9,8 @@ tuned run's predictions must equal plain's. Two passes: 256 batches of 32, long 
 search on the pass's own batches, and 16 batches of 256, too short to search. Beside the long
 pass, plain loaders at each worker count the CPU budget allows, so the row says how far the
 tuned pass is from the best count (those keep the model on every thread; the tuned pass gives it
-the CPUs its workers leave). Run: ``python -m benchmarks eval_pass``.
+the CPUs its workers leave). `accelerator` and `max_workers` pin the job to a device and a worker
+budget (the tests run the 2-CPU path anywhere). Run: ``python -m benchmarks eval_pass``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from benchmarks.common import Row
 from lightning_boost import AutoNumWorkers, BoostedDataModule
 from lightning_boost.demo import SmallCNN
 from lightning_boost.hardware import HardwareInfo
-from lightning_boost.workers.search import WorkerChoice
+from lightning_boost.workers.search import WorkerChoice, WorkerTuning
 
 COMMAND = "python -m benchmarks eval_pass"
 
@@ -70,11 +71,11 @@ class Images(BoostedDataModule):
 
 
 def _predict(
-    model: Predictor, data: DataLoader[Any] | Images, callbacks: list[L.Callback]
+    model: Predictor, data: DataLoader[Any] | Images, callbacks: list[L.Callback], accelerator: str
 ) -> tuple[float, Tensor]:
     """Seconds of one ``trainer.predict`` call and its predictions, in order."""
     trainer = L.Trainer(
-        accelerator="auto",
+        accelerator=accelerator,
         devices=1,
         logger=False,
         enable_progress_bar=False,
@@ -91,7 +92,7 @@ def _predict(
 
 
 def _pass(
-    samples: int, batch_size: int, repeats: int, root: Path
+    samples: int, batch_size: int, repeats: int, root: Path, accelerator: str, tuning: WorkerTuning
 ) -> tuple[dict[str, list[float]], list[str]]:
     """Seconds per repeat of the plain, `BoostedDataModule` and `AutoNumWorkers` passes, and each
     tuned pass's choice in words."""
@@ -103,14 +104,14 @@ def _pass(
             cache = root / f"{kind}-{batch_size}-{rep}"  # a cold cache each time
             plain = DataLoader(images(samples), batch_size=batch_size)
             if kind == "plain":
-                took, out = _predict(model, plain, [])
+                took, out = _predict(model, plain, [], accelerator)
             elif kind == "datamodule":
-                data = Images(samples, batch_size=batch_size, cache_dir=cache)
-                took, out = _predict(model, data, [])
+                data = Images(samples, batch_size=batch_size, cache_dir=cache, worker_tuning=tuning)
+                took, out = _predict(model, data, [], accelerator)
                 chosen.append(_words("BoostedDataModule", data.worker_tuner.choices))
             else:
-                callback = AutoNumWorkers(cache_dir=cache)
-                took, out = _predict(model, plain, [callback])
+                callback = AutoNumWorkers(tuning, cache_dir=cache)
+                took, out = _predict(model, plain, [callback], accelerator)
                 chosen.append(_words("AutoNumWorkers", callback.worker_tuner.choices))
             reference = out if reference is None else reference
             assert torch.equal(out, reference), f"{kind}'s predictions differ from the others'"
@@ -128,23 +129,27 @@ def _seconds(times: list[float]) -> str:
     return ", ".join(f"{s:.1f}" for s in times)
 
 
-def _sweep(samples: int, batch_size: int, cpus: int) -> dict[int, float]:
-    """Seconds of the pass with a plain loader at each worker count."""
+def _sweep(samples: int, batch_size: int, most: int, accelerator: str) -> dict[int, float]:
+    """Seconds of the pass with a plain loader at each worker count up to `most`."""
     model = Predictor()
-    return {
-        n: _predict(model, DataLoader(images(samples), batch_size=batch_size, num_workers=n), [])[0]
-        for n in range(cpus + 1)
-    }
+    loaders = {n: DataLoader(images(samples), batch_size=batch_size, num_workers=n) for n in range(most + 1)}
+    return {n: _predict(model, loader, [], accelerator)[0] for n, loader in loaders.items()}
 
 
 def run(
-    samples: int = 8192, batch_size: int = 32, short: tuple[int, int] = (4096, 256), repeats: int = 3
+    samples: int = 8192,
+    batch_size: int = 32,
+    short: tuple[int, int] = (4096, 256),
+    repeats: int = 3,
+    accelerator: str = "auto",
+    max_workers: int | None = None,
 ) -> list[Row]:
-    hw = HardwareInfo.detect()
+    tuning = WorkerTuning(max_workers=max_workers)
+    most = HardwareInfo.detect().cpus_per_process if max_workers is None else max_workers
     with tempfile.TemporaryDirectory() as root:
-        long, long_chosen = _pass(samples, batch_size, repeats, Path(root))
-        sweep = _sweep(samples, batch_size, hw.cpus_per_process)
-        brief, brief_chosen = _pass(*short, repeats, Path(root))
+        long, long_chosen = _pass(samples, batch_size, repeats, Path(root), accelerator, tuning)
+        sweep = _sweep(samples, batch_size, most, accelerator)
+        brief, brief_chosen = _pass(*short, repeats, Path(root), accelerator, tuning)
     median = {kind: statistics.median(times) for kind, times in long.items()}
     swept = ", ".join(f"{n}: {s:.1f}" for n, s in sweep.items())
     best = min(sweep, key=sweep.__getitem__)

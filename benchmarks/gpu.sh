@@ -3,11 +3,12 @@
 #
 #   bash benchmarks/gpu.sh PART [PART ...]        (from the repository root, on that machine)
 #
-# Here, first: `make device-wheels` (the test wheels that machine lacks, into the git-ignored
-# .device-wheels/), then carry that path: run(command="bash benchmarks/gpu.sh gpu-tests demo",
-# carry=[".device-wheels"], kind="nvidia-h100-x1", timeout_s=...). Every part's output, the
-# rewritten benchmarks/RESULTS.md and the demo's reports come back under $OUT. A part that runs
-# past its own limit is stopped and the next one runs.
+# Here, first: `make device-wheels` (the test wheels that machine lacks and this package's own
+# wheel, into the git-ignored .device-wheels/), then carry that path: run(command="bash
+# benchmarks/gpu.sh gpu-tests demo", carry=[".device-wheels"], kind="nvidia-h100-x1", timeout_s=...).
+# What comes back under $OUT is at most 6 files (the tool returns 8): every part's output in
+# log.txt, the rewritten benchmarks/RESULTS.md, the demo's two reports and its warm profile. A part
+# that runs past its own limit is stopped and the next one runs.
 #
 # part        seconds  what it checks (issue 32's criterion)
 # gpu-tests        20  1: every gpu-marked test
@@ -25,22 +26,25 @@ EXTRA=/tmp/lightning-boost-extra
 mkdir -p "$OUT"
 
 setup() {
+  # the package's wheel gives the contract test its metadata; the source itself is imported from
+  # here, by an absolute path (the DDP example's subprocess runs in a temporary directory)
   if [ ! -d "$EXTRA" ]; then
-    pip install --quiet --no-index --no-deps --target "$EXTRA" .device-wheels/*.whl
-    pip install --quiet --no-index --no-deps --no-build-isolation -e .
+    python3 -m pip install --quiet --no-index --no-deps --target "$EXTRA" .device-wheels/*.whl || exit 1
   fi
-  export PYTHONPATH="$EXTRA:."
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt"
-  git rev-parse --short HEAD >> "$OUT/gpu.txt" 2>/dev/null || true
+  export PYTHONPATH="$PWD:$EXTRA"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$OUT/log.txt"
+  git rev-parse --short HEAD 2>/dev/null | tee -a "$OUT/log.txt"
 }
 
-# `timed LIMIT NAME COMMAND...`: the command's output to $OUT/NAME.txt and here, stopped at LIMIT s.
+# `timed LIMIT NAME COMMAND...`: the command's output appended to $OUT/log.txt under its name, its
+# last lines here, stopped at LIMIT s.
 timed() {
   local limit=$1 name=$2
   shift 2
   local start=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.txt" | tail -n 40
-  echo "== $name: exit ${PIPESTATUS[0]} in $((SECONDS - start)) s"
+  echo "== $name: $*" >> "$OUT/log.txt"
+  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/log.txt" | tail -n 40
+  echo "== $name: exit ${PIPESTATUS[0]} in $((SECONDS - start)) s" | tee -a "$OUT/log.txt"
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
 }
 

@@ -45,7 +45,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 from typing_extensions import override
 
 from benchmarks.common import Row
-from lightning_boost import AutoBatchSize, BoostedDataModule, boost_callbacks, preset
+from lightning_boost import AutoBatchSize, BoostedDataModule, WorkerTuning, boost_callbacks, preset
 from lightning_boost.batch_size.decision import BatchSizeDecision
 from lightning_boost.demo import (
     ClassImages,
@@ -172,10 +172,26 @@ def _fit(
     cache: Path,
     grow: bool = False,
     datamodules: list[Data] | None = None,
+    accelerator: str = "auto",
+    max_workers: int | None = None,
 ) -> tuple[Throughput, AutoBatchSize | None, str]:
-    """One fit; a boosted one's datamodule goes to `datamodules` when given."""
+    """One fit; a boosted one's datamodule goes to `datamodules` when given. `accelerator` and
+    `max_workers` pin the device and the worker budget (a benchmark's 2-CPU path, run anywhere)."""
     with _cold(cache):
-        return _fit_in(workload, root, seed, boosted, cache, grow, datamodules)
+        pin = _Pin(accelerator, WorkerTuning(max_workers=max_workers))
+        return _fit_in(workload, root, seed, boosted, cache, grow, datamodules, pin)
+
+
+@dataclass(frozen=True)
+class _Pin:
+    """The device and the worker budget a fit is held to ("auto" and the CPU budget: none)."""
+
+    accelerator: str = "auto"
+    tuning: WorkerTuning = dataclasses.field(default_factory=WorkerTuning)
+
+    def hardware(self) -> HardwareInfo:
+        detected = HardwareInfo.detect()
+        return detected.on_cpu() if self.accelerator == "cpu" and detected.is_cuda else detected
 
 
 @contextlib.contextmanager
@@ -200,18 +216,21 @@ def _fit_in(
     cache: Path,
     grow: bool,
     datamodules: list[Data] | None = None,
+    pin: _Pin = _Pin(),
 ) -> tuple[Throughput, AutoBatchSize | None, str]:
     clock = Throughput()
     tuner = AutoBatchSize(cache_dir=cache, grow=grow) if boosted and not workload.own_loaders else None
     callbacks: list[L.Callback] = [clock]
     if boosted:
-        callbacks += boost_callbacks(boost_report={"console": False}, auto_num_workers={"cache_dir": cache})
+        workers = {"cache_dir": cache, "tuning": pin.tuning}
+        callbacks += boost_callbacks(boost_report={"console": False}, auto_num_workers=workers)
     if tuner is not None:
         callbacks.append(tuner)
     L.seed_everything(seed, verbose=False)
     trainer = L.Trainer(
         max_epochs=workload.epochs,
-        strategy=preset("auto", hardware=HardwareInfo.detect()) if boosted else "auto",
+        accelerator=pin.accelerator,
+        strategy=preset("auto", hardware=pin.hardware()) if boosted else "auto",
         callbacks=callbacks,
         default_root_dir=str(root),
         logger=False,
@@ -222,7 +241,7 @@ def _fit_in(
         num_sanity_val_steps=0,
     )
     if boosted and not workload.own_loaders:
-        data = Data(workload, batch_size=64, cache_dir=cache)
+        data = Data(workload, batch_size=64, cache_dir=cache, worker_tuning=pin.tuning)
         if datamodules is not None:
             datamodules.append(data)
         trainer.fit(workload.model(), datamodule=data)

@@ -243,10 +243,11 @@ def test_a_link_that_windows_would_copy_keeps_the_saves_on_the_training_thread(
 
 @pytest.mark.gpu
 def test_a_cuda_tensors_copy_is_queued_and_holds_its_value_at_the_call() -> None:
-    x = torch.randn(4096, 4096, device="cuda")
     weights = torch.zeros(4096, 4096, device="cuda")
-    for _ in range(200):  # tenths of a second of work queued ahead of the copy
-        x = torch.tanh(x @ x)
+    # seconds of work queued ahead of the copy: the GPU spins for a fixed number of cycles, so a
+    # busy host (the whole suite in 14 processes) still calls `query` long before it ends (200
+    # matmuls, tenths of a second, were done by then in the suite on an H100, 2026-11-26)
+    torch.cuda._sleep(4_000_000_000)
     weights.fill_(1.0)  # queued behind that work, as the step's last update is
     snapshot, landed = host_copy({"state_dict": {"w": weights}, "step": torch.tensor(3)})
     queued = torch.cuda.Event()

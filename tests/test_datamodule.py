@@ -234,7 +234,7 @@ def test_on_cuda_the_workers_are_searched_on_the_runs_own_bf16_steps(tmp_path: P
     (choice,) = tuned.worker_tuner.choices.values()
     assert choice.source == "searched" and len(choice.trials) >= 2
     assert all(trial.samples_per_s > 0 for trial in choice.trials)
-    assert "training steps" in choice.reason  # judged by the run's own steps, not a copy's
+    assert "on the run's own steps" in choice.reason  # judged by the run's own steps, not a copy's
     seen = sorted(index for batch in model.seen for index in batch)
     assert seen == list(range(4096))  # each sample once, search segments included
     loader = tuned.train_dataloader()

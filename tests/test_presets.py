@@ -14,6 +14,7 @@ from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision, P
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from typing_extensions import override
 
+import lightning_boost
 from lightning_boost import preset, presets
 from lightning_boost._lightning import trainer_precision_flag
 from lightning_boost.hardware import EXAMPLES, HardwareInfo
@@ -340,7 +341,11 @@ def test_gloo_group_destroyed_before_interpreter_shutdown(tmp_path: Path) -> Non
 
 @pytest.mark.ddp
 def test_fast_ddp_two_cpu_processes(tmp_path: Path) -> None:
-    """The real thing: the example script, launched by Lightning's default popen start method."""
+    """The real thing: the example script, launched by Lightning's default popen start method. It
+    imports the package this test does, however the suite found it (a relative PYTHONPATH entry
+    does not reach it from the temporary directory the script runs in)."""
+    here = str(Path(lightning_boost.__file__).resolve().parents[1])
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
     result = subprocess.run(
         [
             sys.executable,
@@ -357,6 +362,7 @@ def test_fast_ddp_two_cpu_processes(tmp_path: Path) -> None:
         timeout=240,
         check=False,
         cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": path},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
