@@ -11,7 +11,7 @@ import lightning as L
 import pytest
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from lightning_boost import AutoNumWorkers, BoostedDataModule, WorkerTuning
 from lightning_boost.testing import BoringModel, RandomDataset, tiny_trainer
@@ -242,14 +242,18 @@ class SlowerSamples(SlowSamples):
         return super().__getitem__(index)
 
 
-class SlowData(BoostedDataModule):
+class InMemoryData(BoostedDataModule):
+    """256 samples already in memory: the main process loads tens of thousands a second."""
+
     def setup(self, stage: str) -> None:
-        self.train_dataset = SlowSamples()
+        self.train_dataset = TensorDataset(torch.randn(256, 32), torch.zeros(256, 2))
 
 
 def test_a_compute_bound_model_keeps_its_cpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The model's rates are scripted (a compute-bound model on 2 CPUs, as measured for ResNet-18):
-    # on this shared machine real ones would make the test depend on its load. The loader is real.
+    # on this shared machine real ones would make the test depend on its load. The loader is real,
+    # and far faster than the 1,020 samples/s this needs (a loader sleeping 0.2 ms a sample read
+    # under that once, beside a busy CI run, and 1 worker was timed).
     measured: list[list[int]] = []
 
     def rates(module: Any, batch: Any, threads: list[int], **kwargs: Any) -> dict[int, float]:
@@ -258,7 +262,7 @@ def test_a_compute_bound_model_keeps_its_cpus(tmp_path: Path, monkeypatch: pytes
 
     monkeypatch.setattr(tuner, "model_step_rates", rates)
     monkeypatch.setattr(tuner.HardwareInfo, "detect", lambda: _two_cpus())
-    datamodule = SlowData(
+    datamodule = InMemoryData(
         batch_size=8,
         worker_tuning=WorkerTuning(window_s=0.3, max_workers=2, skip_short_runs=False, online=False),
     )
