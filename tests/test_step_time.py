@@ -293,6 +293,35 @@ def test_the_finding_says_where_the_fits_wall_time_went(tmp_path: Path, checkpoi
     assert ("validation runs" in finding.detail) and (("checkpoint saves" in finding.detail) == checkpointing)
 
 
+class SlowFitStart(BoringModel):
+    @override
+    def on_fit_start(self) -> None:
+        time.sleep(0.1)  # as a tuner's trials take time before the sanity check
+
+
+def test_the_time_before_the_first_step_is_split_around_the_sanity_check(tmp_path: Path) -> None:
+    """Real sleeps: 0.1 s of tuning before the sanity check, 2 validation batches of 8 samples at
+    0.02 s each in it, then the first training batch: 4 samples at 0.05 s each."""
+    monitor = StepTimeMonitor()
+    trainer = tiny_trainer(tmp_path, callbacks=[monitor], logger=False, enable_checkpointing=False)
+    trainer.fit(SlowFitStart(), train_dataloaders=DataLoader(SlowDataset(0.05, length=16), batch_size=4),
+                val_dataloaders=DataLoader(SlowDataset(0.02, length=16), batch_size=8))  # fmt: skip
+    (finding,) = monitor.findings
+    split, before = finding.data["before_first_step"], finding.data["fit_time"]["before the first step"]
+    assert split["to the sanity check"] >= 0.1 and split["sanity check"] >= 2 * 8 * 0.02
+    assert split["training loader start"] >= 4 * 0.05
+    assert sum(split.values()) == pytest.approx(before, abs=1e-3)  # each rounded to 0.1 ms
+    assert "s in it;" in finding.detail and "the training loader's start and first batch" in finding.detail
+
+
+def test_without_a_sanity_check_the_time_before_the_first_step_is_not_split(tmp_path: Path) -> None:
+    monitor = StepTimeMonitor()
+    trainer = tiny_trainer(tmp_path, callbacks=[monitor], logger=False, num_sanity_val_steps=0)
+    trainer.fit(BoringModel(), datamodule=BoringDataModule())
+    (finding,) = monitor.findings
+    assert finding.data["before_first_step"] == {} and "sanity check" not in finding.detail
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

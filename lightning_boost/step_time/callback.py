@@ -96,6 +96,16 @@ class StepTimeMonitor(BoostCallback):
         self._fit = FitTime(start=time.perf_counter()) if stage == "fit" else None
 
     @override
+    def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._fit is not None:
+            self._fit.sanity_start(time.perf_counter())
+
+    @override
+    def on_sanity_check_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._fit is not None:
+            self._fit.sanity_end(time.perf_counter())
+
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.times = StepTimes(self.warmup_steps)
         self._clock = CudaClock() if pl_module.device.type == "cuda" else HostClock()
@@ -189,6 +199,7 @@ class StepTimeMonitor(BoostCallback):
         if self._fit is not None:  # the fit's wall time, for where the rest went
             detail += " " + self._fit.text(end, checkpoints=trainer.checkpoint_callback is not None)
             data["fit_time"] = self._fit.shares(end) | {"validations": self._fit.validations}
+            data["before_first_step"] = self._fit.before_parts()
         if times.counted == 0:
             return Finding(
                 type(self).__name__,

@@ -231,7 +231,8 @@ class FitTime:
     training: before the first training step (tuning, the sanity check, the workers' start), in
     the steps, in the validation runs, after each validation run until training goes on (where
     Lightning's `ModelCheckpoint` saves), and the rest (between steps: the loader, the loop; epoch
-    ends). Feed it the events in order; `shares` gives the seconds.
+    ends). Feed it the events in order; `shares` gives the seconds, `before_parts` the time before
+    the first step around Lightning's sanity check.
 
     Example:
         >>> fit = FitTime(start=0.0)
@@ -250,9 +251,17 @@ class FitTime:
     validation_s: float = 0.0
     validations: int = 0
     after_validation_s: float = 0.0
+    sanity: tuple[float, float] | None = None
     _step_start: float = 0.0
     _validation_end: float | None = None
     _validation_start: float = 0.0
+
+    def sanity_start(self, now: float) -> None:
+        self.sanity = (now, now)
+
+    def sanity_end(self, now: float) -> None:
+        if self.sanity is not None:
+            self.sanity = (self.sanity[0], now)
 
     def batch_start(self, now: float) -> None:
         if self.first_step is None:
@@ -287,6 +296,26 @@ class FitTime:
         parts["other"] = parts["total"] - sum(v for k, v in parts.items() if k != "total")
         return {key: round(value, 4) for key, value in parts.items()}
 
+    def before_parts(self) -> dict[str, float]:
+        """The seconds before the first step around the sanity check: to its start (set-up and
+        tuning), in it, and from its end to the first step (the training loader's start: Lightning
+        makes its iterator, starting any workers, then waits for its first batch); empty without
+        a sanity check or a first step.
+
+        Example:
+            >>> FitTime(0.0, first_step=2.7, sanity=(1.8, 2.1)).before_parts()
+            {'to the sanity check': 1.8, 'sanity check': 0.3, 'training loader start': 0.6}
+        """
+        if self.sanity is None or self.first_step is None:
+            return {}
+        begun, ended = self.sanity
+        parts = {
+            "to the sanity check": begun - self.start,
+            "sanity check": ended - begun,
+            "training loader start": self.first_step - ended,
+        }
+        return {key: round(value, 4) for key, value in parts.items()}
+
     def text(self, end: float, checkpoints: bool) -> str:
         """One sentence of `shares`: after a validation run come `ModelCheckpoint`'s saves (when
         `checkpoints`) and, after an epoch's last, the epoch's end and the loader's restart.
@@ -299,11 +328,18 @@ class FitTime:
             1.1 s in 8 validation runs, 1.0 s after them (checkpoint saves, epoch ends), 0.4 s between
             steps.
         """
-        part = self.shares(end)
+        part, before = self.shares(end), self.before_parts()
         saves = " (checkpoint saves, epoch ends)" if checkpoints else " (epoch ends)"
+        split = (
+            f" ({before['to the sanity check']:.1f} s to the sanity check, set-up and tuning;"
+            f" {before['sanity check']:.1f} s in it; {before['training loader start']:.1f} s from its end,"
+            " the training loader's start and first batch)"
+            if before
+            else ""
+        )
         return (
             f"Of the fit's {part['total']:.1f} s to the end of training:"
-            f" {part['before the first step']:.1f} s before the first step,"
+            f" {part['before the first step']:.1f} s before the first step{split},"
             f" {part['steps']:.1f} s in steps, {part['validation']:.1f} s in {self.validations} validation"
             f" runs, {part['after validation']:.1f} s after them{saves}, {part['other']:.1f} s between steps."
         )
