@@ -75,7 +75,8 @@ def _search(workload: time_to_quality.Workload, left_out: bool, pin: dict[str, A
     try:
         with tempfile.TemporaryDirectory() as folder:
             root = Path(folder)
-            time_to_quality._fit(workload, root / "fit", 0, True, root / "cache", False, datamodules, **pin)
+            cache = root / "cache"
+            time_to_quality._fit(workload, root / "fit", 0, True, cache, datamodules=datamodules, **pin)
     finally:
         instrumented.count = count
     (choice,) = datamodules[0].worker_tuner.choices.values()

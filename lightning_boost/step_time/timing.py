@@ -298,9 +298,9 @@ class FitTime:
 
     def before_parts(self) -> dict[str, float]:
         """The seconds before the first step around the sanity check: to its start (set-up and
-        tuning), in it, and from its end to the first step (the training loader's start: Lightning
-        makes its iterator, starting any workers, then waits for its first batch); empty without
-        a sanity check or a first step.
+        tuning), in it, and from its end to the first step (the training loader's build, its
+        workers' start, unless ``configure_optimizers`` asked for the loader early, and its first
+        batch); empty without a sanity check or a first step.
 
         Example:
             >>> FitTime(0.0, first_step=2.7, sanity=(1.8, 2.1)).before_parts()
