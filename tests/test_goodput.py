@@ -502,6 +502,19 @@ def test_a_kept_size_makes_the_optimizers_once(tmp_path: Path) -> None:
     assert not any("configure_optimizers" in f.title for f in callback.findings)
 
 
+@pytest.mark.usefixtures("fixed_cost_steps")
+def test_a_size_that_trades_places_with_the_accumulation_gets_its_own_loader(tmp_path: Path) -> None:
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", target_global_batch_size=64)
+    model = OneCycleMLP()
+    trainer = quiet_trainer(tmp_path, [callback], max_epochs=1, accumulate_grad_batches=2)
+    trainer.fit(model, datamodule=Classes(samples=32768, batch_size=32))  # 32 x 2 accumulated
+    decision = callback.decision
+    assert decision is not None and (decision.batch_size, decision.accumulate_grad_batches) == (64, 1)
+    assert trainer.train_dataloader.batch_size == 64  # the loader built early, at 32, was built again
+    assert model.total_steps == [512] and trainer.global_step == 512  # the same 64 samples a step
+    assert not any("configure_optimizers" in f.title for f in callback.findings)
+
+
 class RecordedOneCycle(OneCycleMLP):
     """`OneCycleMLP` that writes, per rank, the step counts it sized schedules for and the steps run."""
 

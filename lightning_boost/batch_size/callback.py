@@ -290,13 +290,8 @@ class AutoBatchSize(BoostCallback):
         if decision.eval_batch_size is not None and _wants_eval_size(trainer):
             datamodule.tuned_eval_batch_size = decision.eval_batch_size  # type: ignore[union-attr]
         trainer.accumulate_grad_batches = decision.accumulate_grad_batches
-        per_step = decision.batch_size * decision.accumulate_grad_batches
-        if (
-            train_loader_built(trainer)
-            and per_step != decision.configured_batch_size * decision.configured_accumulate
-        ):  # configure_optimizers counted the steps
-            forget_train_loader(trainer)
-            self.findings.append(optimizers_finding(decision, redo_optimizers(trainer)))
+        if train_loader_built(trainer):  # asked for early, as `estimated_stepping_batches` does
+            self._rebuild_early_loader(trainer, decision)
         if not self._restored:  # a checkpoint's optimizer state already holds the scaled rates
             _scale_learning_rates(trainer, decision.lr_factor)
         changed = decision.batch_size != decision.configured_batch_size or decision.lr_factor != 1.0
@@ -305,6 +300,16 @@ class AutoBatchSize(BoostCallback):
         )
         self._restored = False
         self._growth = self._start_growth(trainer, pl_module, decision)
+
+    def _rebuild_early_loader(self, trainer: L.Trainer, decision: BatchSizeDecision) -> None:
+        """A training loader built before the fit started (at the configured size) is built again
+        when the size changed; ``configure_optimizers``, which counted its steps, runs again when the
+        samples per optimizer step changed (a size and accumulation that trade places keep them)."""
+        if decision.batch_size != decision.configured_batch_size:
+            forget_train_loader(trainer)
+        per_step = decision.batch_size * decision.accumulate_grad_batches
+        if per_step != decision.configured_batch_size * decision.configured_accumulate:
+            self.findings.append(optimizers_finding(decision, redo_optimizers(trainer)))
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
