@@ -260,6 +260,19 @@ def train_loader_built(trainer: L.Trainer) -> bool:
     return trainer.fit_loop._combined_loader is not None
 
 
+def train_loaders(trainer: L.Trainer) -> list[Any]:
+    """The training loaders the fit loop holds (a `CombinedLoader`'s too); none before it built them."""
+    combined = trainer.fit_loop._combined_loader
+    return list(combined.flattened) if combined is not None else []
+
+
+def batch_size_pending(trainer: L.Trainer | None) -> bool:
+    """Whether a callback of `trainer` may still change the training batch size before the first
+    step: one whose ``batch_size_pending`` is set, as `AutoBatchSize`'s is from its ``setup`` to its
+    decision in ``on_fit_start``. A training loader built meanwhile defers its workers' start."""
+    return trainer is not None and any(getattr(c, "batch_size_pending", False) for c in callbacks_of(trainer))
+
+
 def forget_train_loader(trainer: L.Trainer) -> None:
     """Let the fit loop request its training loader again (at the batch size set since) before its
     next epoch; the old loader's workers (persistent ones too) are shut down."""

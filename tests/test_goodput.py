@@ -466,12 +466,14 @@ class OneCycleMLP(MLP):
     def __init__(self) -> None:
         super().__init__(lr=0.05)
         self.total_steps: list[int] = []
+        self.deferred: list[bool] = []  # whether the loader it built holds its workers back
 
     @override
     def configure_optimizers(self) -> OptimizerLRScheduler:
         optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams["lr"])
         total = int(self.trainer.estimated_stepping_batches)
         self.total_steps.append(total)
+        self.deferred.append(getattr(self.trainer.train_dataloader, "defer_start", False))
         schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, self.hparams["lr"], total_steps=total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
@@ -524,7 +526,8 @@ class RecordedOneCycle(OneCycleMLP):
 
     @override
     def on_train_end(self) -> None:
-        record = {"total_steps": self.total_steps, "global_step": self.trainer.global_step}
+        record = {"total_steps": self.total_steps, "global_step": self.trainer.global_step,
+                  "deferred": self.deferred}  # fmt: skip
         Path(self.out, f"rank{self.global_rank}.json").write_text(json.dumps(record))
 
 
@@ -533,10 +536,13 @@ def test_ddp_ranks_make_their_optimizers_again_for_a_target_global_batch(tmp_pat
     callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", max_batch_size=32,
                              target_global_batch_size=128)  # fmt: skip
     trainer = quiet_trainer(tmp_path, [callback], max_epochs=2, devices=2, strategy="ddp_spawn")
-    trainer.fit(RecordedOneCycle(str(tmp_path)), datamodule=Classes(samples=8192, batch_size=32))
+    datamodule = Classes(samples=8192, batch_size=32)
+    datamodule.num_workers = 1  # the loader built early holds its worker back on each rank too
+    trainer.fit(RecordedOneCycle(str(tmp_path)), datamodule=datamodule)
     records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     # 4096 samples a rank: 128 batches of 32 an epoch, 64 steps at accumulation 2
-    assert records[0] == records[1] == {"total_steps": [256, 128], "global_step": 128}
+    expected = {"total_steps": [256, 128], "global_step": 128, "deferred": [True, False]}
+    assert records[0] == records[1] == expected
 
 
 def test_a_loss_above_where_the_configured_settings_took_it_is_reported_once() -> None:

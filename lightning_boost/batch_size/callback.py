@@ -33,6 +33,7 @@ from lightning_boost._lightning import (
     preserved_rng,
     redo_optimizers,
     train_loader_built,
+    train_loaders,
     user_dataloaders,
 )
 from lightning_boost._validation import (
@@ -76,7 +77,7 @@ from lightning_boost.ranks import decided_on_rank_zero
 from lightning_boost.report import BoostWarning, Finding, Severity
 from lightning_boost.step_probe import StepProbe, first_batch, is_oom, remembered, sample_batches
 from lightning_boost.trials import StepFailed, Trial, merge
-from lightning_boost.workers.loaders import loader_batch_size
+from lightning_boost.workers.loaders import loader_batch_size, start_deferred_workers
 
 #: Keys of an optimizer's param group that hold learning rates (schedulers such as OneCycleLR add some).
 LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
@@ -238,6 +239,8 @@ class AutoBatchSize(BoostCallback):
         self._growth: Growth | None = None  # the noise scale read during the run (`grow`)
         self._explicit_attr = attr_name != "batch_size"
         self._not_tuned: Finding | None = None  # why this fit cannot be tuned, found in `setup`
+        #: the training batch size may still change: a training loader built now defers its workers
+        self.batch_size_pending = False
         self._autotuning_off = False  # the preset's cudnn.benchmark turned off for a short run
         self._set_state_key(attr_name=attr_name)
 
@@ -265,10 +268,12 @@ class AutoBatchSize(BoostCallback):
                 " GradientAccumulationScheduler callback also sets: remove one of them."
             )
         self._not_tuned = _not_tunable(pl_module, self.attr_name, explicit=self._explicit_attr)
+        self.batch_size_pending = self._not_tuned is None  # until `on_fit_start` decides
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._autotuning_off = False
+        self.batch_size_pending = False
         if self._not_tuned is not None:  # the run goes on as written, and the report says why
             self.decision = None
             self.findings.append(self._not_tuned)
@@ -306,7 +311,10 @@ class AutoBatchSize(BoostCallback):
         when the size changed; ``configure_optimizers``, which counted its steps, runs again when the
         samples per optimizer step changed (a size and accumulation that trade places keep them)."""
         if decision.batch_size != decision.configured_batch_size:
-            forget_train_loader(trainer)
+            forget_train_loader(trainer)  # its workers never started (`DeferredStartDataLoader`)
+        else:
+            for loader in train_loaders(trainer):
+                start_deferred_workers(loader)
         per_step = decision.batch_size * decision.accumulate_grad_batches
         if per_step != decision.configured_batch_size * decision.configured_accumulate:
             self.findings.append(optimizers_finding(decision, redo_optimizers(trainer)))
@@ -380,6 +388,7 @@ class AutoBatchSize(BoostCallback):
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().teardown(trainer, pl_module, stage)
+        self.batch_size_pending = False
         self._growth = None
         self._end_ramp()
         if stage == "fit" and self._configured is not None:

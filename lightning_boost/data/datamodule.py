@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from typing_extensions import override
 
 from lightning_boost._lightning import (
+    batch_size_pending,
     destroy_process_group_at_exit,
     from_pytorch_lightning,
     hardware_for,
@@ -26,7 +27,7 @@ from lightning_boost._lightning import (
 from lightning_boost._validation import Count, Directory, PositiveInt, unknown_choice_error, validated
 from lightning_boost.report import Finding, Severity
 from lightning_boost.workers.decision import capped_finding
-from lightning_boost.workers.loaders import SameOrderDataLoader, keep_workers_alive
+from lightning_boost.workers.loaders import DeferredStartDataLoader, SameOrderDataLoader, keep_workers_alive
 from lightning_boost.workers.search import WorkerTuning
 from lightning_boost.workers.segments import OnlineSearch, SegmentedDataLoader
 from lightning_boost.workers.tuner import LoaderTuner, epoch_batches, own_pass, workload
@@ -175,8 +176,10 @@ class BoostedDataMixin(_DataModule):
                 segmented.workers_cap = cap
             return segmented
         # tuned workers must not change the run's random draws: see `SameOrderDataLoader`
-        loader_class = SameOrderDataLoader if self.num_workers is None else DataLoader
+        loader_class = SameOrderDataLoader if self.num_workers is None else DeferredStartDataLoader
         loader = loader_class(dataset, **batching, **settings)
+        if split == "train" and batch_size_pending(self.trainer):  # may be built again at once
+            loader.defer_start = True
         if cap is not None:
             loader.workers_cap = cap  # for the training search's winner
         if search is not None:  # an evaluation loader built while the training loader searches

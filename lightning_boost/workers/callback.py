@@ -9,7 +9,12 @@ import lightning as L
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from lightning_boost._lightning import datamodule_of, rebuild_dataloaders, reload_every_n_epochs
+from lightning_boost._lightning import (
+    batch_size_pending,
+    datamodule_of,
+    rebuild_dataloaders,
+    reload_every_n_epochs,
+)
 from lightning_boost._validation import Directory, validated
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
@@ -17,6 +22,7 @@ from lightning_boost.report import Finding, Severity
 from lightning_boost.workers.decision import capped_finding
 from lightning_boost.workers.loaders import (
     MEASURED_SETTINGS,
+    DeferredStartDataLoader,
     SameOrderDataLoader,
     cannot_rebuild,
     draws_each_iteration,
@@ -154,8 +160,11 @@ class AutoNumWorkers(BoostCallback):
             "persistent_workers": keep_workers_alive(workers, loader.pin_memory, reload),
         }
         if search is None:  # the user's own draws from the global RNG kept: see `SameOrderDataLoader`
-            same_order = SameOrderDataLoader if draws_each_iteration(loader) else DataLoader
-            return rebuild_loader(loader, loader_class=same_order, **options)
+            same_order = SameOrderDataLoader if draws_each_iteration(loader) else DeferredStartDataLoader
+            kept = rebuild_loader(loader, loader_class=same_order, **options)
+            if split == "train" and isinstance(kept, DeferredStartDataLoader):  # may be built again
+                kept.defer_start = batch_size_pending(trainer)
+            return kept
         # for the winner, once it has workers (one pass of an evaluation stage needs none kept)
         persist = keep_workers_alive(1, loader.pin_memory, reload) and not alone
         rebuilt = rebuild_loader(
