@@ -25,8 +25,9 @@ def shuffled(loader_class: type[DataLoader[Any]] = DataLoader, **options: Any) -
     return loader_class(data, batch_size=8, shuffle=True, num_workers=1, **options)
 
 
-def workers() -> int:
-    return len(multiprocessing.active_children())
+def workers() -> set[int | None]:
+    """The pids of this process's live children (DataLoader workers are multiprocessing's)."""
+    return {child.pid for child in multiprocessing.active_children()}
 
 
 def test_a_deferred_loader_starts_its_workers_at_its_first_batch_with_a_plain_loaders_draws() -> None:
@@ -35,9 +36,9 @@ def test_a_deferred_loader_starts_its_workers_at_its_first_batch_with_a_plain_lo
     loader = shuffled(SameOrderDataLoader)
     loader.defer_start = True
     torch.manual_seed(0)
-    before = workers()
+    before, state = workers(), torch.get_rng_state()
     iterator = iter(loader)
-    assert workers() == before  # no worker forked, no seed drawn yet
+    assert not workers() - before and torch.equal(torch.get_rng_state(), state)  # no fork, no draw yet
     batches = list(iterator)
     assert [b[0].tolist() for b in batches] == [b[0].tolist() for b in expected]
     assert torch.equal(torch.rand(1), after)
@@ -54,11 +55,12 @@ def test_a_deferred_loader_started_early_loads_as_if_iterated_then() -> None:
     before = workers()
     iterator = iter(loader)
     start_deferred_workers(loader)  # the batch size stays: start them now
-    assert workers() == before + 1
+    started = workers() - before
+    assert len(started) == 1
     assert torch.equal(torch.rand(1), after)  # the draws iter() makes, at the start
     assert [b[0].tolist() for b in iterator] == [b[0].tolist() for b in plain]
     start_deferred_workers(loader)  # started once; nothing more
-    assert workers() == before + 1  # its persistent worker
+    assert workers() - before == started  # its persistent worker, and no other
 
 
 class Workers(Classes):
