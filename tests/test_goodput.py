@@ -517,6 +517,31 @@ def test_a_size_that_trades_places_with_the_accumulation_gets_its_own_loader(tmp
     assert not any("configure_optimizers" in f.title for f in callback.findings)
 
 
+class StopAfterAnEpoch(L.Callback):
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.should_stop = True
+
+
+@pytest.mark.usefixtures("fixed_cost_steps")
+def test_a_resumed_run_whose_configured_size_changed_gets_a_loader_at_its_decided_size(
+    tmp_path: Path,
+) -> None:
+    def fit(batch_size: int, ckpt_path: Path | None) -> tuple[L.Trainer, AutoBatchSize]:
+        callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", max_batch_size=64)
+        trainer = quiet_trainer(tmp_path, [callback, StopAfterAnEpoch()], max_epochs=2)
+        trainer.fit(
+            OneCycleMLP(), datamodule=Classes(samples=16384, batch_size=batch_size), ckpt_path=ckpt_path
+        )
+        return trainer, callback
+
+    first, _ = fit(64, None)
+    first.save_checkpoint(tmp_path / "epoch0.ckpt")
+    resumed, callback = fit(32, tmp_path / "epoch0.ckpt")  # the program now says 32
+    assert callback.decision is not None and callback.decision.batch_size == 64  # the run's, restored
+    assert resumed.train_dataloader.batch_size == 64  # built at 32 for the schedule, then again at 64
+
+
 class RecordedOneCycle(OneCycleMLP):
     """`OneCycleMLP` that writes, per rank, the step counts it sized schedules for and the steps run."""
 

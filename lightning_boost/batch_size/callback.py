@@ -307,13 +307,14 @@ class AutoBatchSize(BoostCallback):
         self._growth = self._start_growth(trainer, pl_module, decision)
 
     def _rebuild_early_loader(self, trainer: L.Trainer, decision: BatchSizeDecision) -> None:
-        """A training loader built before the fit started (at the configured size) is built again
-        when the size changed; ``configure_optimizers``, which counted its steps, runs again when the
-        samples per optimizer step changed (a size and accumulation that trade places keep them)."""
-        if decision.batch_size != decision.configured_batch_size:
+        """A training loader built before the fit started is built again when its size is not the
+        decision's; ``configure_optimizers``, which counted its steps, runs again when the samples
+        per optimizer step changed (a size and accumulation that trade places keep them)."""
+        loaders = train_loaders(trainer)
+        if any(_other_size(loader, decision) for loader in loaders):
             forget_train_loader(trainer)  # its workers never started (`DeferredStartDataLoader`)
         else:
-            for loader in train_loaders(trainer):
+            for loader in loaders:
                 start_deferred_workers(loader)
         per_step = decision.batch_size * decision.accumulate_grad_batches
         if per_step != decision.configured_batch_size * decision.configured_accumulate:
@@ -858,6 +859,15 @@ def _without_autotuning() -> Iterator[None]:
         yield
     finally:
         torch.backends.cudnn.benchmark = saved
+
+
+def _other_size(loader: Any, decision: BatchSizeDecision) -> bool:
+    """Whether `loader`, built before the decision, batches at another size than it: a DataLoader
+    by its own size (the configured one, or another where a resumed run's configuration changed),
+    any other iterable by whether the decision changed the size."""
+    if isinstance(loader, DataLoader):
+        return loader_batch_size(loader) != decision.batch_size
+    return decision.batch_size != decision.configured_batch_size
 
 
 def _short_run_autotuning(trainer: L.Trainer, decision: BatchSizeDecision) -> Finding | None:
