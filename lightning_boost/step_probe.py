@@ -262,18 +262,29 @@ class StepProbe:
         return rates
 
     def time_steps(
-        self, batch: Any, contexts: Iterable[Callable[[], AbstractContextManager[Any]]]
+        self,
+        batch: Any,
+        contexts: Iterable[Callable[[], AbstractContextManager[Any]]],
+        memory_format: torch.memory_format | None = None,
     ) -> Generator[float, None, None]:
         """Training steps of one copy at `batch`, each under the next of `contexts` (instead of
         `train_context`): yields each step's seconds, the device synced, so the caller compares
-        contexts step by step and stops when it has seen enough."""
-        clone, optimizers = self._copies()
+        contexts step by step and stops when it has seen enough. With `memory_format`, the copy's
+        weights are laid out in it first (``torch.channels_last``: NHWC convolutions)."""
+        clone, optimizers = self._copies(memory_format)
         clone.train()
         for context in contexts:
             start = time.perf_counter()
             self._train_step(clone, optimizers, batch, None, context=context)
             _synchronize(self.device)
             yield time.perf_counter() - start
+
+    def evaluate(self, batch: Any, hook: str, memory_format: torch.memory_format | None = None) -> None:
+        """One evaluation step (`hook`: ``"validation_step"``, ...) of a copy at `batch`, its weights
+        in `memory_format` when given: raises what the step raises."""
+        clone, _ = self._copies(memory_format)
+        clone.eval()
+        self._eval_step(clone, hook, batch)
 
     def validate(self, batch: Any, size: int) -> Trial:
         """One ``validation_step`` without gradients at `batch`: does it fit."""
@@ -294,12 +305,17 @@ class StepProbe:
         _free(self.device, trial.oom)
         return dataclasses.replace(trial, seconds=time.perf_counter() - start)
 
-    def _copies(self) -> tuple[L.LightningModule, list[Optimizer]]:
+    def _copies(
+        self, memory_format: torch.memory_format | None = None
+    ) -> tuple[L.LightningModule, list[Optimizer]]:
         clone = detached_copy(self.module)
         memo: dict[int, Any] = {
             id(p): q for p, q in zip(self.module.parameters(), clone.parameters(), strict=True)
         }
-        return clone, [copy.deepcopy(optimizer, memo) for optimizer in self.optimizers]
+        optimizers = [copy.deepcopy(optimizer, memo) for optimizer in self.optimizers]
+        if memory_format is not None:  # in place: the optimizers' copies hold the same parameters
+            clone.to(memory_format=memory_format)
+        return clone, optimizers
 
     def _cross_products(self, clone: L.LightningModule, batches: Iterable[Any]) -> dict[str, float]:
         """`cross_products` of the gradients of `batches` at `clone`'s parameters (one backward

@@ -40,7 +40,8 @@ def preset(
         model: the LightningModule or its parameter count, when known: sizes DDP buckets and
             lets ``"auto"`` choose FSDP for a model that does not fit one device.
         **overrides: settings to take instead of the preset's: ``precision``, ``tf32``,
-            ``cudnn_benchmark``, ``background_saves`` (not for ``"fsdp"``), and the strategy's own
+            ``cudnn_benchmark``, ``background_saves`` (not for ``"fsdp"``), ``channels_last`` (one
+            device: NHWC convolutions, timed on a CPU when not given), and the strategy's own
             (e.g. ``static_graph=True``).
 
     Raises:
@@ -91,6 +92,7 @@ class Preset(Strategy):
         tf32: bool | None = None,
         cudnn_benchmark: bool | None = None,
         background_saves: bool | None = None,
+        channels_last: bool | None = None,
         find_unused_parameters: bool | None = None,
         gradient_as_bucket_view: bool | None = None,
         bucket_cap_mb: float | None = None,

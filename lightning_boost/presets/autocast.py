@@ -213,7 +213,7 @@ CACHE_FILE = "autocast.json"
 USE_BF16 = "preset('auto', precision='bf16-mixed') uses bf16 autocast unmeasured"
 
 
-def _cache_parts(trainer: Any, batch: Any) -> dict[str, Any]:
+def step_cache_parts(trainer: Any, batch: Any) -> dict[str, Any]:
     """What the step's speed under bf16 depends on: the machine, the model, its optimizers and
     the batch's shapes and dtypes."""
     return {
@@ -243,7 +243,7 @@ def _shapes(value: Any) -> Any:
 
 def _lookup(trainer: Any, batch: Any) -> tuple[str, AutocastChoice | None]:
     """The cache key of this run's decision (`batch`'s shapes) and an earlier run's decision under it."""
-    key = cache.fingerprint(_cache_parts(trainer, batch))
+    key = cache.fingerprint(step_cache_parts(trainer, batch))
     return key, _cached(cache.default_cache_dir() / CACHE_FILE, key)
 
 

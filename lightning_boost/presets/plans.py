@@ -65,7 +65,7 @@ _FSDP_OVERRIDES = (
     "process_group_backend",
 )
 _OVERRIDES = {
-    "single": (*_COMMON_OVERRIDES, "background_saves"),
+    "single": (*_COMMON_OVERRIDES, "background_saves", "channels_last"),
     "ddp": (*_COMMON_OVERRIDES, "background_saves", *_DDP_OVERRIDES),
 }
 _OVERRIDES["fsdp"] = _COMMON_OVERRIDES + _FSDP_OVERRIDES
@@ -94,6 +94,7 @@ class PresetOverrides(TypedDict, total=False):
     tf32: bool
     cudnn_benchmark: bool
     background_saves: bool
+    channels_last: bool
     find_unused_parameters: bool
     gradient_as_bucket_view: bool
     bucket_cap_mb: Annotated[float, Range(gt=0, unit="MB")]
@@ -131,6 +132,9 @@ class PresetPlan:
             bf16 autocast against fp32 before training, and the faster is kept (`presets.autocast`).
         background_saves: checkpoint saves and removals run on a worker thread, in order
             (`presets.saves`), where the run's checkpoint IO is Lightning's default.
+        channels_last: a convolutional model's weights in NHWC (`presets.memory_format`): ``True``
+            or ``False`` as set by hand; ``None``, the preset's choice: timed against NCHW before
+            training on a CPU and kept when faster, left as it is on other devices.
     """
 
     name: str
@@ -145,6 +149,7 @@ class PresetPlan:
     findings: tuple[Finding, ...] = ()
     measure_autocast: bool = False
     background_saves: bool = False
+    channels_last: bool | None = None
 
 
 def model_parameter_count(model: object) -> int | None:
@@ -225,6 +230,7 @@ def plan_preset(name: str, hw: HardwareInfo, model: object = None, **overrides: 
     for key in ("tf32", "cudnn_benchmark"):
         speed[key] = bool(overrides.pop(key, speed[key]))
     background = bool(overrides.pop("background_saves", kind != "fsdp"))
+    channels_last = overrides.pop("channels_last", None)
     options.update(overrides)
     why.append(_strategy_finding(name, resolved, kind, options, hw, params))
     if speed["tf32"] or speed["cudnn_benchmark"]:
@@ -240,6 +246,7 @@ def plan_preset(name: str, hw: HardwareInfo, model: object = None, **overrides: 
         measure_autocast=measure,
         cudnn_benchmark_by_hand=benchmark_by_hand,
         background_saves=background,
+        channels_last=None if channels_last is None else bool(channels_last),
         **speed,
     )
 

@@ -24,6 +24,11 @@ from lightning_boost._lightning import (
     trainer_precision_flag,
 )
 from lightning_boost.presets.autocast import MeasuredAutocast, MeasuredAutocastMixin
+from lightning_boost.presets.memory_format import (
+    MemoryFormatChoice,
+    choose_memory_format,
+    memory_format_finding,
+)
 from lightning_boost.presets.plans import PresetPlan
 from lightning_boost.presets.saves import BackgroundSaves, copies_saved_files, file_readers, saves_finding
 from lightning_boost.report import Finding
@@ -141,6 +146,9 @@ class PresetStrategy(_Strategy):
             "cudnn_benchmark": plan.cudnn_benchmark,
             "background_saves": self.saves_in_background,
         }
+        choice = getattr(self, "memory_format", None)
+        if choice is not None:
+            values["channels_last"] = choice.channels_last
         values.update({f"{plan.kind}.{key}": value for key, value in plan.options.items()})
         return values
 
@@ -242,6 +250,22 @@ class PresetSingleDevice(PresetStrategy):
         device = plan.options["device"]
         super().__init__(device=device, precision_plugin=self._preset_precision(plan))  # type: ignore[call-arg]
         self.plan, self.findings = plan, list(plan.findings)
+        #: The run's layout of its convolution weights (`presets.memory_format`), once decided.
+        self.memory_format: MemoryFormatChoice | None = None
+
+    @override
+    def on_train_start(self) -> None:
+        """The precision's trial (`PresetStrategy`), then, under the precision it chose, the
+        layout of a convolutional model's weights: timed on a CPU, as set by hand elsewhere."""
+        super().on_train_start()
+        module = self.lightning_module
+        wanted = self.plan.channels_last
+        if module is None or (wanted is None and self.plan.accelerator != "cpu"):
+            return
+        self.memory_format = choose_memory_format(module.trainer, wanted)
+        if self.memory_format is not None:
+            self.findings = [f for f in self.findings if "channels_last" not in f.data]
+            self.findings.append(memory_format_finding(self.memory_format))
 
     @override
     def setup_environment(self) -> None:

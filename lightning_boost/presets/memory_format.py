@@ -1,0 +1,233 @@
+"""channels_last (NHWC) for a convolutional model, kept where its own training step is faster.
+
+A convolution whose weights are laid out channels-last runs NHWC kernels (oneDNN's on a CPU,
+cuDNN's tensor-core ones on a GPU) without converting each input from NCHW first: PyTorch's
+performance tuning guide advises it for convolutional networks, and Composer's ``ChannelsLast``
+applies it to every model. Whether it pays depends on the model (on this project's 2-CPU host the
+demo's small CNN stepped 1.4x-1.9x as fast with it, ResNet-18 within noise), so, as for bf16
+autocast (`presets.autocast`), before the first training step two copies of the model, one of them
+converted, train on one of the run's batches in alternating steps under the run's precision, and
+channels_last is kept only when measurably faster (`decide_channels_last`) and when the model's
+``validation_step`` runs with it as without it (``.view`` of an NHWC activation fails).
+
+Only the weights move (``Module.to(memory_format=...)``, in place: the optimizers keep their
+parameters); a convolution with NHWC weights gives NHWC outputs, so the batches stay as they are.
+One device only: DDP lays its gradient buckets out when it wraps the model, before this decision.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import lightning as L
+import torch
+
+from lightning_boost import cache
+from lightning_boost._lightning import preserved_rng
+from lightning_boost.precision import AUTOCAST_MAX_LOSS, autocast_budget, autocast_setting, decide_autocast
+from lightning_boost.presets.autocast import one_batch, step_cache_parts
+from lightning_boost.report import Finding, Severity
+from lightning_boost.step_probe import StepProbe
+
+#: The decisions of earlier runs, in the cache directory: a warm run does not time the step again.
+CACHE_FILE = "memory_format.json"
+
+
+class MemoryFormatChoice(NamedTuple):
+    """Whether the run's convolution weights are laid out channels-last, and why.
+
+    Args:
+        channels_last: NHWC weights; else the model is left as built (NCHW).
+        speedup: the NCHW step's time over the NHWC one's, the median of adjacent pairs (>1:
+            channels_last faster); ``None`` when nothing was timed.
+        pairs: timed pairs behind it.
+        why_not: why nothing was timed, else ``""``.
+        cached: taken from the cache, where an earlier run on this machine stored it.
+    """
+
+    channels_last: bool
+    speedup: float | None
+    pairs: int
+    why_not: str = ""
+    cached: bool = False
+
+
+def channels_last_setting(step: int) -> bool:
+    """Whether trial step `step` runs on the channels-last copy: bf16's schedule
+    (`autocast_setting`) with NCHW in bf16's place, the setting kept unless the other is faster.
+
+    Example:
+        >>> [channels_last_setting(step) for step in range(6)]
+        [True, False, True, False, False, True]
+    """
+    return not autocast_setting(step)
+
+
+def decide_channels_last(seconds: Sequence[float], final: bool = False) -> MemoryFormatChoice | None:
+    """The choice once the steps timed so far (run as `channels_last_setting` says) settle it, else
+    ``None``: `decide_autocast`'s rule with NCHW as the kept setting, so channels_last must be
+    faster by more than `AUTOCAST_MAX_LOSS` in the median pair, and a first pair of long steps in
+    which it is not faster keeps NCHW at once.
+
+    Example:
+        >>> decide_channels_last([0.2, 0.3, 0.07, 0.10, 0.10, 0.07])  # 1.43x: channels_last
+        MemoryFormatChoice(channels_last=True, speedup=1.429, pairs=2, why_not='', cached=False)
+        >>> decide_channels_last([0.2, 0.3, 0.11, 0.10]).channels_last  # slower at once: NCHW
+        False
+    """
+    choice = decide_autocast(seconds, final)
+    if choice is None:
+        return None
+    if choice.speedup is None:
+        return MemoryFormatChoice(False, None, 0, choice.why_not)
+    return MemoryFormatChoice(not choice.bf16, round(1 / choice.speedup, 3), choice.pairs)
+
+
+def has_conv_weights(module: torch.nn.Module) -> bool:
+    """Whether `module` has a 4-D weight (a 2-D convolution's), the tensors channels_last lays out."""
+    return any(parameter.dim() == 4 for parameter in module.parameters())
+
+
+def is_channels_last(module: torch.nn.Module) -> bool:
+    """Whether `module`'s 4-D weights are all laid out channels-last already (set by hand)."""
+    weights = [p for p in module.parameters() if p.dim() == 4 and not p.is_contiguous()]
+    return bool(weights) and all(p.is_contiguous(memory_format=torch.channels_last) for p in weights)
+
+
+def choose_memory_format(trainer: L.Trainer, wanted: bool | None) -> MemoryFormatChoice | None:
+    """Lay the model's weights out as `wanted` (the preset's ``channels_last``), or as timed when it
+    is ``None``; ``None`` when the model has no convolution weights or lays them out itself."""
+    module = trainer.lightning_module
+    if not has_conv_weights(module) or is_channels_last(module):
+        return None
+    if wanted is None:
+        choice = _measured(trainer, module)
+    else:
+        choice = MemoryFormatChoice(wanted, None, 0, "set by hand")
+    if choice.channels_last:
+        module.to(memory_format=torch.channels_last)
+    return choice
+
+
+def _measured(trainer: L.Trainer, module: L.LightningModule) -> MemoryFormatChoice:
+    """An earlier run's choice for this machine, model, precision and batch shape, else the
+    trial's (stored for the next run)."""
+    if not module.automatic_optimization:
+        return MemoryFormatChoice(
+            False, None, 0, "manual optimization (the trial needs the step's optimizer)"
+        )
+    batch = one_batch(trainer)
+    if batch is None:
+        return MemoryFormatChoice(False, None, 0, "no training batch to time the step on")
+    parts = step_cache_parts(trainer, batch) | {"kind": "channels_last", "precision": str(trainer.precision)}
+    key = cache.fingerprint(parts)
+    cached = _cached(key)
+    if cached is not None:
+        return cached
+    probe = StepProbe(
+        module, trainer.optimizers, 1, contextlib.nullcontext, trainer.precision_plugin.forward_context
+    )
+    with preserved_rng():
+        choice = _trial(
+            probe, batch, trainer.precision_plugin.forward_context, trainer.estimated_stepping_batches
+        )
+        if choice.channels_last:
+            choice = _validation_agrees(probe, batch, choice)
+    if trainer.is_global_zero and not choice.why_not:
+        cache.store_entry(cache.default_cache_dir() / CACHE_FILE, key, {"result": choice._asdict()})
+    return choice
+
+
+def _trial(probe: StepProbe, batch: Any, context: Callable[[], Any], run_steps: float) -> MemoryFormatChoice:
+    """Steps alternating an NCHW and an NHWC copy until `decide_channels_last` settles, or the
+    trial's time (`autocast_budget`) is spent. A failing NHWC step keeps NCHW, with its error."""
+    contexts = itertools.repeat(context)
+    copies = {
+        False: probe.time_steps(batch, contexts),
+        True: probe.time_steps(batch, contexts, torch.channels_last),
+    }
+    seconds: list[float] = []
+    budget = None
+    with contextlib.closing(copies[False]), contextlib.closing(copies[True]):  # frees the copies on return
+        for step in itertools.count():
+            nhwc = channels_last_setting(step)
+            try:
+                seconds.append(next(copies[nhwc]))
+            except Exception as error:  # an NCHW failure is the run's own, and the run says it itself
+                copy = "a channels_last copy" if nhwc else "a copy"
+                return MemoryFormatChoice(
+                    False, None, 0, f"the step failed on {copy} of the model ({error!r})"
+                )
+            budget = autocast_budget(seconds[0], run_steps) if budget is None else budget
+            choice = decide_channels_last(seconds, final=sum(seconds) > budget)
+            if choice is not None:
+                return choice
+    raise AssertionError("unreachable: the steps never end, only a decision does")
+
+
+def _validation_agrees(probe: StepProbe, batch: Any, choice: MemoryFormatChoice) -> MemoryFormatChoice:
+    """`choice`, unless ``validation_step`` on a training batch runs on an NCHW copy and fails on an
+    NHWC one. A step that fails on both (its batches differ from the training ones) tells nothing."""
+    errors: list[Exception | None] = []
+    for memory_format in (torch.contiguous_format, torch.channels_last):
+        try:
+            probe.evaluate(batch, "validation_step", memory_format)
+            errors.append(None)
+        except Exception as error:
+            errors.append(error)
+    if errors[0] is None and errors[1] is not None:
+        why = f"validation_step failed on a channels_last copy of the model ({errors[1]!r})"
+        return MemoryFormatChoice(False, choice.speedup, choice.pairs, why)
+    return choice
+
+
+def _cached(key: str) -> MemoryFormatChoice | None:
+    """The choice an earlier run stored under `key`; ``None`` when there is none or it is malformed."""
+    entry, _ = cache.load_entry(cache.default_cache_dir() / CACHE_FILE, key)
+    result = entry.get("result") if entry else None
+    if not isinstance(result, dict) or not isinstance(result.get("channels_last"), bool):
+        return None
+    speedup = result.get("speedup")
+    return MemoryFormatChoice(
+        result["channels_last"],
+        float(speedup) if isinstance(speedup, (int, float)) else None,
+        int(result.get("pairs", 0)),
+        cached=True,
+    )
+
+
+def memory_format_finding(choice: MemoryFormatChoice) -> Finding:
+    """What the run's convolution weights are laid out as, and from what.
+
+    Example:
+        >>> memory_format_finding(MemoryFormatChoice(True, 1.43, 2)).title
+        'channels_last: the convolutions stepped 1.43x as fast in NHWC'
+    """
+    data = {"channels_last": choice.channels_last, "speedup": choice.speedup, "pairs": choice.pairs}
+    fix = "preset(..., channels_last=False)" if choice.channels_last else "preset(..., channels_last=True)"
+    if choice.why_not == "set by hand":
+        layout = "channels_last (NHWC)" if choice.channels_last else "NCHW"
+        return Finding(
+            "preset", "precision and strategy", Severity.INFO, f"{layout} weights, set by hand", "", data=data
+        )
+    if choice.speedup is None:
+        title = "NCHW kept: channels_last not timed"
+        return Finding(
+            "preset", "precision and strategy", Severity.INFO, title, choice.why_not, fix, data=data
+        )
+    source = "as an earlier run timed (cache)" if choice.cached else f"{choice.pairs} timed pair(s)"
+    detail = (
+        f"before training, a copy of the model in NHWC and one in NCHW alternated training steps on one"
+        f" of the run's batches under its precision; median NCHW/NHWC step time {choice.speedup:.2f}"
+        f" ({source}); NHWC is kept only when over {1 / (1 - AUTOCAST_MAX_LOSS):.2f}"
+    )
+    if choice.why_not:
+        detail += f"; but {choice.why_not}"
+    if choice.channels_last:
+        title = f"channels_last: the convolutions stepped {choice.speedup:.2f}x as fast in NHWC"
+        return Finding("preset", "precision and strategy", Severity.INFO, title, detail, fix, data=data)
+    title = f"NCHW kept: channels_last steps ran {choice.speedup:.2f}x as fast"
+    return Finding("preset", "precision and strategy", Severity.INFO, title, detail, data=data)
