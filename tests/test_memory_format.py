@@ -164,6 +164,23 @@ def test_a_validation_step_that_fails_in_nhwc_keeps_nchw(tmp_path: Path) -> None
     assert model.layouts == ["nchw"] * 8 and model.validated > 0
 
 
+class ViewsInTest(SlowConv):
+    """Trains and validates with ``flatten``, tests with ``.view``."""
+
+    @override
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.log("test_loss", nn.functional.cross_entropy(self(batch[0], view=True), batch[1]))
+
+
+def test_a_test_step_of_the_models_own_that_fails_in_nhwc_keeps_nchw(tmp_path: Path) -> None:
+    """A model's own ``test_step`` is tried too (after the fit, ``trainer.test`` would raise)."""
+    model = ViewsInTest("nchw")
+    trainer = fit(tmp_path, model)
+    choice = trainer.strategy.memory_format  # type: ignore[attr-defined]
+    assert not choice.channels_last and "test_step failed on a channels_last copy" in choice.why_not
+    trainer.test(model, images(16))
+
+
 def test_the_decision_comes_from_the_cache_on_the_next_run(tmp_path: Path) -> None:
     fit(tmp_path / "first", SlowConv("nchw"))
     model = SlowConv("nchw")

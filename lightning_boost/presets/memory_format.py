@@ -8,7 +8,7 @@ demo's small CNN stepped 1.4x-1.9x as fast with it, ResNet-18 within noise), so,
 autocast (`presets.autocast`), before the first training step two copies of the model, one of them
 converted, train on one of the run's batches in alternating steps under the run's precision, and
 channels_last is kept only when measurably faster (`decide_channels_last`) and when the model's
-``validation_step`` runs with it as without it (``.view`` of an NHWC activation fails).
+evaluation steps run with it as without it (``.view`` of an NHWC activation fails).
 
 Only the weights move (``Module.to(memory_format=...)``, in place: the optimizers keep their
 parameters); a convolution with NHWC weights gives NHWC outputs, so the batches stay as they are.
@@ -135,7 +135,7 @@ def _measured(trainer: L.Trainer, module: L.LightningModule) -> MemoryFormatChoi
             probe, batch, trainer.precision_plugin.forward_context, trainer.estimated_stepping_batches
         )
         if choice.channels_last:
-            choice = _validation_agrees(probe, batch, choice)
+            choice = _evaluation_agrees(probe, batch, choice)
     if trainer.is_global_zero and not choice.why_not:
         cache.store_entry(cache.default_cache_dir() / CACHE_FILE, key, {"result": choice._asdict()})
     return choice
@@ -168,20 +168,33 @@ def _trial(probe: StepProbe, batch: Any, context: Callable[[], Any], run_steps: 
     raise AssertionError("unreachable: the steps never end, only a decision does")
 
 
-def _validation_agrees(probe: StepProbe, batch: Any, choice: MemoryFormatChoice) -> MemoryFormatChoice:
-    """`choice`, unless ``validation_step`` on a training batch runs on an NCHW copy and fails on an
-    NHWC one. A step that fails on both (its batches differ from the training ones) tells nothing."""
-    errors: list[Exception | None] = []
-    for memory_format in (torch.contiguous_format, torch.channels_last):
-        try:
-            probe.evaluate(batch, "validation_step", memory_format)
-            errors.append(None)
-        except Exception as error:
-            errors.append(error)
-    if errors[0] is None and errors[1] is not None:
-        why = f"validation_step failed on a channels_last copy of the model ({errors[1]!r})"
-        return MemoryFormatChoice(False, choice.speedup, choice.pairs, why)
+def _evaluation_agrees(probe: StepProbe, batch: Any, choice: MemoryFormatChoice) -> MemoryFormatChoice:
+    """`choice`, unless an evaluation step on a training batch runs on an NCHW copy and fails on an
+    NHWC one: ``validation_step``, and ``test_step`` and ``predict_step`` where the model defines
+    them. A step that fails on both (its batches differ from the training ones) tells nothing."""
+    for hook in _evaluation_hooks(probe.module):
+        errors: list[Exception | None] = []
+        for memory_format in (torch.contiguous_format, torch.channels_last):
+            try:
+                probe.evaluate(batch, hook, memory_format)
+                errors.append(None)
+            except Exception as error:
+                errors.append(error)
+        if errors[0] is None and errors[1] is not None:
+            why = f"{hook} failed on a channels_last copy of the model ({errors[1]!r})"
+            return MemoryFormatChoice(False, choice.speedup, choice.pairs, why)
     return choice
+
+
+def _evaluation_hooks(module: torch.nn.Module) -> list[str]:
+    """``validation_step`` (run by the fit), then the test and predict steps `module`'s own class
+    defines (Lightning's defaults are not the model's code)."""
+    own = [
+        hook
+        for hook in ("test_step", "predict_step")
+        if not getattr(type(module), hook).__qualname__.startswith("LightningModule.")
+    ]
+    return ["validation_step", *own]
 
 
 def _cached(key: str) -> MemoryFormatChoice | None:
