@@ -52,6 +52,7 @@ from lightning_boost.demo import (
     Throughput,
     ValidatedCNN,
     eval_transform,
+    memory_format_text,
     precision_text,
     train_transform,
 )
@@ -248,7 +249,7 @@ def _fit_in(
     else:
         train = DataLoader(workload.train(), batch_size=64, shuffle=True)
         trainer.fit(workload.model(), train, DataLoader(workload.val(), batch_size=64))
-    return clock, tuner, precision_text(trainer)
+    return clock, tuner, f"{precision_text(trainer)}; memory format {memory_format_text(trainer)}"
 
 
 def _reach(clock: Throughput, target: float) -> float | None:

@@ -52,6 +52,7 @@ def test_demo_trains_plain_then_boosted_and_writes_the_report(tmp_path: Path) ->
     assert len(plain.curve) == len(boosted.curve) == 4  # four validations an epoch
     assert set(rows) >= {
         "precision",
+        "memory format",
         "strategy",
         "num_workers",
         "before training (tuning)",

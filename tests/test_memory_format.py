@@ -162,6 +162,9 @@ def test_a_validation_step_that_fails_in_nhwc_keeps_nchw(tmp_path: Path) -> None
     assert not choice.channels_last and choice.speedup is not None and choice.speedup > 1
     assert "validation_step failed on a channels_last copy" in choice.why_not
     assert model.layouts == ["nchw"] * 8 and model.validated > 0
+    (finding,) = [f for f in report_of(trainer).findings if "channels_last" in f.data]
+    assert finding.title.endswith("x as fast, but validation_step fails in it")
+    assert finding.fix.startswith("flatten activations with `.flatten(1)`")  # the gain it leaves
 
 
 class ViewsInTest(SlowConv):

@@ -220,17 +220,11 @@ def memory_format_finding(choice: MemoryFormatChoice) -> Finding:
         'channels_last: the convolutions stepped 1.43x as fast in NHWC'
     """
     data = {"channels_last": choice.channels_last, "speedup": choice.speedup, "pairs": choice.pairs}
-    fix = "preset(..., channels_last=False)" if choice.channels_last else "preset(..., channels_last=True)"
     if choice.why_not == "set by hand":
         layout = "channels_last (NHWC)" if choice.channels_last else "NCHW"
-        return Finding(
-            "preset", "precision and strategy", Severity.INFO, f"{layout} weights, set by hand", "", data=data
-        )
+        return _finding(f"{layout} weights, set by hand", "", "", data)
     if choice.speedup is None:
-        title = "NCHW kept: channels_last not timed"
-        return Finding(
-            "preset", "precision and strategy", Severity.INFO, title, choice.why_not, fix, data=data
-        )
+        return _finding("NCHW kept: channels_last not timed", choice.why_not, _fix(choice), data)
     source = "as an earlier run timed (cache)" if choice.cached else f"{choice.pairs} timed pair(s)"
     detail = (
         f"before training, a copy of the model in NHWC and one in NCHW alternated training steps on one"
@@ -238,9 +232,24 @@ def memory_format_finding(choice: MemoryFormatChoice) -> Finding:
         f" ({source}); NHWC is kept only when over {1 / (1 - AUTOCAST_MAX_LOSS):.2f}"
     )
     if choice.why_not:
-        detail += f"; but {choice.why_not}"
+        hook = choice.why_not.split(" ", 1)[0]
+        title = f"NCHW kept: NHWC stepped {choice.speedup:.2f}x as fast, but {hook} fails in it"
+        return _finding(title, f"{detail}; but {choice.why_not}", _fix(choice), data)
     if choice.channels_last:
         title = f"channels_last: the convolutions stepped {choice.speedup:.2f}x as fast in NHWC"
-        return Finding("preset", "precision and strategy", Severity.INFO, title, detail, fix, data=data)
-    title = f"NCHW kept: channels_last steps ran {choice.speedup:.2f}x as fast"
-    return Finding("preset", "precision and strategy", Severity.INFO, title, detail, data=data)
+        return _finding(title, detail, "preset(..., channels_last=False)", data)
+    return _finding(f"NCHW kept: channels_last steps ran {choice.speedup:.2f}x as fast", detail, "", data)
+
+
+def _fix(choice: MemoryFormatChoice) -> str:
+    """For a model that fails in NHWC: flatten without ``.view``; else set the layout by hand."""
+    if "view" in choice.why_not:
+        return (
+            "flatten activations with `.flatten(1)` or `.reshape(...)`: `.view` cannot reshape an NHWC"
+            " tensor; or preset(..., channels_last=False) to skip the trial"
+        )
+    return "preset(..., channels_last=True) sets it by hand"
+
+
+def _finding(title: str, detail: str, fix: str, data: dict[str, Any]) -> Finding:
+    return Finding("preset", "precision and strategy", Severity.INFO, title, detail, fix, data=data)
