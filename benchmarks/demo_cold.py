@@ -46,8 +46,8 @@ def run(repeats: int = 3, samples: int = 8192, epochs: int = 2) -> list[Row]:
             max(shares),
             f"per repeat: {_each(shares, '%')}"
             f" ({_each([b.before_training_s for _, b in runs], 's')}: the"
-            " batch-size trial with the precision pairs in its steps, Lightning's sanity check, what"
-            f" the tuners read before training); {setup}",
+            " batch-size trial with the precision pairs in its steps, Lightning's sanity check, the"
+            f" channels_last trial, what the tuners read before training); {setup}",
             COMMAND,
         ),
     ]
@@ -71,6 +71,7 @@ def _describe(plain: DemoRun, boosted: DemoRun) -> str:
     return (
         f"final {target:.1%} / {boosted.final_accuracy or 0.0:.1%}, reached at {own:.1f} s"
         f" / {'never' if reached is None else f'{reached:.1f} s'} ({boosted.settings['precision']},"
+        f" {boosted.settings['memory format']},"
         f" batch {boosted.settings['batch size']}, {boosted.settings['num_workers']} workers)"
     )
 

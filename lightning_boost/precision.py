@@ -106,13 +106,15 @@ def autocast_setting(step: int) -> bool:
     return (pair % 2 == 1) != bool(second)
 
 
-def decide_autocast(seconds: Sequence[float], final: bool = False) -> AutocastChoice | None:
+def decide_autocast(
+    seconds: Sequence[float], final: bool = False, keep_at_once: float = AUTOCAST_KEEP_AT_ONCE
+) -> AutocastChoice | None:
     """The choice once the trial steps timed so far settle it (``seconds[k]``: step `k`'s time,
     run as `autocast_setting` says), else ``None``. Each pair compares adjacent steps, so a
     machine that slows down for a while hits both settings alike; bf16 is kept unless the median
     pair is `AUTOCAST_MAX_LOSS` slower with it. A first pair in which bf16 is not slower
-    (`AUTOCAST_KEEP_AT_ONCE`), of steps that are not short (`AUTOCAST_AT_ONCE_MIN_S`), keeps it at
-    once; otherwise the search stops after `AUTOCAST_PAIRS`'s
+    (fp32's time over bf16's at least `keep_at_once`), of steps that are not short
+    (`AUTOCAST_AT_ONCE_MIN_S`), keeps it at once; otherwise the search stops after `AUTOCAST_PAIRS`'s
     first number when every pair gives the same verdict (each at most that much slower with bf16,
     or each more), else after its second; `final` (the trial's time is spent) decides on the pairs
     there are, and keeps fp32 when there is none.
@@ -138,7 +140,7 @@ def decide_autocast(seconds: Sequence[float], final: bool = False) -> AutocastCh
     least, most = AUTOCAST_PAIRS
     if final and not ratios:
         return AutocastChoice(False, None, 0, "steps too slow to time both within the trial's time")
-    if len(ratios) == 1 and ratios[0] >= AUTOCAST_KEEP_AT_ONCE and shortest >= AUTOCAST_AT_ONCE_MIN_S:
+    if len(ratios) == 1 and ratios[0] >= keep_at_once and shortest >= AUTOCAST_AT_ONCE_MIN_S:
         return AutocastChoice(True, round(ratios[0], 3), 1)
     keep = [r >= 1 - AUTOCAST_MAX_LOSS for r in ratios]  # each pair's own verdict
     agree = all(keep) or not any(keep)
