@@ -35,6 +35,7 @@ BENCHMARKS = (
     "batch_size",
     "gpu_batch_size",
     "cudnn_autotune",
+    "channels_last",
     "checkpoint_saves",
     "noise_scale",
     "batch_quality",

@@ -99,6 +99,14 @@ def test_micro_batch_runs_at_tiny_size() -> None:
     assert "same weights at the end in 1 of 1 pairs" in retry.detail
 
 
+def test_channels_last_row_names_the_preset_s_decision_at_tiny_size() -> None:
+    from benchmarks import channels_last
+
+    row = channels_last._row("small CNN", channels_last.MODELS["demo's small CNN"], steps=2, repeats=1)
+    assert row.benchmark == "channels_last, small CNN: NCHW step time / NHWC" and row.ratio > 0
+    assert "the preset's trial kept N" in row.detail and row.command == channels_last.COMMAND
+
+
 def test_time_to_quality_row_is_the_median_pair_at_tiny_size() -> None:
     from benchmarks import time_to_quality
 
