@@ -221,6 +221,30 @@ def test_a_gpu_preset_times_nothing_unless_asked(tmp_path: Path) -> None:
     assert preset("auto", hardware=EXAMPLES["h100"], channels_last=True).plan.channels_last is True
 
 
-def test_channels_last_is_a_one_device_override() -> None:
-    with pytest.raises(ValueError, match="channels_last"):
-        preset("fast-ddp", hardware=CPU, channels_last=True)  # type: ignore[call-arg]
+class LogsLayout(SlowConv):
+    """`SlowConv` (no planted cost) that logs, across the ranks, whether its weights are NHWC and
+    their sum (DDP keeps the ranks' weights equal)."""
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        nhwc = float(self.layout() == "nhwc")
+        total = float(self.conv.weight.detach().sum())
+        for name, value in (("nhwc", nhwc), ("weights", total)):
+            self.log(f"{name}_min", value, reduce_fx="min", sync_dist=True)
+            self.log(f"{name}_max", value, reduce_fx="max", sync_dist=True)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.ddp
+def test_ddp_set_by_hand_lays_out_every_rank_before_it_wraps_the_model(tmp_path: Path) -> None:
+    strategy = preset("fast-ddp", hardware=CPU, channels_last=True, start_method="spawn")
+    trainer = tiny_trainer(tmp_path, devices=2, strategy=strategy, logger=False, enable_checkpointing=False)
+    trainer.fit(LogsLayout("none"), images(), images(16))
+    metrics = trainer.callback_metrics
+    assert float(metrics["nhwc_min"]) == float(metrics["nhwc_max"]) == 1.0
+    assert float(metrics["weights_min"]) == float(metrics["weights_max"])  # gradients reduced as ever
+
+
+def test_ddp_measures_nothing() -> None:
+    """DDP lays its buckets out when it wraps the model, before a trial could run: by hand only."""
+    assert preset("fast-ddp", hardware=CPU).plan.channels_last is None

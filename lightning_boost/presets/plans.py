@@ -66,7 +66,7 @@ _FSDP_OVERRIDES = (
 )
 _OVERRIDES = {
     "single": (*_COMMON_OVERRIDES, "background_saves", "channels_last"),
-    "ddp": (*_COMMON_OVERRIDES, "background_saves", *_DDP_OVERRIDES),
+    "ddp": (*_COMMON_OVERRIDES, "background_saves", "channels_last", *_DDP_OVERRIDES),
 }
 _OVERRIDES["fsdp"] = _COMMON_OVERRIDES + _FSDP_OVERRIDES
 
@@ -133,8 +133,8 @@ class PresetPlan:
         background_saves: checkpoint saves and removals run on a worker thread, in order
             (`presets.saves`), where the run's checkpoint IO is Lightning's default.
         channels_last: a convolutional model's weights in NHWC (`presets.memory_format`): ``True``
-            or ``False`` as set by hand; ``None``, the preset's choice: timed against NCHW before
-            training on a CPU and kept when faster, left as it is on other devices.
+            or ``False`` as set by hand (one device, DDP); ``None``, the preset's choice: on one CPU
+            device timed against NCHW before training and kept when faster, else left as built.
     """
 
     name: str

@@ -135,6 +135,8 @@ class PresetStrategy(_Strategy):
     _saved_flags: dict[str, Any] | None = None
     #: Whether this fit's checkpoint saves run on a worker thread (`presets.saves`).
     saves_in_background = False
+    #: The run's layout of its convolution weights (`presets.memory_format`), once decided.
+    memory_format: MemoryFormatChoice | None = None
 
     @property
     def tuned(self) -> dict[str, Any]:
@@ -146,9 +148,8 @@ class PresetStrategy(_Strategy):
             "cudnn_benchmark": plan.cudnn_benchmark,
             "background_saves": self.saves_in_background,
         }
-        choice = getattr(self, "memory_format", None)
-        if choice is not None:
-            values["channels_last"] = choice.channels_last
+        if self.memory_format is not None:
+            values["channels_last"] = self.memory_format.channels_last
         values.update({f"{plan.kind}.{key}": value for key, value in plan.options.items()})
         return values
 
@@ -193,6 +194,17 @@ class PresetStrategy(_Strategy):
         if isinstance(plugin, MeasuredAutocastMixin) and module is not None:
             plugin.measure(module.trainer)
 
+    def _lay_out(self, wanted: bool | None) -> None:
+        """The model's convolution weights laid out as `wanted` (timed when ``None``), with the
+        finding (`presets.memory_format`)."""
+        module = self.lightning_module
+        if module is None:
+            return
+        self.memory_format = choose_memory_format(module.trainer, wanted)
+        if self.memory_format is not None:
+            self.findings = [f for f in self.findings if "channels_last" not in f.data]
+            self.findings.append(memory_format_finding(self.memory_format))
+
     def _preset_precision(self, plan: PresetPlan) -> Any:
         if plan.measure_autocast:
             return self.measured_autocast()
@@ -225,6 +237,13 @@ class PresetDDP(PresetStrategy):
         )
         self.plan, self.findings = plan, list(plan.findings)
 
+    def model_to_device(self) -> None:
+        """The model on its device; laid out channels-last (or not) first when the preset was told
+        to by hand, before DDP wraps it: its gradient buckets take the weights' layout then."""
+        if self.plan.channels_last is not None:
+            self._lay_out(self.plan.channels_last)
+        super().model_to_device()  # type: ignore[safe-super]
+
 
 class PresetFSDP(PresetStrategy):
     """An `FSDPStrategy` built by `preset("fsdp")`: sharding, size-based wrapping, mixed precision."""
@@ -250,22 +269,14 @@ class PresetSingleDevice(PresetStrategy):
         device = plan.options["device"]
         super().__init__(device=device, precision_plugin=self._preset_precision(plan))  # type: ignore[call-arg]
         self.plan, self.findings = plan, list(plan.findings)
-        #: The run's layout of its convolution weights (`presets.memory_format`), once decided.
-        self.memory_format: MemoryFormatChoice | None = None
 
     @override
     def on_train_start(self) -> None:
         """The precision's trial (`PresetStrategy`), then, under the precision it chose, the
         layout of a convolutional model's weights: timed on a CPU, as set by hand elsewhere."""
         super().on_train_start()
-        module = self.lightning_module
-        wanted = self.plan.channels_last
-        if module is None or (wanted is None and self.plan.accelerator != "cpu"):
-            return
-        self.memory_format = choose_memory_format(module.trainer, wanted)
-        if self.memory_format is not None:
-            self.findings = [f for f in self.findings if "channels_last" not in f.data]
-            self.findings.append(memory_format_finding(self.memory_format))
+        if self.plan.channels_last is not None or self.plan.accelerator == "cpu":
+            self._lay_out(self.plan.channels_last)
 
     @override
     def setup_environment(self) -> None:
