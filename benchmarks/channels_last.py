@@ -1,8 +1,10 @@
 """channels_last (NHWC) as the preset decides it, against the step time each layout really gives.
 
 For each convolutional model (torchvision's ResNet-18, MobileNetV3-Small and EfficientNet-B0 at
-32 px, the demo's small CNN; AdamW, batch 32, fp32 so the layout alone differs), one fit with
-``preset("auto")`` from a cold cache makes the decision (its trial's NCHW/NHWC ratio and pairs),
+32 px, the demo's small CNN; AdamW, batch 32 on a CPU and 256 on a GPU; fp32 on a CPU so the
+layout alone differs, bf16 on a GPU, where NHWC's tensor-core kernels are the point), one fit with
+``preset("auto")`` from a cold cache makes the decision (its trial's NCHW/NHWC ratio and pairs;
+on a GPU the preset does not time it yet, and the row is the measurement that would decide it),
 then `repeats` pairs of fits with the layout set by hand (``channels_last=False`` and ``True``,
 which goes first alternating) time `steps` training steps each after 3 untimed ones: the row's
 ratio is the median pair's NCHW step time over NHWC's, the speed the run gets from NHWC. The
@@ -56,10 +58,12 @@ class Classifier(L.LightningModule):
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         if batch_idx == self.warmup:
+            _synchronize(self.device)
             self.started = time.perf_counter()
 
     @override
     def on_train_end(self) -> None:
+        _synchronize(self.device)
         self.seconds = time.perf_counter() - self.started
 
     @override
@@ -71,18 +75,30 @@ class Classifier(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
+def _setting(hardware: HardwareInfo) -> tuple[int, str]:
+    """The batch size and precision of the fits: 256 and bf16 on a GPU, 32 and fp32 on a CPU."""
+    if hardware.is_cuda:
+        return 256, "bf16-mixed" if hardware.supports_bf16 else "16-mixed"
+    return 32, "32-true"
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _fit(make: Callable[[], nn.Module], steps: int, root: str, **layout: bool) -> tuple[float, Any]:
     """Seconds per step after the warm-up of one fit, and the strategy it trained with."""
     torch.manual_seed(0)
+    hardware = HardwareInfo.detect()
+    batch, precision = _setting(hardware)
     generator = torch.Generator().manual_seed(0)
-    count = (steps + 3) * 32
+    count = (steps + 3) * batch
     data = TensorDataset(torch.randn(count, 3, 32, 32, generator=generator), torch.randint(0, 10, (count,)))
-    hardware = HardwareInfo.detect().on_cpu()
     trainer = L.Trainer(
-        accelerator="cpu",
         devices=1,
         max_epochs=1,
-        strategy=preset("auto", hardware=hardware, precision="32-true", **layout),
+        strategy=preset("auto", hardware=hardware, precision=precision, **layout),
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -90,7 +106,7 @@ def _fit(make: Callable[[], nn.Module], steps: int, root: str, **layout: bool) -
         default_root_dir=root,
     )
     model = Classifier(make())
-    trainer.fit(model, DataLoader(data, batch_size=32))
+    trainer.fit(model, DataLoader(data, batch_size=batch, pin_memory=hardware.is_cuda))
     return model.seconds / steps, trainer.strategy
 
 
@@ -111,17 +127,20 @@ def _row(name: str, make: Callable[[], nn.Module], steps: int, repeats: int) -> 
             order = (False, True) if repeat % 2 == 0 else (True, False)
             per_step = {nhwc: _fit(make, steps, root, channels_last=nhwc)[0] for nhwc in order}
             ratios.append(per_step[False] / per_step[True])
-    assert choice is not None
-    kept = "NHWC" if choice.channels_last else "NCHW"
-    trial = (
-        f"{choice.speedup:.2f} over {choice.pairs} pair(s)" if choice.speedup is not None else choice.why_not
-    )
+    batch, precision = _setting(HardwareInfo.detect())
+    if choice is None:
+        decided = "the preset does not time it on this device yet (NCHW)"
+    else:
+        kept = "NHWC" if choice.channels_last else "NCHW"
+        timed = choice.speedup is not None
+        trial = f"{choice.speedup:.2f} over {choice.pairs} pair(s)" if timed else choice.why_not
+        decided = f"the preset's trial kept {kept} (NCHW/NHWC {trial})"
     return Row(
         f"channels_last, {name}: NCHW step time / NHWC",
         statistics.median(ratios),
         f"median of {repeats} pairs of fits with the layout set by hand"
-        f" ({', '.join(f'{r:.2f}' for r in ratios)}); {steps} steps at batch 32, 32 px, fp32, AdamW;"
-        f" the preset's trial kept {kept} (NCHW/NHWC {trial})",
+        f" ({', '.join(f'{r:.2f}' for r in ratios)}); {steps} steps at batch {batch}, 32 px,"
+        f" {precision}, AdamW; {decided}",
         COMMAND,
     )
 

@@ -19,6 +19,7 @@
 # batch-size      450  6: AutoBatchSize on ResNet-50 against BatchSizeFinder (a call of its own)
 # saves           100  checkpoint saves: on the training thread / background; pinned / pageable
 # eval-pass       120  a predict job alone: tuned loaders against the plain one
+# channels-last   120  NHWC against NCHW under bf16, four CNNs: whether the preset should time it there
 set -uo pipefail
 
 OUT=${OUT:-/tmp/gpu-out}
@@ -65,7 +66,7 @@ demo() {
   unset LIGHTNING_BOOST_CACHE_DIR
 }
 
-PARTS=(gpu-tests suite guards data-bound demo batch-size saves eval-pass)
+PARTS=(gpu-tests suite guards data-bound demo batch-size saves eval-pass channels-last)
 
 run_part() {
   case $1 in
@@ -77,6 +78,7 @@ run_part() {
     batch-size) timed 560 batch-size python3 -m benchmarks gpu_batch_size ;;
     saves) timed 200 saves python3 -m benchmarks checkpoint_saves ;;
     eval-pass) timed 200 eval-pass python3 -m benchmarks eval_pass:repeats=1 ;;
+    channels-last) timed 200 channels-last python3 -m benchmarks channels_last ;;
   esac
 }
 
