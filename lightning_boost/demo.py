@@ -35,6 +35,7 @@ from lightning_boost.callbacks import AutoBatchSize, BoostReport, boost_callback
 from lightning_boost.data import BoostedDataModule
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.presets import preset
+from lightning_boost.presets.memory_format import is_channels_last
 from lightning_boost.report import Finding, Severity
 
 CIFAR_MEAN = (0.4914, 0.4822, 0.4465)
@@ -441,7 +442,7 @@ def memory_format_text(trainer: L.Trainer) -> str:
     """The layout of the run's convolution weights, with the step-time ratio behind it where the
     preset timed channels_last (`presets.memory_format`)."""
     choice = getattr(trainer.strategy, "memory_format", None)
-    layout = "channels_last" if choice is not None and choice.channels_last else "NCHW"
+    layout = "channels_last" if is_channels_last(trainer.lightning_module) else "NCHW"
     if choice is None or choice.speedup is None:
         return layout
     return f"{layout} (NHWC step measured {choice.speedup:.2f}x as fast as NCHW)"

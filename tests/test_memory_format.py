@@ -185,6 +185,16 @@ def test_a_test_step_of_the_models_own_that_fails_in_nhwc_keeps_nchw(tmp_path: P
     trainer.test(model, images(16))
 
 
+def test_a_second_fit_keeps_the_layout_and_says_so(tmp_path: Path) -> None:
+    model = SlowConv("nchw")
+    trainer = fit(tmp_path, model)
+    first = trainer.strategy.memory_format  # type: ignore[attr-defined]
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(model, images(), images(16))
+    assert model.layouts == ["nhwc"] * 16 and trainer.strategy.memory_format is first  # type: ignore[attr-defined]
+    assert report_of(trainer).tuned["channels_last"] is True
+
+
 def test_the_decision_comes_from_the_cache_on_the_next_run(tmp_path: Path) -> None:
     fit(tmp_path / "first", SlowConv("nchw"))
     model = SlowConv("nchw")

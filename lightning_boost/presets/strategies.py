@@ -198,12 +198,12 @@ class PresetStrategy(_Strategy):
         """The model's convolution weights laid out as `wanted` (timed when ``None``), with the
         finding (`presets.memory_format`)."""
         module = self.lightning_module
-        if module is None:
+        choice = None if module is None else choose_memory_format(module.trainer, wanted)
+        if choice is None:  # no convolution weights, or laid out already (by hand, an earlier fit)
             return
-        self.memory_format = choose_memory_format(module.trainer, wanted)
-        if self.memory_format is not None:
-            self.findings = [f for f in self.findings if "channels_last" not in f.data]
-            self.findings.append(memory_format_finding(self.memory_format))
+        self.memory_format = choice
+        self.findings = [f for f in self.findings if "channels_last" not in f.data]
+        self.findings.append(memory_format_finding(choice))
 
     def _preset_precision(self, plan: PresetPlan) -> Any:
         if plan.measure_autocast:
@@ -237,6 +237,7 @@ class PresetDDP(PresetStrategy):
         )
         self.plan, self.findings = plan, list(plan.findings)
 
+    @override
     def model_to_device(self) -> None:
         """The model on its device; laid out channels-last (or not) first when the preset was told
         to by hand, before DDP wraps it: its gradient buckets take the weights' layout then."""
