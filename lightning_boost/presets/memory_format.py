@@ -44,8 +44,11 @@ class MemoryFormatChoice(NamedTuple):
         speedup: the NCHW step's time over the NHWC one's, the median of adjacent pairs (>1:
             channels_last faster); ``None`` when nothing was timed.
         pairs: timed pairs behind it.
-        why_not: why nothing was timed, else ``""``.
+        why_not: why NCHW was kept without a timed verdict, or despite one (a step that fails in
+            NHWC), or ``"set by hand"``; else ``""``.
         cached: taken from the cache, where an earlier run on this machine stored it.
+
+    The fields are `AutocastChoice`'s, whose pair rule decides this one (`decide_channels_last`).
     """
 
     channels_last: bool
