@@ -3,8 +3,9 @@
 A convolution whose weights are laid out channels-last runs NHWC kernels (oneDNN's on a CPU,
 cuDNN's tensor-core ones on a GPU) without converting each input from NCHW first: PyTorch's
 performance tuning guide advises it for convolutional networks, and Composer's ``ChannelsLast``
-applies it to every model. Whether it pays depends on the model (on this project's 2-CPU host the
-demo's small CNN stepped 1.4x-1.9x as fast with it, ResNet-18 within noise), so, as for bf16
+applies it to every model. Whether it pays depends on the model (on this project's 2-CPU host
+EfficientNet-B0 stepped 2.16x as fast with it, the demo's small CNN 1.34x, ResNet-18 0.92x:
+`python -m benchmarks channels_last`), so, as for bf16
 autocast (`presets.autocast`), before the first training step two copies of the model, one of them
 converted, train on one of the run's batches in alternating steps under the run's precision, and
 channels_last is kept only when measurably faster (`decide_channels_last`) and when the model's
@@ -12,7 +13,8 @@ evaluation steps run with it as without it (``.view`` of an NHWC activation fail
 
 Only the weights move (``Module.to(memory_format=...)``, in place: the optimizers keep their
 parameters); a convolution with NHWC weights gives NHWC outputs, so the batches stay as they are.
-One device only: DDP lays its gradient buckets out when it wraps the model, before this decision.
+Timed on one device only: DDP takes it by hand, laid out just before DDP wraps the model, whose
+gradient buckets take the weights' layout then.
 """
 
 from __future__ import annotations
