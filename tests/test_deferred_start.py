@@ -102,7 +102,9 @@ def test_a_loader_built_early_and_thrown_away_at_the_tuned_size_never_starts_its
 ) -> None:
     callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", min_efficiency=0.5)
     model = OneCycleMLP()  # `estimated_stepping_batches` builds the batch-32 loader before the fit
-    trainer = quiet_trainer(tmp_path, [callback, Sanity(started)], max_epochs=1)
+    # 3 epochs: the planned run repays the trial of 64 even when a loaded host makes that trial slow
+    # (at 1 epoch, a CI run beside other jobs once took 5.1 s over its trials and kept 32)
+    trainer = quiet_trainer(tmp_path, [callback, Sanity(started)], max_epochs=3)
     trainer.fit(model, datamodule=Workers(samples=16384, batch_size=32))
     decision = callback.decision
     assert decision is not None and decision.batch_size > 32

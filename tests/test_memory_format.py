@@ -144,6 +144,23 @@ def test_the_faster_layout_holds_for_every_step_of_the_run(tmp_path: Path, slow:
     assert model.validated > 0 and trainer.global_step == 8
 
 
+def test_when_nchw_is_kept_the_run_trains_plain_lightnings_model(tmp_path: Path) -> None:
+    """The trial's batch, copies and steps leave the run's RNG as it was: with a shuffled loader,
+    the weights end bit for bit where plain Lightning's do."""
+
+    def shuffled() -> DataLoader[tuple[Tensor, ...]]:
+        return DataLoader(images().dataset, batch_size=8, shuffle=True)
+
+    final = []
+    for strategy in (preset("auto", hardware=CPU), "auto"):
+        torch.manual_seed(0)
+        model = SlowConv("nhwc")
+        trainer = tiny_trainer(tmp_path, strategy=strategy, limit_train_batches=8, enable_checkpointing=False)
+        trainer.fit(model, shuffled(), images(16))
+        final.append(model.conv.weight.detach().clone())
+    assert trainer.global_step == 8 and torch.equal(*final)
+
+
 def test_a_step_that_fails_in_nhwc_keeps_nchw_with_its_error(tmp_path: Path) -> None:
     """``.view`` of an NHWC activation raises: the copy says so, and the run trains in NCHW."""
     model = SlowConv("nchw", view="forward")

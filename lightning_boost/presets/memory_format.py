@@ -126,7 +126,8 @@ def _measured(trainer: L.Trainer, module: L.LightningModule) -> MemoryFormatChoi
         return MemoryFormatChoice(
             False, None, 0, "manual optimization (the trial needs the step's optimizer)"
         )
-    batch = one_batch(trainer)
+    with preserved_rng():  # the batch's loader draws a seed, its transforms their own
+        batch = one_batch(trainer)
     if batch is None:
         return MemoryFormatChoice(False, None, 0, "no training batch to time the step on")
     parts = step_cache_parts(trainer, batch) | {"kind": "channels_last", "precision": str(trainer.precision)}
