@@ -48,6 +48,17 @@ def autocast_budget(step_s: float, run_steps: float) -> float:
     return max(floor, share * step_s * run_steps) if math.isfinite(run_steps) else floor
 
 
+def budget_spent(seconds: Sequence[float], run_steps: float) -> bool:
+    """Whether a trial's steps so far (`seconds`, the first one's time setting the budget) took
+    its time (`autocast_budget`): then it decides on the pairs it has.
+
+    Example:
+        >>> budget_spent([0.3] * 5, 256), budget_spent([0.3] * 6, 256)  # 1.5 s, 1.8 s of 1.54 s
+        (False, True)
+    """
+    return sum(seconds) > autocast_budget(seconds[0], run_steps)
+
+
 @validated
 def auto_precision(hardware: HardwareInfo) -> str:
     """The Lightning ``precision`` an expert would pick for this hardware.

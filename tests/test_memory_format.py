@@ -241,7 +241,7 @@ def test_a_model_laid_out_by_hand_or_without_convolutions_is_left_as_it_is(tmp_p
     assert trainer.strategy.memory_format is None  # type: ignore[attr-defined]
 
 
-def test_a_gpu_preset_times_nothing_unless_asked(tmp_path: Path) -> None:
+def test_a_gpu_preset_times_nothing_unless_asked() -> None:
     """On a GPU the layout is not timed yet (no measurement there): left as built, no finding."""
     plan = preset("auto", hardware=EXAMPLES["h100"]).plan
     assert plan.channels_last is None and plan.accelerator == "cuda"

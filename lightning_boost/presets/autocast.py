@@ -34,8 +34,8 @@ from lightning_boost.precision import (
     AUTOCAST_MAX_LOSS,
     AUTOCAST_WARMUP,
     AutocastChoice,
-    autocast_budget,
     autocast_setting,
+    budget_spent,
     decide_autocast,
 )
 from lightning_boost.ranks import from_rank_zero
@@ -173,7 +173,6 @@ class AutocastTrial:
         self.key = key
         self.seconds: list[float] = []
         self.choice: AutocastChoice | None = None
-        self.budget: float | None = None
 
     def context(self, step: int) -> Callable[[], contextlib.AbstractContextManager[Any]]:
         """The setting step `step` (0: the first) runs under."""
@@ -182,9 +181,7 @@ class AutocastTrial:
     def add(self, seconds: float) -> bool:
         """The next step's time; whether the trial has decided."""
         self.seconds.append(seconds)
-        if self.budget is None:
-            self.budget = autocast_budget(seconds, self.run_steps)
-        self.choice = decide_autocast(self.seconds, final=sum(self.seconds) > self.budget)
+        self.choice = decide_autocast(self.seconds, final=budget_spent(self.seconds, self.run_steps))
         return self.choice is not None
 
     def again(self) -> AutocastTrial:

@@ -29,7 +29,7 @@ import torch
 
 from lightning_boost import cache
 from lightning_boost._lightning import preserved_rng
-from lightning_boost.precision import AUTOCAST_MAX_LOSS, autocast_budget, autocast_setting, decide_autocast
+from lightning_boost.precision import AUTOCAST_MAX_LOSS, autocast_setting, budget_spent, decide_autocast
 from lightning_boost.presets.autocast import one_batch, step_cache_parts
 from lightning_boost.report import Finding, Severity
 from lightning_boost.step_probe import StepProbe
@@ -76,7 +76,8 @@ def decide_channels_last(seconds: Sequence[float], final: bool = False) -> Memor
     ``None``: `decide_autocast`'s rule with NCHW as the kept setting, so channels_last must be
     faster by more than `AUTOCAST_MAX_LOSS` in the median pair. A first pair of long steps in which
     it is not that much faster keeps NCHW at once: on a model it does not speed up the trial is all
-    cost (the demo's ResNet-18 on 2 CPUs, 1.01x: 1.2 s over 2 pairs), and the gain a pair that
+    cost (the demo's ResNet-18 on 2 CPUs read 1.01x over 2 pairs, 1.2 s, in one demo by hand), and
+    the gain a pair that
     close could hide is small.
 
     Example:
@@ -126,27 +127,28 @@ def _measured(trainer: L.Trainer, module: L.LightningModule) -> MemoryFormatChoi
         return MemoryFormatChoice(
             False, None, 0, "manual optimization (the trial needs the step's optimizer)"
         )
-    with preserved_rng():  # the batch's loader draws a seed, its transforms their own
-        batch = one_batch(trainer)
+    with preserved_rng():  # the batch's loader draws a seed, its transforms and the steps their own
+        choice, key = _timed(trainer, module)
+    if trainer.is_global_zero and not choice.why_not and not choice.cached:
+        cache.store_entry(cache.default_cache_dir() / CACHE_FILE, key, {"result": choice._asdict()})
+    return choice
+
+
+def _timed(trainer: L.Trainer, module: L.LightningModule) -> tuple[MemoryFormatChoice, str]:
+    """The choice for the run's first batch, from the cache or a trial, and its cache key (none
+    without a batch)."""
+    batch = one_batch(trainer)
     if batch is None:
-        return MemoryFormatChoice(False, None, 0, "no training batch to time the step on")
+        return MemoryFormatChoice(False, None, 0, "no training batch to time the step on"), ""
     parts = step_cache_parts(trainer, batch) | {"kind": "channels_last", "precision": str(trainer.precision)}
     key = cache.fingerprint(parts)
     cached = _cached(key)
     if cached is not None:
-        return cached
-    probe = StepProbe(
-        module, trainer.optimizers, 1, contextlib.nullcontext, trainer.precision_plugin.forward_context
-    )
-    with preserved_rng():
-        choice = _trial(
-            probe, batch, trainer.precision_plugin.forward_context, trainer.estimated_stepping_batches
-        )
-        if choice.channels_last:
-            choice = _evaluation_agrees(probe, batch, choice)
-    if trainer.is_global_zero and not choice.why_not:
-        cache.store_entry(cache.default_cache_dir() / CACHE_FILE, key, {"result": choice._asdict()})
-    return choice
+        return cached, key
+    context = trainer.precision_plugin.forward_context
+    probe = StepProbe(module, trainer.optimizers, 1, contextlib.nullcontext, context)
+    choice = _trial(probe, batch, context, trainer.estimated_stepping_batches)
+    return (_evaluation_agrees(probe, batch, choice) if choice.channels_last else choice), key
 
 
 def _trial(probe: StepProbe, batch: Any, context: Callable[[], Any], run_steps: float) -> MemoryFormatChoice:
@@ -158,7 +160,6 @@ def _trial(probe: StepProbe, batch: Any, context: Callable[[], Any], run_steps: 
         True: probe.time_steps(batch, contexts, torch.channels_last),
     }
     seconds: list[float] = []
-    budget = None
     with contextlib.closing(copies[False]), contextlib.closing(copies[True]):  # frees the copies on return
         for step in itertools.count():
             nhwc = channels_last_setting(step)
@@ -169,8 +170,7 @@ def _trial(probe: StepProbe, batch: Any, context: Callable[[], Any], run_steps: 
                 return MemoryFormatChoice(
                     False, None, 0, f"the step failed on {copy} of the model ({error!r})"
                 )
-            budget = autocast_budget(seconds[0], run_steps) if budget is None else budget
-            choice = decide_channels_last(seconds, final=sum(seconds) > budget)
+            choice = decide_channels_last(seconds, final=budget_spent(seconds, run_steps))
             if choice is not None:
                 return choice
     raise AssertionError("unreachable: the steps never end, only a decision does")
