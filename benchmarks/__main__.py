@@ -36,6 +36,7 @@ BENCHMARKS = (
     "gpu_batch_size",
     "cudnn_autotune",
     "channels_last",
+    "whole_batches",
     "checkpoint_saves",
     "noise_scale",
     "batch_quality",

@@ -27,6 +27,7 @@ from lightning_boost.step_time.timing import (
 )
 from lightning_boost.workers.callback import AutoNumWorkers
 from lightning_boost.workers.loaders import loader_batch_size
+from lightning_boost.workers.whole_batches import WholeBatches
 
 #: A verdict rests on at least this many timed steps and seconds (fewer: an INFO that says so).
 MIN_STEPS = 20
@@ -313,7 +314,11 @@ def dataset_kind(dataset: Any) -> str:
         >>> tensors = TensorDataset(torch.zeros(4, 2))
         >>> dataset_kind(Subset(tensors, [0, 1])), dataset_kind([1, 2])
         ('tensors', 'samples')
+        >>> dataset_kind(WholeBatches(tensors, tensors.tensors, None))
+        'batched tensors'
     """
+    if isinstance(dataset, WholeBatches):
+        return "batched tensors"
     while isinstance(dataset, Subset):
         dataset = dataset.dataset
     if isinstance(dataset, TensorDataset):

@@ -129,7 +129,8 @@ def input_bound_fixes(
         dataset: ``"tensors"`` (a `TensorDataset`: tensors in memory, nothing to decode or
             augment), ``"arrays"`` (samples held in one array in memory, as torchvision's MNIST and
             CIFAR hold theirs: transformed one by one, but nothing to decode), ``"stream"`` (an
-            `IterableDataset`) or ``"samples"`` (any other).
+            `IterableDataset`), ``"batched tensors"`` (a `TensorDataset` the loader already gathers
+            whole batches of, `WholeBatches`) or ``"samples"`` (any other).
 
     Example:
         >>> fixes = input_bound_fixes(
@@ -148,10 +149,12 @@ def input_bound_fixes(
     fixes = []
     if dataset == "tensors":
         fixes.append(
-            "Index whole batches: a `TensorDataset` is gathered and collated sample by sample; with"
-            " `DataLoader(dataset, batch_size=None, sampler=BatchSampler(RandomSampler(dataset),"
-            " batch_size, drop_last=False))` one `__getitem__` slices each batch."
+            "Index whole batches: a `TensorDataset` is gathered and collated sample by sample;"
+            " `BoostedDataModule` and `AutoNumWorkers` load it one gather a batch (the same batches),"
+            " or by hand `DataLoader(dataset, batch_size=None, sampler=BatchSampler(RandomSampler("
+            "dataset), batch_size, drop_last=False))` slices each batch with one `__getitem__`."
         )
+    if dataset in ("tensors", "batched tensors"):
         fixes.append("A larger batch (`AutoBatchSize`) spreads the per-step loading cost over more samples.")
     if num_workers < max_workers and not tuned_workers:
         fixes.append(
@@ -165,7 +168,7 @@ def input_bound_fixes(
             " transform the batch (`BoostedDataModule(device_transforms=...)` applies batched"
             " transforms.v2 once per batch)."
         )
-    elif dataset != "tensors":
+    elif dataset not in ("tensors", "batched tensors"):
         fixes += _sample_work_fixes(on_gpu)
     if on_gpu and not pin_memory:
         fixes.append("Pin host memory: `DataLoader(pin_memory=True)` (BoostedDataModule does it on GPU).")

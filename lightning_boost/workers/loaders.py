@@ -14,6 +14,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, RandomSampler
 from lightning_boost.fingerprints import describe_dataset, hardware_parts, stable_repr
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.workers.search import WorkerTuning
+from lightning_boost.workers.whole_batches import whole_batches
 
 #: DataLoader arguments a measurement loader copies from the real one.
 MEASURED_SETTINGS = (
@@ -35,9 +36,13 @@ def measurement_loaders(
     Each loader draws random indices (with replacement, so it never runs dry) from its own seeded
     generator and has its own base-seed generator: building and iterating it leaves the training
     loader's sampler, and the epoch's order, exactly as they were. `settings` supplies the real
-    loader's collate function, pinning, worker init and multiprocessing context.
+    loader's collate function, pinning, worker init and multiprocessing context; a `TensorDataset`
+    gathers whole batches, as the tuned loader's does (`whole_batches`).
     """
     copied = {key: settings[key] for key in MEASURED_SETTINGS if settings.get(key) is not None}
+    dataset, collate_fn = whole_batches(dataset, copied.get("collate_fn"))  # as the tuned loader loads
+    if collate_fn is not None:
+        copied["collate_fn"] = collate_fn
 
     def make(num_workers: int, prefetch_factor: int | None) -> DataLoader[Any]:
         sampler = RandomSampler(
@@ -131,7 +136,8 @@ def rebuild_loader(
     loader: DataLoader[Any], loader_class: type[DataLoader[Any]] = DataLoader, **changes: Any
 ) -> DataLoader[Any]:
     """A new `loader_class` like `loader` (dataset, sampler, batching and every other setting) with
-    `changes` (which may include `loader_class`'s own arguments).
+    `changes` (which may include `loader_class`'s own arguments); a `TensorDataset` collated by
+    ``default_collate`` gathers whole batches (`whole_batches`: the same batches, sooner).
 
     Raises:
         TypeError: when `cannot_rebuild` says why not (a DataLoader subclass, an IterableDataset, ...).
@@ -151,7 +157,8 @@ def rebuild_loader(
     options = kept | changes
     if not options["num_workers"]:
         options.update(prefetch_factor=None, persistent_workers=False, timeout=0)
-    return loader_class(loader.dataset, **batching, **options)
+    dataset, options["collate_fn"] = whole_batches(loader.dataset, options["collate_fn"])
+    return loader_class(dataset, **batching, **options)
 
 
 class DeferredStartDataLoader(DataLoader[Any]):
