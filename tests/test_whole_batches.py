@@ -155,6 +155,7 @@ def test_a_boosted_datamodule_trains_the_weights_plain_lightning_trains(tmp_path
     boosted = fit(tmp_path, "boosted", Data(batch_size=8, num_workers=0))
     assert isinstance(boosted.train_dataloader.dataset, WholeBatches)
     assert isinstance(boosted.val_dataloaders.dataset, WholeBatches)
+    assert [f.title for f in boosted.datamodule.findings] == ["TensorDataset loaded one gather a batch"]
     assert all(torch.equal(a, b) for a, b in zip(weights(boosted), weights(plain), strict=True))
 
 
@@ -164,6 +165,7 @@ def test_auto_num_workers_rebuilds_a_users_loader_to_gather_whole_batches(tmp_pa
     boosted = fit(tmp_path, "boosted", plain_loaders(), [tuner])
     assert isinstance(boosted.train_dataloader.dataset, WholeBatches)
     assert all(torch.equal(a, b) for a, b in zip(weights(boosted), weights(plain), strict=True))
+    assert [f.title for f in tuner.findings].count("TensorDataset loaded one gather a batch") == 1
 
 
 def test_a_collate_fn_of_the_users_own_keeps_per_sample_loading(tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from lightning_boost.workers.loaders import DeferredStartDataLoader, SameOrderDa
 from lightning_boost.workers.search import WorkerTuning
 from lightning_boost.workers.segments import OnlineSearch, SegmentedDataLoader
 from lightning_boost.workers.tuner import LoaderTuner, epoch_batches, own_pass, workload
-from lightning_boost.workers.whole_batches import whole_batches
+from lightning_boost.workers.whole_batches import whole_batches, whole_batches_finding
 
 #: Loader arguments the mixin manages itself; the rest of DataLoader's may go in `loader_kwargs`.
 _MANAGED = {"dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn",
@@ -165,8 +165,10 @@ class BoostedDataMixin(_DataModule):
         if cap is not None and cap < settings["num_workers"]:
             settings = self._capped(split, settings, cap)
         batching: dict[str, Any] = {"batch_size": size, "shuffle": shuffle, "drop_last": drop_last}
-        dataset, collate_fn = whole_batches(dataset, settings["collate_fn"])  # the same batches, sooner
-        settings = settings | {"collate_fn": collate_fn}
+        gathered, collate_fn = whole_batches(dataset, settings["collate_fn"])  # the same batches, sooner
+        if gathered is not dataset:
+            self.worker_tuner.add_finding(whole_batches_finding("BoostedDataModule"))
+        dataset, settings = gathered, settings | {"collate_fn": collate_fn}
         if search is not None and (split == "train" or alone):
             persist = self.persistent_workers
             if persist is None:

@@ -33,6 +33,7 @@ from lightning_boost.workers.loaders import (
 from lightning_boost.workers.search import WorkerTuning
 from lightning_boost.workers.segments import SegmentedDataLoader
 from lightning_boost.workers.tuner import LoaderTuner, epoch_batches, own_pass, workload
+from lightning_boost.workers.whole_batches import WholeBatches, whole_batches_finding
 
 
 class AutoNumWorkers(BoostCallback):
@@ -126,7 +127,10 @@ class AutoNumWorkers(BoostCallback):
 
     def _rebuild(self, trainer: L.Trainer, split: str, loaders: Any) -> Any:
         if isinstance(loaders, DataLoader):
-            return self._rebuild_one(trainer, split, loaders)
+            rebuilt = self._rebuild_one(trainer, split, loaders)
+            if isinstance(rebuilt.dataset, WholeBatches) and not isinstance(loaders.dataset, WholeBatches):
+                self.worker_tuner.add_finding(whole_batches_finding(type(self).__name__))
+            return rebuilt
         if isinstance(loaders, (list, tuple)):
             return type(loaders)(self._rebuild(trainer, split, loader) for loader in loaders)
         if isinstance(loaders, Mapping):
