@@ -15,10 +15,12 @@ from typing import Any
 import pytest
 import torch
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAccuracy
 
 from lightning_boost import BoostWarning, LossLoggingGuard, RetainedGraphError, Severity, testing
+from lightning_boost.guards.graphs import census, footprint
 from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
 
 THIS_FILE = str(Path(__file__).resolve())
@@ -416,3 +418,16 @@ def test_cuda_growth_watch_reads_the_allocator(tmp_path: Path) -> None:
         finding.title.startswith("Allocated GPU memory grows by")
         and finding.data["unit"] == "allocated bytes"
     )
+
+
+def test_a_fake_tensor_left_by_torch_compile_does_not_stop_the_census(tmp_path: Path) -> None:
+    """``torch.compile`` keeps FakeTensors (no storage of their own) with graphs alive in its
+    caches, which the census finds: a compiled fit earlier in the process crashed this guard's
+    first scan ("Cannot access data pointer of Tensor"). Made here by FakeTensorMode directly."""
+    with FakeTensorMode():
+        weight = torch.ones(3, requires_grad=True)
+        fake = (weight * 2).sum()
+    assert fake in census()
+    assert footprint([fake]).nodes == 3  # its graph walked (sum, mul, the leaf): no crash
+    guard = fit(ListAppend(), tmp_path)
+    assert [finding.data["holder"] for finding in guard.findings] == ["self.losses"]

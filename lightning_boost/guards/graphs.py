@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 
 _T = TypeVar("_T")
 
@@ -141,9 +142,16 @@ def _saved_tensors(node: Any) -> Iterator[Tensor]:
         yield from (v for v in values if isinstance(v, Tensor))
 
 
-def _storage(tensor: Tensor) -> tuple[int, int]:
-    storage = tensor.untyped_storage()
-    return storage.data_ptr(), storage.nbytes()
+def _storage(tensor: Tensor) -> tuple[int, int] | None:
+    """The data pointer and bytes of `tensor`'s storage; ``None`` for a tensor without one of its
+    own: a FakeTensor that ``torch.compile`` keeps alive in its caches, a wrapper subclass (DTensor)."""
+    if is_fake(tensor):
+        return None
+    try:
+        storage = tensor.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # "Cannot access data pointer of Tensor (e.g. FakeTensor"
+        return None
 
 
 def footprint(
@@ -163,25 +171,25 @@ def footprint(
         >>> footprint([side], exclude=[w]).saved_bytes
         4000
     """
-    excluded = {_storage(t)[0] for t in exclude}
+    excluded = {pointer for pointer, _ in filter(None, map(_storage, exclude))}
     storages: dict[int, int] = {}
     held: dict[int, int] = {}
     nodes: dict[int, Any] = {}  # keeps each node's Python object alive, so its id stays unique
     graphs = 0
     for tensor in tensors:
         graphs += 1
-        pointer, size = _storage(tensor)
-        held[pointer] = size
+        own = _storage(tensor)
+        if own is not None:
+            held[own[0]] = own[1]
         stack = [tensor.grad_fn]
         while stack and len(nodes) < max_nodes:
             node = stack.pop()
             if node is None or id(node) in nodes:
                 continue
             nodes[id(node)] = node
-            for saved_tensor in _saved_tensors(node):
-                pointer, size = _storage(saved_tensor)
-                if pointer not in excluded:
-                    storages[pointer] = size
+            for saved in filter(None, map(_storage, _saved_tensors(node))):
+                if saved[0] not in excluded:
+                    storages[saved[0]] = saved[1]
             stack.extend(next_node for next_node, _ in node.next_functions)
     saved_bytes = sum(size for pointer, size in storages.items() if pointer not in held)
     return Footprint(graphs, len(nodes), saved_bytes, sum(held.values()), truncated=len(nodes) >= max_nodes)
