@@ -7,8 +7,9 @@ report) with ``preset("auto")``; and plain with as many callbacks that do nothin
 at every step. Steps are timed from step `from_step` on, after the run's one-off work (the
 precision's trial, the worker search's segments, the guards' first checked steps), which the
 ``time_to_quality`` and tuning rows count. The row names what the set-up decided for this run
-(precision, workers, threads): where that is plain Lightning's, what is left is the callbacks'
-per-step work.
+(precision, workers, threads, and whether its `TensorDataset` is loaded a whole batch at a time,
+which `AutoNumWorkers` does since 5fba7f7): where that is plain Lightning's, what is left is the
+callbacks' per-step work.
 
 Run: ``python -m benchmarks stack_overhead``.
 """
@@ -52,7 +53,9 @@ def _decisions(callbacks: list[L.Callback], strategy: Strategy) -> str:
     loaders = ", ".join(
         f"{c.num_workers} workers, {c.threads or 'all'} threads" for c in tuner.choices.values()
     )
-    return f"precision {precision}; {loaders or 'no loader decided'}"
+    whole = any(finding.title == "TensorDataset loaded one gather a batch" for finding in tuner.findings)
+    loading = "; whole batches (`whole_batches`)" if whole else ""
+    return f"precision {precision}; {loaders or 'no loader decided'}{loading}"
 
 
 def _most_common(texts: list[str]) -> str:

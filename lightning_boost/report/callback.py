@@ -19,6 +19,7 @@ from lightning_boost._lightning import (
     destroy_process_group_at_exit,
     hold_hyperparameters,
     is_lightning,
+    skip_unused_batch_hooks,
     user_hyperparameters,
 )
 from lightning_boost._validation import Directory, validated
@@ -62,6 +63,10 @@ class BoostReport(L.Callback):
 
         trainer = L.Trainer(callbacks=[AutoNumWorkers(), BoostReport(console=False)])
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        skip_unused_batch_hooks(cls)  # as for itself, below the class
 
     @validated
     def __init__(
@@ -169,6 +174,9 @@ class BoostReport(L.Callback):
         if trainer.loggers or self.files:
             return log_dir(trainer)
         return None
+
+
+skip_unused_batch_hooks(BoostReport)  # its per-batch hooks are Callback's no-ops
 
 
 def attach_report(trainer: L.Trainer) -> None:
