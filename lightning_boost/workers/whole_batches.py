@@ -1,8 +1,8 @@
 """Whole batches from tensors in memory: one gather per batch instead of one ``__getitem__`` a sample.
 
 A ``DataLoader`` over a `TensorDataset` fetches each sample on its own (a tuple of rows) and
-``default_collate`` stacks them again: per batch of 64 about 290 µs of Python on this project's
-2-CPU host, against 70 µs for one ``index_select`` per tensor (`benchmarks/whole_batches.py`). Torch
+``default_collate`` stacks them again: 454 µs a batch of 64 on this project's 2-CPU host, against
+84 µs for one ``index_select`` per tensor (``python -m benchmarks whole_batches``). Torch
 hands a dataset that has ``__getitems__`` the batch's indices at once; `WholeBatches` gives a
 `TensorDataset` (or a `Subset` of one, as ``random_split`` makes) that method, and `collate_whole`
 passes its rows on as ``default_collate`` would have built them: the same list of tensors, equal
