@@ -7,8 +7,8 @@ CIFAR-sized uint8 images and a label at batch 256), a shuffled epoch is read fro
 plain epoch's time over the median whole-batch epoch's (above 1 is faster). Each pair's batches
 are compared element for element first; a row says "equal" only when every batch was.
 
-What it is worth to a run depends on its step: the MLP of ``time_to_quality`` steps in about
-1 ms on this host, where loading 64 samples one by one took about a quarter of that.
+What it is worth to a run depends on its step: the rows give the loading time a batch, and the
+``time_to_quality`` MLP rows measure what it gives a whole fit.
 
 Run: ``python -m benchmarks whole_batches``.
 """
