@@ -28,6 +28,7 @@ from benchmarks.common import Row
 from benchmarks.guard_overhead import _fastest, _ratio
 from benchmarks.monitor_overhead import fit_per_step
 from lightning_boost import AutoNumWorkers, boost_callbacks, preset
+from lightning_boost.workers.whole_batches import whole_batches_finding
 
 COMMAND = "python -m benchmarks stack_overhead"
 
@@ -53,7 +54,7 @@ def _decisions(callbacks: list[L.Callback], strategy: Strategy) -> str:
     loaders = ", ".join(
         f"{c.num_workers} workers, {c.threads or 'all'} threads" for c in tuner.choices.values()
     )
-    whole = any(finding.title == "TensorDataset loaded one gather a batch" for finding in tuner.findings)
+    whole = whole_batches_finding(AutoNumWorkers.__name__) in tuner.findings
     loading = "; whole batches (`whole_batches`)" if whole else ""
     return f"precision {precision}; {loaders or 'no loader decided'}{loading}"
 
