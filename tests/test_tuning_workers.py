@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
 import random
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,6 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from torch import Tensor
 
 from lightning_boost import cache
 from lightning_boost._lightning import preserved_rng
@@ -300,6 +303,59 @@ def test_a_cpu_run_stops_before_timing_workers_that_cannot_repay_their_trials() 
     assert [trial.num_workers for trial in longer.trials] == [0, 1, 2]
     kept = decide_workers(probes, cpu, WorkerTuning(skip_short_runs=False), workload_samples=1024)
     assert [trial.num_workers for trial in kept.trials] == [0, 1, 2]  # measured to cache the result
+
+
+def test_a_cpu_run_weighs_what_workers_save_on_the_cpus_the_model_shares() -> None:
+    from lightning_boost.workers.decision import WorkerProbes, decide_workers
+
+    # a fit's small validation set on 2 CPUs (fit_val_set's 1,024 images): 2 s of loading at
+    # 500 samples/s, ResNet-18's 0.04 s evaluation step at batch 64 (0.64 s of steps). The
+    # loading alone would repay the rest of the measurement (1.6 s priced: the model's rates and
+    # two worker trials), but both CPUs already work through it and the steps in turns, so
+    # workers save at most 1.35 s: nothing more is timed, the model's rates neither
+    timed_model: list[Any] = []
+
+    def cpu_step(threads: Any) -> Any:
+        timed_model.append(threads)
+        return 500.0, {2: 1600.0, 1: 1000.0}
+
+    def probes(share: float) -> WorkerProbes:
+        loader = lambda n, pf: WorkerTrial(n, pf, 500.0, 0.6, MIB, cpu_share=share)  # noqa: E731
+        return WorkerProbes(loader, cpu_step=cpu_step, step_s=lambda threads: 0.04, batch_size=64)
+
+    cpu = EXAMPLES["cpu"].replace(cpus_available=2)
+    small = decide_workers(probes(1.0), cpu, WorkerTuning(), workload_samples=1024)
+    assert small.num_workers == 0 and [trial.num_workers for trial in small.trials] == [0]
+    assert "on 2 CPUs, workers could save at most 1.3 s of it" in small.reason and not timed_model
+    # a loader that waits on I/O (a fifth of its time on the CPU): workers overlap the waits
+    waiting = decide_workers(probes(0.2), cpu, WorkerTuning(), workload_samples=1024)
+    assert waiting.source != "short run" and timed_model
+    # on an accelerator the whole loading can hide behind the steps: measured
+    gpu = dataclasses.replace(probes(1.0), cpu_step=None, step_s=None)
+    assert decide_workers(gpu, EXAMPLES["h100"], WorkerTuning(), workload_samples=1024).source != "short run"
+
+
+def test_the_loaders_cpu_share_is_its_cpu_time_over_its_wall_time_in_the_main_process() -> None:
+    now, cpu_now = [0.0], [0.0]
+    batch = torch.zeros(8, 3)
+
+    def batches(cpu_per_batch: float) -> Iterator[Tensor]:
+        while True:
+            now[0] += 0.01
+            cpu_now[0] += cpu_per_batch
+            yield batch
+
+    def share(cpu_per_batch: float, num_workers: int = 0) -> float:
+        make = lambda n, pf: batches(cpu_per_batch)  # noqa: E731
+        factor = 2 if num_workers else None
+        clocks = {"clock": lambda: now[0], "cpu_clock": lambda: cpu_now[0]}
+        return measure_loader(make, num_workers, factor, batch_size=8, window_s=0.1, **clocks).cpu_share
+
+    assert share(0.01) == pytest.approx(1.0) and share(0.002) == pytest.approx(0.2)
+    assert share(0.03) == 1.0  # the transforms' threads: at most one CPU's worth counts
+    assert share(0.002, num_workers=2) == 1.0  # the workers' loading is not in this process
+    sleeping = lambda n, pf: (time.sleep(0.01) or batch for _ in itertools.count())  # noqa: E731
+    assert measure_loader(sleeping, 0, None, batch_size=8, window_s=0.2).cpu_share < 0.5  # the real clocks
 
 
 def test_measure_loader_turns_errors_into_failed_trials() -> None:

@@ -52,12 +52,14 @@ class WorkerProbes:
         step_s: a CPU run: the seconds of one model step at the given thread count on a batch of
             the real size, after a warm-up step (``None`` when the step cannot run outside the
             fit), to price the rest of the measurement before timing it (`priced_measuring`).
+        batch_size: the real batch size, the model probes' (0 where unknown).
     """
 
     loader: Measure
     cpu_step: Callable[[Sequence[int]], tuple[float, Mapping[int, float]]] | None = None
     consumer_rate: Callable[[], float | None] | None = None
     step_s: Callable[[int], float | None] | None = None
+    batch_size: int = 0
 
 
 def decide_workers(
@@ -93,11 +95,12 @@ def decide_workers(
     first = probes.loader(0, None)
     rates: Mapping[int, float] = {}
     skipped: list[str] = []
-    rest_s = _rest_of_measuring(probes, first, hardware.cpus_per_process, tuning, workload_samples)
-    if not (tuning.skip_short_runs and not_worth_measuring(first, workload_samples, rest_s)):
+    cpus = hardware.cpus_per_process if hardware.accelerator == "cpu" else None
+    rest_s, step_s = _rest_of_measuring(probes, first, cpus, tuning, workload_samples)
+    if not (tuning.skip_short_runs and not_worth_measuring(first, workload_samples, rest_s, cpus, step_s)):
         if probes.cpu_step is not None:
             rates, tuning, skipped = _model_first(
-                probes.cpu_step, hardware.cpus_per_process, tuning, first.seconds, workload_samples
+                probes.cpu_step, hardware.cpus_per_process, tuning, first, workload_samples
             )
         elif probes.consumer_rate is not None and tuning.target_samples_per_s is None:
             tuning = dataclasses.replace(tuning, target_samples_per_s=probes.consumer_rate())
@@ -105,7 +108,7 @@ def decide_workers(
     def measure_once(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
         return first if num_workers == 0 else probes.loader(num_workers, prefetch_factor)
 
-    choice = search_workers(measure_once, hardware, tuning, clock, workload_samples, rest_s)
+    choice = search_workers(measure_once, hardware, tuning, clock, workload_samples, rest_s, step_s)
     choice = choice.replace(seconds=clock() - start, skipped=(*skipped, *choice.skipped))
     if not rates:
         return choice  # an accelerator run, or no model step to weigh
@@ -115,26 +118,34 @@ def decide_workers(
 
 
 def _rest_of_measuring(
-    probes: WorkerProbes, first: WorkerTrial, cpus: int, tuning: WorkerTuning, workload_samples: int | None
-) -> float:
-    """What the measurement takes after its first trial: the estimate (`rest_of_measuring`), and on
-    a CPU run whose loading could repay that, at least its price from one step of the model
-    (`priced_measuring`: a slow step makes timing the model's rates and the workers dear)."""
+    probes: WorkerProbes,
+    first: WorkerTrial,
+    cpus: int | None,
+    tuning: WorkerTuning,
+    workload_samples: int | None,
+) -> tuple[float, float]:
+    """What the measurement takes after its first trial, and a CPU run's model step in seconds a
+    sample (0 where not timed): the estimate (`rest_of_measuring`), and on a CPU run (`cpus`)
+    whose loading could repay that, at least its price from one step of the model at all its
+    threads (`priced_measuring`: a slow step makes timing the model's rates and the workers dear;
+    and the steps share the CPUs with the loading, `most_saved_s`)."""
     rest_s = rest_of_measuring(tuning, times_model=probes.cpu_step is not None)
     if (
-        probes.cpu_step is None
+        cpus is None
+        or probes.cpu_step is None
         or probes.step_s is None
         or not tuning.skip_short_runs
         or workload_samples is None
-        or not_worth_measuring(first, workload_samples, rest_s)
+        or not_worth_measuring(first, workload_samples, rest_s, cpus)
     ):
-        return rest_s
+        return rest_s, 0.0
     step_s = probes.step_s(cpus)
     if step_s is None:
-        return rest_s
+        return rest_s, 0.0
     counts, threads = _candidates(cpus, tuning)
     trials = min(PRICED_TRIALS, len(counts) - 1)
-    return max(rest_s, priced_measuring(step_s, len(threads), trials, first.seconds))
+    priced = max(rest_s, priced_measuring(step_s, len(threads), trials, first.seconds))
+    return priced, step_s / probes.batch_size if probes.batch_size else 0.0
 
 
 def _candidates(cpus: int, tuning: WorkerTuning) -> tuple[list[int], list[int]]:
@@ -147,7 +158,7 @@ def _model_first(
     cpu_step: Callable[[Sequence[int]], tuple[float, Mapping[int, float]]],
     cpus: int,
     tuning: WorkerTuning,
-    trial_s: float,
+    first: WorkerTrial,
     workload_samples: int | None,
 ) -> tuple[Mapping[int, float], WorkerTuning, list[str]]:
     """A CPU run: the model's step rates at the thread counts the candidates leave, and the
@@ -159,7 +170,9 @@ def _model_first(
     unpaid = None
     if cap and tuning.skip_short_runs:
         worth = [count for count in counts if count <= cap]
-        unpaid = workers_cannot_repay(worth, rates, loading, cpus, workload_samples, trial_s)
+        unpaid = workers_cannot_repay(
+            worth, rates, loading, cpus, workload_samples, first.seconds, first.cpu_share
+        )
     if unpaid is not None:
         cap, why = 0, unpaid
     if cap >= counts[-1]:

@@ -134,6 +134,9 @@ class WorkerTrial:
             them (forking and joining the processes), beyond `seconds`.
         paired: a probe of the model's threads timed step for step against the threads it would
             otherwise run (alternating in the same segment): its rate over theirs; 0 when not.
+        cpu_share: a trial in the main process (no workers): its CPU seconds per second while
+            timed, at most 1; below 1 the loading waits on I/O, which workers overlap even
+            without spare CPUs (`most_saved_s`).
     """
 
     num_workers: int
@@ -147,6 +150,7 @@ class WorkerTrial:
     load_share: float = 0.0
     overhead_s: float = 0.0
     paired: float = 0.0
+    cpu_share: float = 1.0
 
     @property
     def ok(self) -> bool:
@@ -379,13 +383,20 @@ def run_samples(
     return min(bounds) * batch_size if bounds else None
 
 
-def not_worth_measuring(first: WorkerTrial, workload_samples: int | None, rest_s: float = 0.0) -> str | None:
+def not_worth_measuring(
+    first: WorkerTrial,
+    workload_samples: int | None,
+    rest_s: float = 0.0,
+    cpus: int | None = None,
+    step_s_per_sample: float = 0.0,
+) -> str | None:
     """Why measuring worker settings cannot pay back, or ``None`` when it may.
 
-    Workers can save at most the time the run spends loading in the main process; when that is
-    less than the rest of the measurement takes (at least as long as the first trial, without
-    worker start-up, and at least `rest_s`: `rest_of_measuring`), the run is faster without
-    measuring (a small validation set, a few-batch job).
+    Workers can save at most what `most_saved_s` says (on a CPU run, with `cpus`: less than the
+    loading, the CPUs being shared with the model's steps); when that is less than the rest of
+    the measurement takes (at least as long as the first trial, without worker start-up, and at
+    least `rest_s`: `rest_of_measuring`), the run is faster without measuring (a small
+    validation set, a few-batch job).
 
     Example:
         >>> first = WorkerTrial(0, None, samples_per_s=1000.0, seconds=0.6)
@@ -394,17 +405,54 @@ def not_worth_measuring(first: WorkerTrial, workload_samples: int | None, rest_s
         less than the rest of the measurement takes (~0.6 s)
         >>> not_worth_measuring(first, 50_000) is None  # 50 s of loading: worth measuring
         True
+        >>> print(not_worth_measuring(first, 1024, 0.6, cpus=2, step_s_per_sample=1e-4))
+        the run loads 1024 samples from it, about 1 s in the main process; with the model's
+        steps (about 0.1 s) on 2 CPUs, workers could save at most 0.56 s of it, less than the
+        rest of the measurement takes (~0.6 s)
     """
     if workload_samples is None or not first.ok or first.samples_per_s <= 0:
         return None
     loading_s = workload_samples / first.samples_per_s
+    saved_s = most_saved_s(first, workload_samples, cpus, step_s_per_sample)
     rest_s = max(first.seconds, rest_s)
-    if loading_s > rest_s:
+    if saved_s > rest_s:
         return None
-    return (
-        f"the run loads {workload_samples} samples from it, about {loading_s:.2g} s in the main process,"
-        f" less than the rest of the measurement takes (~{rest_s:.2g} s)"
-    )
+    words = f"the run loads {workload_samples} samples from it, about {loading_s:.2g} s in the main process"
+    if saved_s < loading_s:
+        steps_s = workload_samples * step_s_per_sample
+        steps = f"with the model's steps (about {steps_s:.2g} s) " if steps_s else ""
+        words += f"; {steps}on {cpus} CPUs, workers could save at most {saved_s:.2g} s of it"
+    return f"{words}, less than the rest of the measurement takes (~{rest_s:.2g} s)"
+
+
+def most_saved_s(
+    first: WorkerTrial, workload_samples: int, cpus: int | None = None, step_s_per_sample: float = 0.0
+) -> float:
+    """The most seconds workers can save over the run's `workload_samples`, from the trial in the
+    main process (`first`): on an accelerator run (`cpus` ``None``), the whole loading, which
+    workers can hide behind the steps. On a CPU run the loading and the model's steps share the
+    `cpus` CPUs: with workers the run takes at least their CPU work spread over every CPU (the
+    loading's `WorkerTrial.cpu_share` of its time, and the steps' seconds at all threads,
+    `step_s_per_sample`, as at least one CPU works through each), and no less than the steps
+    alone, where without workers it takes both in turn.
+
+    Example (1024 samples, 1 s of loading):
+        >>> first = WorkerTrial(0, None, samples_per_s=1024.0)
+        >>> most_saved_s(first, 1024)  # an accelerator run: all of it
+        1.0
+        >>> most_saved_s(first, 1024, cpus=2)  # 2 CPUs for loading: half of it
+        0.5
+        >>> most_saved_s(first, 1024, cpus=2, step_s_per_sample=1 / 512)  # a 2 s model: 1 s
+        1.0
+        >>> most_saved_s(WorkerTrial(0, None, 1024.0, cpu_share=0.2), 1024, cpus=1)  # waits on I/O
+        0.8
+    """
+    loading_s = workload_samples / first.samples_per_s
+    if cpus is None:
+        return loading_s
+    steps_s = workload_samples * step_s_per_sample
+    fastest_s = max(steps_s, (min(first.cpu_share, 1.0) * loading_s + steps_s) / cpus)
+    return max(loading_s + steps_s - fastest_s, 0.0)
 
 
 #: The model-rate probe's timed steps per thread count a round, and its rounds (`model_step_rates`).
@@ -446,13 +494,15 @@ def search_workers(
     clock: Clock = time.perf_counter,
     workload_samples: int | None = None,
     rest_s: float | None = None,
+    step_s_per_sample: float = 0.0,
 ) -> WorkerChoice:
     """Measure the candidates the run needs (see the module's docstring) and return the choice.
 
     Falls back to ``num_workers=0`` and says why when every candidate with workers failed. With
     `workload_samples` (what the run will load from this loader) a run too short for workers to
     pay back their measurement stops after the first trial (`not_worth_measuring` against
-    `rest_s`, by default `rest_of_measuring` without a model to time). A trial that would end
+    `rest_s`, by default `rest_of_measuring` without a model to time; on a CPU run the model's
+    steps, `step_s_per_sample`, share the CPUs: `most_saved_s`). A trial that would end
     past ``budget_s`` (as long as the last one took) is not started.
 
     Example:
@@ -468,7 +518,12 @@ def search_workers(
     factor = tuning.prefetch_factors[0]
     trials = [measure(0, None)]
     rest_s = rest_of_measuring(tuning, times_model=False) if rest_s is None else rest_s
-    short = not_worth_measuring(trials[0], workload_samples, rest_s) if tuning.skip_short_runs else None
+    cpus = hardware.cpus_per_process if hardware.accelerator == "cpu" else None
+    short = (
+        not_worth_measuring(trials[0], workload_samples, rest_s, cpus, step_s_per_sample)
+        if tuning.skip_short_runs
+        else None
+    )
     if short is not None:
         return WorkerChoice(
             0, None, f"no workers: {short}", tuple(trials), (), clock() - start, source="short run"
@@ -578,6 +633,7 @@ def measure_loader(
     consume: Callable[[Any], object] | None = None,
     workload_samples: int | None = None,
     rest_s: float = 0.0,
+    cpu_clock: Clock = time.process_time,
 ) -> WorkerTrial:
     """Time the loader `make_loader(num_workers, prefetch_factor)` builds, over `window_s` seconds.
 
@@ -588,7 +644,8 @@ def measure_loader(
     worker setting can then save what the rest of the measurement costs (`rest_of_measuring`),
     and the trial says so (`not_worth_measuring`). `consume` takes each timed batch as training
     would before its step (a GPU run: the copy to the device, whose pinning and transfer share
-    the main process's CPU with the workers). Any exception while loading makes the trial a
+    the main process's CPU with the workers). In the main process, `cpu_clock` (the process's CPU
+    time) gives the loading's `WorkerTrial.cpu_share`. Any exception while loading makes the trial a
     failure that says what happened; the workers are shut down either way.
     """
     start = clock()
@@ -599,7 +656,7 @@ def measure_loader(
         batch_bytes = tensor_bytes(next(iterator))
         for _ in range(num_workers - 1):
             next(iterator)
-        started, batches = clock(), 0
+        started, cpu_started, batches = clock(), cpu_clock(), 0
         startup = started - start
         while clock() - started < window_s:
             batch = next(iterator)
@@ -610,9 +667,16 @@ def measure_loader(
                 workload_samples, batches, batch_size, clock() - started, rest_s
             ):
                 break
-        rate = batches * batch_size / max(clock() - started, 1e-9)
+        elapsed = max(clock() - started, 1e-9)
+        share = min(max((cpu_clock() - cpu_started) / elapsed, 0.0), 1.0) if num_workers == 0 else 1.0
         return WorkerTrial(
-            num_workers, prefetch_factor, rate, clock() - start, batch_bytes, startup_s=startup
+            num_workers,
+            prefetch_factor,
+            batches * batch_size / elapsed,
+            clock() - start,
+            batch_bytes,
+            startup_s=startup,
+            cpu_share=share,
         )
     except Exception as err:  # a failed candidate is data, whatever it raised
         error = describe_failure(err)
@@ -777,15 +841,19 @@ def workers_cannot_repay(
     cpus: int,
     workload_samples: int | None,
     trial_s: float,
+    cpu_share: float = 1.0,
 ) -> str | None:
     """On a CPU run with the model's rates measured: why timing `counts` workers cannot pay back,
     or ``None`` when it may.
 
-    With workers the run trains at most at the model's best rate on the CPUs they leave, so over
-    the `workload_samples` the run loads they save at most ``W / alone - W / best`` seconds
-    (``alone`` as in `workers_worth_measuring`), while timing them takes at least one trial as long
-    as the first (`trial_s`) per count, up to `PRICED_TRIALS`. Timing the step (2 CPUs: 409 samples/s at 2
-    threads, 218 at 1) bounds what workers save far below the loading time (`not_worth_measuring`):
+    With ``w`` workers the run trains at most at the model's rate on the CPUs they leave, and no
+    faster than the CPUs get through the loading's work (its `cpu_share` of the main process's
+    time) and the steps' (at least one CPU's through each): ``cpus / (cpu_share / loading + 1 /
+    rate)``. So over the `workload_samples` the run loads they save at most ``W / alone - W /
+    best`` seconds (``alone`` as in `workers_worth_measuring`), while timing them takes at least
+    one trial as long as the first (`trial_s`) per count, up to `PRICED_TRIALS`. Timing the step
+    (2 CPUs: 409 samples/s at 2 threads, 218 at 1) bounds what workers save far below the loading
+    time (`not_worth_measuring`):
 
     Example:
         >>> rates = {2: 409.0, 1: 218.0}
@@ -795,21 +863,27 @@ def workers_cannot_repay(
         less than timing them takes (~1.5 s)
         >>> workers_cannot_repay([0, 1, 2], rates, 336.0, 2, 8 * 1024, trial_s=0.77) is None
         True
+        >>> print(workers_cannot_repay([0, 1, 2], {2: 2100.0, 1: 1250.0}, 470.0, 2, 1024, 0.65))
+        workers could save at most 1.2 s of the 1024 samples' loading and steps (the model's step
+        on the CPUs they leave: 1250 samples/s, and the CPUs' work loading and stepping: 683;
+        in turns with loading in the main process: 384), less than timing them takes (~1.3 s)
     """
     full = step_rates.get(cpus)
-    with_workers = [step_rates.get(model_threads(cpus, n), 0.0) for n in counts if n]
-    if workload_samples is None or not full or loading <= 0 or not with_workers or max(with_workers) <= 0:
+    rates = [step_rates.get(model_threads(cpus, n), 0.0) for n in counts if n]
+    if workload_samples is None or not full or loading <= 0 or not rates or max(rates) <= 0:
         return None
     alone = 1 / (1 / loading + 1 / full)
-    best = max(with_workers)
+    fastest = max(rates)
+    best = max(min(rate, cpus / (min(cpu_share, 1.0) / loading + 1 / rate)) for rate in rates if rate > 0)
     saving_s = workload_samples / alone - workload_samples / best
-    cost_s = min(PRICED_TRIALS, len(with_workers)) * trial_s
+    cost_s = min(PRICED_TRIALS, len(rates)) * trial_s
     if saving_s > cost_s:
         return None
+    shared = f", and the CPUs' work loading and stepping: {best:.0f}" if best < fastest else ""
     return (
         f"workers could save at most {saving_s:.2g} s of the {workload_samples} samples' loading and"
-        f" steps (the model's step on the CPUs they leave: {best:.0f} samples/s; in turns with"
-        f" loading in the main process: {alone:.0f}), less than timing them takes (~{cost_s:.2g} s)"
+        f" steps (the model's step on the CPUs they leave: {fastest:.0f} samples/s{shared}; in turns"
+        f" with loading in the main process: {alone:.0f}), less than timing them takes (~{cost_s:.2g} s)"
     )
 
 

@@ -499,7 +499,7 @@ def cpu_probes(
         rates = model_step_rates(module, batch()[0], [threads], repeats=1, rounds=1, hook=hook)
         return batch_size / rates[threads] if rates else None
 
-    return dataclasses.replace(probes, cpu_step=cpu_step, step_s=step_s)
+    return dataclasses.replace(probes, cpu_step=cpu_step, step_s=step_s, batch_size=batch_size)
 
 
 def own_pass(trainer: L.Trainer | None, split: str) -> bool:
