@@ -28,6 +28,18 @@ def _private_tuning_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> It
     yield cache_dir
 
 
+@pytest.fixture(autouse=True)
+def _torch_flags_put_back() -> Iterator[None]:
+    """The process-wide speed flags as each test found them: a program run whole may set them for
+    its process, as Lightning's ``Trainer(benchmark=True)`` does (the imagenet example), and the
+    next test must not start from its setting. Whether the pack puts back what it sets is tested
+    inside the tests of its presets."""
+    before = (torch.backends.cudnn.benchmark, torch.get_float32_matmul_precision())
+    yield
+    torch.backends.cudnn.benchmark = before[0]
+    torch.set_float32_matmul_precision(before[1])
+
+
 @pytest.fixture
 def long_planned_run(monkeypatch: pytest.MonkeyPatch) -> None:
     """`AutoBatchSize`'s search on a real fit as a long run would have it. The suite's fits train a

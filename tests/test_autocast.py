@@ -440,3 +440,28 @@ def test_an_unreadable_cache_entry_is_measured_again_with_a_warning(
     assert plugin.choice is not None and not plugin.choice.cached and plugin.seconds
     said = [str(w.message) for w in caught if issubclass(w.category, BoostWarning)]
     assert any(re.search(r"Ignoring the autocast cache, measuring again: .*malformed", text) for text in said)
+
+
+class SlowEverywhere(SlowUnder):
+    """A step too slow for the trial to time one pair in its second (`AUTOCAST_BUDGET`)."""
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        time.sleep(0.4)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_trial_too_slow_to_time_a_pair_is_not_cached_and_the_next_run_does_not_warn(
+    tmp_path: Path, _private_tuning_cache: Path
+) -> None:
+    # it was stored with no speedup, which the next run read back as a malformed entry, with a
+    # warning, and measured again
+    _, first = fit(tmp_path / "cold", SlowEverywhere("fp32"), steps=2)
+    assert first.choice is not None and first.choice.why_not.startswith("steps too slow")
+    path = _private_tuning_cache / "autocast.json"
+    assert not path.exists() or not json.loads(path.read_text())["entries"]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _, again = fit(tmp_path / "again", SlowEverywhere("fp32"), steps=2)
+    assert again.choice is not None and not again.choice.cached
+    assert not [w for w in caught if issubclass(w.category, BoostWarning)]

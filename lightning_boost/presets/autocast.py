@@ -245,6 +245,10 @@ def _lookup(trainer: Any, batch: Any) -> tuple[str, AutocastChoice | None]:
 
 
 def _store(key: str, choice: AutocastChoice) -> None:
+    """Keep a timed verdict for the next run; a choice made without one (steps too slow to time a
+    pair in the trial's time: a longer run may time them) is not a measurement to reuse."""
+    if choice.why_not or choice.speedup is None:
+        return
     result = {"bf16": choice.bf16, "speedup": choice.speedup, "pairs": choice.pairs}
     cache.store_entry(cache.default_cache_dir() / CACHE_FILE, key, {"result": result})
 
