@@ -96,8 +96,9 @@ def decide_workers(
     rates: Mapping[int, float] = {}
     skipped: list[str] = []
     cpus = hardware.cpus_per_process if hardware.accelerator == "cpu" else None
-    rest_s, step_s = _rest_of_measuring(probes, first, cpus, tuning, workload_samples)
-    if not (tuning.skip_short_runs and not_worth_measuring(first, workload_samples, rest_s, cpus, step_s)):
+    rest_s, per_sample_s = _rest_of_measuring(probes, first, cpus, tuning, workload_samples)
+    short = not_worth_measuring(first, workload_samples, rest_s, cpus, per_sample_s)
+    if not (tuning.skip_short_runs and short):
         if probes.cpu_step is not None:
             rates, tuning, skipped = _model_first(
                 probes.cpu_step, hardware.cpus_per_process, tuning, first, workload_samples
@@ -108,7 +109,7 @@ def decide_workers(
     def measure_once(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
         return first if num_workers == 0 else probes.loader(num_workers, prefetch_factor)
 
-    choice = search_workers(measure_once, hardware, tuning, clock, workload_samples, rest_s, step_s)
+    choice = search_workers(measure_once, hardware, tuning, clock, workload_samples, rest_s, per_sample_s)
     choice = choice.replace(seconds=clock() - start, skipped=(*skipped, *choice.skipped))
     if not rates:
         return choice  # an accelerator run, or no model step to weigh

@@ -451,7 +451,7 @@ def most_saved_s(
     if cpus is None:
         return loading_s
     steps_s = workload_samples * step_s_per_sample
-    fastest_s = max(steps_s, (min(first.cpu_share, 1.0) * loading_s + steps_s) / cpus)
+    fastest_s = max(steps_s, (first.cpu_share * loading_s + steps_s) / cpus)
     return max(loading_s + steps_s - fastest_s, 0.0)
 
 
@@ -874,7 +874,7 @@ def workers_cannot_repay(
         return None
     alone = 1 / (1 / loading + 1 / full)
     fastest = max(rates)
-    best = max(min(rate, cpus / (min(cpu_share, 1.0) / loading + 1 / rate)) for rate in rates if rate > 0)
+    best = max(min(rate, cpus / (cpu_share / loading + 1 / rate)) for rate in rates if rate > 0)
     saving_s = workload_samples / alone - workload_samples / best
     cost_s = min(PRICED_TRIALS, len(rates)) * trial_s
     if saving_s > cost_s:
