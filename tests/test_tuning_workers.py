@@ -312,7 +312,7 @@ def test_a_cpu_run_weighs_what_workers_save_on_the_cpus_the_model_shares() -> No
     # 500 samples/s, ResNet-18's 0.04 s evaluation step at batch 64 (0.64 s of steps). The
     # loading alone would repay the rest of the measurement (1.6 s priced: the model's rates and
     # two worker trials), but both CPUs already work through it and the steps in turns, so
-    # workers save at most 1.35 s: nothing more is timed, the model's rates neither
+    # workers save at most 1.34 s: nothing more is timed, the model's rates neither
     timed_model: list[Any] = []
 
     def cpu_step(threads: Any) -> Any:
