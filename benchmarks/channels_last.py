@@ -127,7 +127,9 @@ def _row(name: str, make: Callable[[], nn.Module], steps: int, repeats: int) -> 
             order = (False, True) if repeat % 2 == 0 else (True, False)
             per_step = {nhwc: _fit(make, steps, root, channels_last=nhwc)[0] for nhwc in order}
             ratios.append(per_step[False] / per_step[True])
-    batch, precision = _setting(HardwareInfo.detect())
+    hardware = HardwareInfo.detect()
+    batch, precision = _setting(hardware)
+    where = " on a GPU" if hardware.accelerator == "cuda" else ""  # rows of their own beside the CPU's
     if choice is None:
         decided = "the preset does not time it on this device yet (NCHW)"
     else:
@@ -136,7 +138,7 @@ def _row(name: str, make: Callable[[], nn.Module], steps: int, repeats: int) -> 
         trial = f"{choice.speedup:.2f} over {choice.pairs} pair(s)" if timed else choice.why_not
         decided = f"the preset's trial kept {kept} (NCHW/NHWC {trial})"
     return Row(
-        f"channels_last, {name}: NCHW step time / NHWC",
+        f"channels_last{where}, {name}: NCHW step time / NHWC",
         statistics.median(ratios),
         f"median of {repeats} pairs of fits with the layout set by hand"
         f" ({', '.join(f'{r:.2f}' for r in ratios)}); {steps} steps at batch {batch}, 32 px,"

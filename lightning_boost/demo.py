@@ -224,20 +224,25 @@ class Throughput(L.Callback):
     """Training samples per second from the first training batch (worker start-up included), the
     time from the start of the fit to that batch (tuning, for a boosted run: batch-size and
     precision trials, whichever hook ran them), and each validation's accuracy with the seconds
-    since the start of the fit (`curve`)."""
+    since the start of the fit (`curve`, read after it: each accuracy stays on its device until
+    then, so taking it does not wait for the GPU)."""
 
     def __init__(self) -> None:
         self.samples = 0
         self.fit_started = 0.0
         self.started = 0.0
         self.seconds = 0.0
-        self.curve: list[tuple[float, float]] = []
+        self._readings: list[tuple[float, Tensor]] = []
+
+    @property
+    def curve(self) -> list[tuple[float, float]]:
+        return [(seconds, float(accuracy)) for seconds, accuracy in self._readings]
 
     @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         accuracy = trainer.callback_metrics.get("val_acc")
         if not trainer.sanity_checking and accuracy is not None:
-            self.curve.append((time.perf_counter() - self.fit_started, float(accuracy)))
+            self._readings.append((time.perf_counter() - self.fit_started, accuracy.detach().clone()))
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

@@ -80,3 +80,30 @@ def test_cli_demo_prints_the_side_by_side_table(
     out = capsys.readouterr().out
     assert "[1/2] plain Lightning" in out and "[2/2] lightning-boost" in out
     assert "plain Lightning" in out and "speed-up (training)" in out and "boost_report.json" in out
+
+
+def test_throughput_reads_each_accuracy_after_the_fit_not_at_its_validation() -> None:
+    """On a GPU, `float()` of the metric at each validation's end waits for the device (SyncGuard
+    found it there, in the demo's own callback, 2026-11-27): the curve keeps the tensors and reads
+    them when asked."""
+    import types
+
+    import torch
+
+    from lightning_boost.demo import Throughput
+
+    class Reads(torch.Tensor):
+        count = 0
+
+        def __float__(self) -> float:
+            Reads.count += 1
+            return super().__float__()
+
+    accuracy = torch.tensor(0.5).as_subclass(Reads)
+    trainer = types.SimpleNamespace(callback_metrics={"val_acc": accuracy}, sanity_checking=False)
+    clock = Throughput()
+    clock.on_validation_epoch_end(trainer, None)  # type: ignore[arg-type]
+    accuracy.fill_(0.75)  # the next validation's value, written into the same tensor
+    assert Reads.count == 0
+    ((_, read),) = clock.curve
+    assert read == 0.5 and Reads.count == 1
