@@ -33,11 +33,15 @@ def _torch_flags_put_back() -> Iterator[None]:
     """The process-wide speed flags as each test found them: a program run whole may set them for
     its process, as Lightning's ``Trainer(benchmark=True)`` does (the imagenet example), and the
     next test must not start from its setting. Whether the pack puts back what it sets is tested
-    inside the tests of its presets."""
+    inside the tests of its presets. On a GPU, CUDA's sync debug mode goes back to off, its
+    default: a test that leaves it on would fail every later test of its process that syncs (one
+    did, on an H100, 2026-11-27); SyncGuard's tests assert inside themselves that it puts it back."""
     before = (torch.backends.cudnn.benchmark, torch.get_float32_matmul_precision())
     yield
     torch.backends.cudnn.benchmark = before[0]
     torch.set_float32_matmul_precision(before[1])
+    if torch.cuda.is_initialized():  # reading or setting the mode would start CUDA otherwise
+        torch.cuda.set_sync_debug_mode(0)
 
 
 @pytest.fixture
