@@ -30,6 +30,7 @@ BENCHMARKS = (
     "data_bound",
     "eval_pass",
     "fit_val_set",
+    "ddp",
     "worker_replay",
     "checked_steps",
     "batch_size",

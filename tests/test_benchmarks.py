@@ -264,3 +264,14 @@ def test_the_gpu_batch_size_benchmark_runs_at_tiny_size_on_the_cpu(tmp_path, mon
     assert "(trials 32: " in speed.detail and "; noise scale " in speed.detail  # the decision, and why
     assert "the process's CUDA start-up before both (" in speed.detail
     assert goodput.ratio > 0 and goodput.detail.startswith("goodput ")
+
+
+@pytest.mark.ddp
+def test_ddp_row_pairs_the_preset_with_plain_ddp_at_tiny_size() -> None:
+    from benchmarks import ddp
+
+    preset, flags = ddp.run(samples=512, epochs=1, rounds=1)
+    assert preset.ratio > 0 and flags.ratio > 0 and preset.command == flags.command == ddp.COMMAND
+    assert "plain ran 32-true, DDP's defaults" in preset.detail
+    assert "the preset ran 32-true, " in flags.detail  # held at fp32
+    assert "gradient_as_bucket_view=True" in preset.detail and "val accuracy plain / preset" in preset.detail
