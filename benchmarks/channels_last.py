@@ -4,7 +4,7 @@ For each convolutional model (torchvision's ResNet-18, MobileNetV3-Small and Eff
 32 px, the demo's small CNN; AdamW, batch 32 on a CPU and 256 on a GPU; fp32 on a CPU so the
 layout alone differs, bf16 on a GPU, where NHWC's tensor-core kernels are the point), one fit with
 ``preset("auto")`` from a cold cache makes the decision (its trial's NCHW/NHWC ratio and pairs;
-on a GPU the preset does not time it yet, and the row is the measurement that would decide it),
+on a GPU the preset does not time it: on an H100 no model here read above 1 under bf16),
 then `repeats` pairs of fits with the layout set by hand (``channels_last=False`` and ``True``,
 which goes first alternating) time `steps` training steps each after 3 untimed ones: the row's
 ratio is the median pair's NCHW step time over NHWC's, the speed the run gets from NHWC. The
@@ -131,7 +131,7 @@ def _row(name: str, make: Callable[[], nn.Module], steps: int, repeats: int) -> 
     batch, precision = _setting(hardware)
     where = " on a GPU" if hardware.accelerator == "cuda" else ""  # rows of their own beside the CPU's
     if choice is None:
-        decided = "the preset does not time it on this device yet (NCHW)"
+        decided = "the preset does not time it on this device (NCHW)"
     else:
         kept = "NHWC" if choice.channels_last else "NCHW"
         timed = choice.speedup is not None

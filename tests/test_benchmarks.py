@@ -109,7 +109,7 @@ def test_channels_last_row_names_the_preset_s_decision_at_tiny_size() -> None:
     on_gpu = torch.cuda.is_available()
     where = " on a GPU" if on_gpu else ""
     assert row.benchmark == f"channels_last{where}, small CNN: NCHW step time / NHWC" and row.ratio > 0
-    decided = "does not time it on this device yet" if on_gpu else "the preset's trial kept N"
+    decided = "does not time it on this device (NCHW)" if on_gpu else "the preset's trial kept N"
     assert decided in row.detail and row.command == channels_last.COMMAND
 
 
