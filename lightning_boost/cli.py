@@ -82,7 +82,7 @@ def demo(args: argparse.Namespace) -> int:
     except ModuleNotFoundError:
         print(f"The demo trains torchvision's ResNet-18, and torchvision is not installed: {DEMO_INSTALL}")
         return 2
-    from lightning_boost.demo import run_demo, side_by_side
+    from lightning_boost.demo import kept_plain_settings, run_demo, side_by_side
 
     plain, boosted = run_demo(  # the boosted fit's report prints its own table first
         samples=args.samples,
@@ -92,6 +92,9 @@ def demo(args: argparse.Namespace) -> int:
         data_dir=args.data,
     )
     _print_side_by_side(side_by_side(plain, boosted), boosted.report)
+    kept = kept_plain_settings(plain, boosted)
+    if kept is not None:
+        print(kept)
     return 0
 
 

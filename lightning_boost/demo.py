@@ -489,6 +489,46 @@ def side_by_side(plain: DemoRun, boosted: DemoRun) -> list[tuple[str, str, str]]
     return rows
 
 
+#: The settings that change how fast a step runs or how many run: where the boosted fit kept
+#: plain's for every one, the two fits differ only by the tuning's time and the host's noise.
+SPEED_SETTINGS = ("batch size", "num_workers", "pin_memory", "precision", "memory format")
+
+
+def kept_plain_settings(plain: DemoRun, boosted: DemoRun) -> str | None:
+    """A sentence for a boosted fit that decided its way back to plain's settings (2 CPUs: bf16
+    and NHWC timed slower, a larger batch less efficient per sample, workers no faster), else
+    ``None``: there its speed-up rows read the tuning's cost and the host's noise.
+
+    Example:
+        >>> same = {"batch size": "64 x 1 accumulated", "num_workers": 0, "pin_memory": False,
+        ...         "precision": "32-true", "memory format": "NCHW"}
+        >>> plain = DemoRun("plain Lightning", 300.0, 54.0, 0.2, same)
+        >>> tuned = same | {"precision": "32-true (bf16 step measured 0.67x as fast as fp32)"}
+        >>> print(kept_plain_settings(plain, DemoRun("lightning-boost", 290.0, 56.0, 2.4, tuned)))
+        lightning-boost kept plain's settings on this machine (batch size 64 x 1 accumulated,
+        num_workers 0, pin_memory False, precision 32-true, memory format NCHW): none of the
+        changes it weighed would reach the model sooner here (its report says why, for each), so
+        the two fits differ by its 2.4 s before training and the noise between two runs on this
+        host.
+        >>> workers = DemoRun("lightning-boost", 900.0, 20.0, 1.0, same | {"num_workers": 1})
+        >>> kept_plain_settings(plain, workers) is None
+        True
+    """
+
+    def setting(run: DemoRun, key: str) -> str:
+        return str(run.settings[key]).split(" (", 1)[0]  # without the measurement behind it
+
+    if any(setting(plain, key) != setting(boosted, key) for key in SPEED_SETTINGS):
+        return None
+    kept = ", ".join(f"{key} {setting(plain, key)}" for key in SPEED_SETTINGS)
+    return (
+        f"lightning-boost kept plain's settings on this machine ({kept}): none of the changes it"
+        " weighed would reach the model sooner here (its report says why, for each), so the two fits"
+        f" differ by its {boosted.before_training_s:.1f} s before training and the noise between two"
+        " runs on this host."
+    )
+
+
 def difference(plain: float, boosted: float, images: int = VAL_SAMPLES) -> str:
     """Boosted minus plain final accuracy in points, beside what `images` validation images tell
     apart: the 95 % margin of a difference of two accuracies, each a binomial proportion. On the

@@ -107,3 +107,19 @@ def test_throughput_reads_each_accuracy_after_the_fit_not_at_its_validation() ->
     assert Reads.count == 0
     ((_, read),) = clock.curve
     assert read == 0.5 and Reads.count == 1
+
+
+def test_cli_demo_says_when_the_boosted_fit_kept_plain_s_settings(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fits made up (the real ones decide by measurement): the sentence follows the table."""
+    from lightning_boost import demo
+
+    same = {"batch size": "64 x 1 accumulated", "num_workers": 0, "pin_memory": False}
+    same |= {"precision": "32-true", "memory format": "NCHW"}
+    plain = demo.DemoRun("plain Lightning", 300.0, 54.0, 0.2, same)
+    boosted = demo.DemoRun("lightning-boost", 280.0, 57.0, 2.4, same | {"precision": "32-true (bf16 0.7x)"})
+    monkeypatch.setattr(demo, "run_demo", lambda **kwargs: (plain, boosted))
+    assert cli.main(["demo", "--samples", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "kept plain's settings on this machine" in out and "its 2.4 s before training" in out
