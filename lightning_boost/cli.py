@@ -44,7 +44,7 @@ def _print_report(report: Report, title: str) -> None:
     console.print(", ".join(f"{n} {s.label}" for s, n in counts.items()))
 
 
-def _print_side_by_side(rows: list[tuple[str, str, str]], report: object) -> None:
+def _print_side_by_side(rows: list[tuple[str, str, str]], report: object, note: str | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -54,6 +54,8 @@ def _print_side_by_side(rows: list[tuple[str, str, str]], report: object) -> Non
     console = Console()
     console.print(table)
     console.print(f"report: {report} (and boost_report.md beside it)")
+    if note is not None:
+        console.print(note, markup=False)
 
 
 def doctor(as_json: bool) -> int:
@@ -91,10 +93,7 @@ def demo(args: argparse.Namespace) -> int:
         batch_size=args.batch_size,
         data_dir=args.data,
     )
-    _print_side_by_side(side_by_side(plain, boosted), boosted.report)
-    kept = kept_plain_settings(plain, boosted)
-    if kept is not None:
-        print(kept)
+    _print_side_by_side(side_by_side(plain, boosted), boosted.report, kept_plain_settings(plain, boosted))
     return 0
 
 

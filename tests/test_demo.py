@@ -120,6 +120,7 @@ def test_cli_demo_says_when_the_boosted_fit_kept_plain_s_settings(
     plain = demo.DemoRun("plain Lightning", 300.0, 54.0, 0.2, same)
     boosted = demo.DemoRun("lightning-boost", 280.0, 57.0, 2.4, same | {"precision": "32-true (bf16 0.7x)"})
     monkeypatch.setattr(demo, "run_demo", lambda **kwargs: (plain, boosted))
+    monkeypatch.setenv("COLUMNS", "400")  # one line: rich wraps at the terminal's width
     assert cli.main(["demo", "--samples", "64"]) == 0
     out = capsys.readouterr().out
     assert "kept plain's settings on this machine" in out and "its 2.4 s before training" in out
