@@ -136,7 +136,7 @@ def _row(
     finals = ", ".join(f"{p[1]:.4f} / {t[1]:.4f}" for p, t in zip(plain, tuned, strict=True))
     name = "preset('fast-ddp')" if kind == "preset" else "preset('fast-ddp', precision='32-true')"
     return Row(
-        f"{name} / Lightning's ddp_spawn, 2 CPU processes: fit time, same accuracy",
+        f"{name} / Lightning's ddp_spawn, 2 CPU processes: fit time (both val accuracies in the detail)",
         ratios[median],
         f"median of {len(ratios)} rounds (ratios {', '.join(f'{r:.2f}' for r in ratios)}); the median"
         f" round trained in {plain[median][0]:.1f} s plain, {tuned[median][0]:.1f} s with the preset; val"
