@@ -227,6 +227,15 @@ def reload_every_n_epochs(trainer: L.Trainer) -> int:
     return int(getattr(trainer, "reload_dataloaders_every_n_epochs", 0))
 
 
+def training_batch_index(module: L.LightningModule | None) -> int | None:
+    """The index (0: the first, counted over every epoch by Lightning's loop) of the training batch
+    `module`'s fit is in; ``None`` outside a fit's training."""
+    trainer = None if module is None else module._trainer
+    if trainer is None or not trainer.training:
+        return None
+    return trainer.fit_loop.epoch_loop.batch_progress.total.ready - 1
+
+
 def callbacks_of(trainer: L.Trainer) -> list[L.Callback]:
     """``trainer.callbacks``: public, but set by a connector, so type checkers do not see it."""
     callbacks: list[L.Callback] = getattr(trainer, "callbacks")  # noqa: B009

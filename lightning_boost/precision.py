@@ -159,3 +159,61 @@ def decide_autocast(
         return None
     speedup = statistics.median(ratios)
     return AutocastChoice(speedup >= 1 - AUTOCAST_MAX_LOSS, round(speedup, 3), len(ratios))
+
+
+#: A run that kept bf16 autocast checks it again on its own steps (`recheck_setting`): one
+#: training batch in fp32 beside a bf16 one, at these batches first, then every
+#: `AUTOCAST_RECHECK_EVERY` batches after the second. A trial is a few steps on a copy before
+#: training; a shared host can change its speed for minutes at a time, and on this project's 2-CPU
+#: host a trial that read bf16 1.15x as fast was followed by a fit 1.6x as slow as plain fp32's
+#: (`demo_cold`, 2026-11-27). Each check costs one fp32 batch where bf16 is faster: about 0.4 % of
+#: a run whose bf16 steps run 1.25x as fast.
+AUTOCAST_RECHECK_START = (16, 24)
+AUTOCAST_RECHECK_EVERY = 64
+
+
+def recheck_setting(batch: int) -> bool | None:
+    """For a run that kept bf16 autocast: whether training batch `batch` (0: the run's first) runs
+    in bf16 as half of a check pair (``True``), in fp32 as its other half (``False``), or is no
+    check's (``None``, bf16 as chosen). Pairs alternate their order (fp32 first, then bf16
+    first, ...), so a trend favours neither.
+
+    Example:
+        >>> [recheck_setting(batch) for batch in (15, 16, 17, 24, 25, 88, 89, 152)]
+        [None, False, True, True, False, False, True, True]
+    """
+    pair, half = recheck_pair(batch)
+    if pair is None:
+        return None
+    return half != pair % 2
+
+
+def recheck_pair(batch: int) -> tuple[int | None, int]:
+    """The check pair training batch `batch` belongs to and its half (0 or 1); ``(None, 0)``
+    outside the checks.
+
+    Example:
+        >>> recheck_pair(16), recheck_pair(25), recheck_pair(89), recheck_pair(90)
+        ((0, 0), (1, 1), (2, 1), (None, 0))
+    """
+    first, second = AUTOCAST_RECHECK_START
+    if batch in (first, first + 1):
+        return 0, batch - first
+    since, half = divmod(batch - second, AUTOCAST_RECHECK_EVERY)
+    if batch < second or half > 1:
+        return None, 0
+    return since + 1, half
+
+
+def recheck_verdict(ratios: Sequence[float]) -> bool:
+    """Whether a run that kept bf16 switches to fp32, from its check pairs' ratios (fp32's batch
+    time over bf16's, oldest first): when the last two (consecutive pairs run in opposite orders)
+    both put bf16 more than `AUTOCAST_MAX_LOSS` slower. One noisy pair switches nothing.
+
+    Example:
+        >>> recheck_verdict([0.70]), recheck_verdict([0.70, 0.72]), recheck_verdict([0.70, 1.2])
+        (False, True, False)
+        >>> recheck_verdict([1.25, 1.3, 0.8, 0.75])  # the host slowed bf16 down mid-run
+        True
+    """
+    return len(ratios) >= 2 and all(r < 1 - AUTOCAST_MAX_LOSS for r in ratios[-2:])

@@ -27,11 +27,14 @@ from lightning_boost.precision import (
     AUTOCAST_KEEP_AT_ONCE,
     AUTOCAST_MAX_LOSS,
     AUTOCAST_PAIRS,
+    AUTOCAST_RECHECK_START,
     AUTOCAST_WARMUP,
     AutocastChoice,
     auto_precision,
     autocast_setting,
     decide_autocast,
+    recheck_pair,
+    recheck_setting,
 )
 from lightning_boost.presets.autocast import MeasuredAutocast
 from lightning_boost.report import Report
@@ -113,18 +116,22 @@ def test_only_a_cpu_with_bf16_dot_products_is_measured() -> None:
 
 class SlowUnder(BoringModel):
     """`BoringModel` whose step sleeps under one setting (``"bf16"`` or ``"fp32"``), and records
-    whether autocast was on in each training step and the dtype its weights and loss had."""
+    whether autocast was on in each training step and the dtype its weights and loss had; with
+    `flip_at`, the other setting sleeps from that batch of the run on (a host whose speed changed
+    after the trial, whose steps are batch 0's)."""
 
-    def __init__(self, slow: str, manual: bool = False) -> None:
+    def __init__(self, slow: str, manual: bool = False, flip_at: int | None = None) -> None:
         super().__init__()
         self.slow, self.autocast_seen, self.dtypes = slow, [], set()
         self.automatic_optimization = not manual
+        self.flip_at, self.flip_until = flip_at, None
 
     @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         autocast = torch.is_autocast_enabled("cpu")
         self.autocast_seen.append(autocast)
-        if autocast == (self.slow == "bf16"):
+        flipped = self.flip_at is not None and self.flip_at <= batch_idx < (self.flip_until or batch_idx + 1)
+        if autocast == ((self.slow == "bf16") != flipped):
             time.sleep(0.05)  # dwarfs the step even on a loaded machine
         loss = super().training_step(batch, batch_idx)
         self.dtypes |= {self.layer.weight.dtype, self(batch[0]).dtype}
@@ -183,7 +190,7 @@ def test_the_faster_setting_is_kept_for_every_step_of_the_run(
     choice = plugin.choice
     assert choice is not None and choice.bf16 is keep_bf16 and choice.pairs >= 1  # 1 if bf16 faster, else 2
     assert len(plugin.seconds) == AUTOCAST_WARMUP + 2 * choice.pairs  # timed on a copy, before
-    assert model.autocast_seen == [keep_bf16] * 24  # every step of the run at the chosen setting
+    assert model.autocast_seen == run_settings(keep_bf16, 24)  # the chosen setting, but for checks of bf16
     assert trainer.precision == ("bf16-mixed" if keep_bf16 else "32-true")
     assert model.dtypes == ({torch.float32, torch.bfloat16} if keep_bf16 else {torch.float32})  # fp32 weights
     assert trainer.global_step == 24
@@ -196,6 +203,60 @@ def test_the_faster_setting_is_kept_for_every_step_of_the_run(
     }
     assert report.tuned["precision"] == trainer.precision
     assert precision_text(trainer).endswith(f"(bf16 step measured {choice.speedup:.2f}x as fast as fp32)")
+
+
+def run_settings(bf16: bool, steps: int) -> list[bool]:
+    """Whether each of a run's steps is under autocast when the trial kept `bf16` and the run's
+    own checks confirm it: fp32 has no checks; bf16 runs one fp32 batch in each check pair."""
+    if not bf16:
+        return [False] * steps
+    return [True if setting is None else setting for setting in map(recheck_setting, range(steps))]
+
+
+def test_a_kept_bf16_is_checked_on_the_runs_own_steps_at_a_small_cost() -> None:
+    """Check pairs are two adjacent batches, one fp32 and one bf16, in alternating order; over a
+    long run under 2 % of batches are fp32 (at bf16's usual 1.25x, 0.4 % of the run's time)."""
+    settings = [recheck_setting(batch) for batch in range(10_000)]
+    pairs: dict[int, list[bool]] = {}
+    for batch, setting in enumerate(settings):
+        if setting is not None:
+            pair, half = recheck_pair(batch)
+            assert pair is not None and half == len(pairs.setdefault(pair, []))
+            pairs[pair].append(setting)
+    assert all(sorted(halves) == [False, True] for halves in pairs.values())
+    assert [halves[0] for halves in pairs.values()][:4] == [False, True, False, True]  # fp32 first, then bf16
+    assert settings.count(False) / len(settings) < 0.02 and settings[:16] == [None] * 16
+
+
+def test_a_bf16_that_slows_down_after_the_trial_is_switched_off_mid_run(tmp_path: Path) -> None:
+    """The trial (batch 0's step) times bf16 faster; from batch 8 the run's bf16 steps sleep: the
+    check pairs at batches 16 and 24 both read it slower, and from batch 26 the run trains in
+    fp32, says so, and leaves fp32 in the cache for the next run."""
+    model = SlowUnder("fp32", flip_at=8)
+    trainer, plugin = fit(tmp_path, model, steps=40)
+    assert model.autocast_seen == run_settings(True, 26) + [False] * 14
+    assert plugin.choice is not None and not plugin.choice.bf16 and len(plugin.rechecks) == 2
+    assert all(ratio < 1 - AUTOCAST_MAX_LOSS for ratio in plugin.rechecks)
+    assert trainer.precision == "32-true" and precision_text(trainer).startswith(
+        "32-true (bf16 step measured 0."
+    )
+    (finding,) = [f for f in report_of(trainer).findings if "autocast_bf16" in f.data]
+    assert finding.title.startswith("fp32 from training batch 26 on: bf16 autocast ran 0.")
+    assert re.search(r"^the trial before training \(\d pairs?\) read bf16 steps", finding.detail)
+    again = SlowUnder("fp32", flip_at=8)
+    _, plugin = fit(tmp_path / "again", again, steps=8)
+    assert plugin.choice is not None and plugin.choice.cached and not plugin.choice.bf16
+    assert again.autocast_seen == [False] * 8
+
+
+def test_one_pair_against_bf16_switches_nothing(tmp_path: Path) -> None:
+    """bf16 slow for the first check pair's batches only (a noisy moment): the next pair reads it
+    faster again, and the run keeps bf16."""
+    model = SlowUnder("fp32", flip_at=8)
+    model.flip_until = 20
+    trainer, plugin = fit(tmp_path, model, steps=30)
+    assert len(plugin.rechecks) == 2 and plugin.rechecks[0] < 1 < plugin.rechecks[1]
+    assert model.autocast_seen == run_settings(True, 30) and trainer.precision == "bf16-mixed"
 
 
 def test_when_fp32_is_kept_the_run_trains_plain_lightnings_model(tmp_path: Path) -> None:
@@ -262,6 +323,41 @@ def test_every_rank_keeps_rank_zeros_choice(tmp_path: Path) -> None:
     assert float(metrics["autocast_min"]) == float(metrics["autocast_max"]) == 1.0  # rank 0's bf16
 
 
+class SlowsUnderBF16Later(DecidesByRank):
+    """Every rank keeps bf16 (rank zero's), and from batch 8 its bf16 steps sleep on every rank."""
+
+    @override
+    def on_train_start(self) -> None:
+        plugin = self.trainer.precision_plugin
+        assert isinstance(plugin, MeasuredAutocast)
+        plugin._settle(AutocastChoice(True, 1.25, AUTOCAST_PAIRS[0]))
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if torch.is_autocast_enabled("cpu") and batch_idx >= 8:
+            time.sleep(0.05)
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.ddp
+def test_under_ddp_every_rank_switches_a_slowed_bf16_off_at_the_same_batch(tmp_path: Path) -> None:
+    """2 processes over gloo: rank zero's verdict on its check pairs is broadcast at the pair's
+    end, so both ranks train the last batches in fp32 (their steps wait for each other in the
+    gradient all-reduce, so a rank on its own could not settle it another way for long)."""
+    strategy = preset("fast-ddp", hardware=CPU_BF16, start_method="spawn")
+    trainer = tiny_trainer(
+        tmp_path,
+        devices=2,
+        strategy=strategy,
+        limit_train_batches=30,
+        logger=False,
+        enable_checkpointing=False,
+    )
+    trainer.fit(SlowsUnderBF16Later(), datamodule=BoringDataModule(length=2 * 30 * 8))
+    metrics = trainer.callback_metrics
+    assert float(metrics["autocast_min"]) == float(metrics["autocast_max"]) == 0.0  # both in fp32
+
+
 def test_batch_size_trials_run_at_the_precision_the_run_trains_at(tmp_path: Path) -> None:
     """With `AutoBatchSize`, the autocast trial comes first, on the start size's batch, and the
     batch-size trials then time the step under the setting kept (they came first before, in fp32)."""
@@ -295,7 +391,8 @@ def test_the_first_batch_size_trial_times_the_autocast_trial_in_its_own_steps(
     # timed nowhere else (`time_steps` fails): the pairs were the trial's steps, at the kept setting
     assert len(plugin.seconds) == AUTOCAST_WARMUP + 2 * plugin.choice.pairs
     assert all(trial.samples_per_s > trial.size / 0.05 for trial in batch_size.decision.trials)
-    assert model.autocast_seen[0] and all(model.autocast_seen)  # the run's steps: bf16 from the first
+    seen = model.autocast_seen
+    assert seen == run_settings(True, len(seen))  # the run's steps: bf16 from the first, but its checks'
     (finding,) = [f for f in report_of(trainer).findings if "autocast_bf16" in f.data]
     assert finding.data["steps"] == len(plugin.seconds)
     document = json.loads((_private_tuning_cache / "autocast.json").read_text())  # for the next run
@@ -330,13 +427,14 @@ def test_a_first_trial_out_of_memory_hands_the_autocast_trial_to_the_next_size(t
     assert trials[16].oom
     assert len(trials[8].losses) == len(plugin.seconds) - 1  # the pairs were its steps
     assert all(t.samples_per_s > t.size / 0.05 for t in batch_size.decision.trials if not t.oom)
-    assert all(model.autocast_seen)
+    assert model.autocast_seen == run_settings(True, len(model.autocast_seen))
 
 
 class SlowByRank(BoringModel):
     """On a trial's copy, rank 0's step sleeps under fp32 and rank 1's under bf16: each rank's own
-    trial would keep another setting. The run's steps log whether autocast was on, as min and max
-    over the ranks."""
+    trial would keep another setting. The run's steps before its first check of bf16 log whether
+    autocast was on, as min and max over the ranks (the checks then find this tiny model's bf16
+    slower on the run's own steps, which it is, and switch it off)."""
 
     batch_size = 8
 
@@ -346,7 +444,7 @@ class SlowByRank(BoringModel):
         if self._trainer is None:  # a trial's copy, detached from the trainer
             if autocast == (torch.distributed.get_rank() == 1):
                 time.sleep(0.05)
-        else:
+        elif batch_idx < AUTOCAST_RECHECK_START[0]:
             self.log("autocast_min", float(autocast), reduce_fx="min", sync_dist=True)
             self.log("autocast_max", float(autocast), reduce_fx="max", sync_dist=True)
         return super().training_step(batch, batch_idx)
@@ -420,7 +518,7 @@ def test_a_warm_run_takes_the_decision_from_the_cache_without_a_trial(tmp_path: 
     model = SlowUnder("fp32")
     trainer, warm = fit(tmp_path / "warm", model)
     assert warm.choice is not None and warm.choice.cached and warm.choice.bf16
-    assert warm.seconds == [] and model.autocast_seen == [True] * 24  # no step timed, all in bf16
+    assert warm.seconds == [] and model.autocast_seen == run_settings(True, 24)  # no trial, bf16 but checks
     (finding,) = [f for f in report_of(trainer).findings if "autocast_bf16" in f.data]
     assert finding.data["source"] == "cache" and "an earlier run measured" in finding.title
 

@@ -11,12 +11,21 @@ first trial (a copy at the start size, timed anyway) runs these alternating step
 steps all run at the chosen setting: when fp32 is kept, the run trains exactly the model plain
 Lightning trains. Every rank keeps rank zero's decision. Manual optimization is not measured (its
 step needs the trainer): it stays in fp32, with a finding.
+
+A run that kept bf16 checks it again on its own steps, since a shared host's speed can change after
+a trial of a few steps: now and then one training batch runs in fp32 beside a bf16 one
+(`recheck_setting`), their forward and backward timed, and when two such pairs in a row put bf16
+more than 5 % slower (`recheck_verdict`) the rest of the run trains in fp32, with a finding, and
+the cache keeps fp32 for the next run. A run that kept fp32 is never checked: it trains exactly
+plain Lightning's model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
+import statistics
+import time
 from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,7 +37,12 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_boost import cache
-from lightning_boost._lightning import hardware_for, moved_as_the_run_moves, preserved_rng
+from lightning_boost._lightning import (
+    hardware_for,
+    moved_as_the_run_moves,
+    preserved_rng,
+    training_batch_index,
+)
 from lightning_boost.fingerprints import describe_model, hardware_parts
 from lightning_boost.precision import (
     AUTOCAST_MAX_LOSS,
@@ -37,6 +51,8 @@ from lightning_boost.precision import (
     autocast_setting,
     budget_spent,
     decide_autocast,
+    recheck_setting,
+    recheck_verdict,
 )
 from lightning_boost.ranks import from_rank_zero
 from lightning_boost.report import BoostWarning, Finding, Severity
@@ -64,6 +80,11 @@ class MeasuredAutocastMixin(_Plugin):
         self.seconds: list[float] = []
         self.choice: AutocastChoice | None = None
         self.owner: Any = None
+        self.batch = -1  # the run's last training batch seen (the check pairs' schedule)
+        self.rechecks: list[float] = []  # the check pairs' fp32/bf16 ratios, oldest first
+        self._key = ""  # the cache entry of this run's decision
+        self._timing: tuple[bool, int, float] | None = None  # a check batch's bf16, threads, start
+        self._halves: list[tuple[bool, int, float]] = []  # the open pair's bf16, threads, seconds
 
     @override
     def autocast_context_manager(self) -> torch.autocast:
@@ -75,6 +96,68 @@ class MeasuredAutocastMixin(_Plugin):
         context = self.autocast_context_manager() if self.autocast else contextlib.nullcontext()
         with context:
             yield
+
+    @override
+    @contextlib.contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        """The training step's forward, at the check's setting when this batch is half of a check
+        pair (timed until its backward ends: `post_backward`). A trial's step on a copy of the
+        model (the batch-size and worker probes use this context too) is no batch of the run's."""
+        kept = self.autocast
+        batch = training_batch_index(getattr(self.owner, "lightning_module", None))
+        setting = None
+        if batch is not None and batch > self.batch:
+            self.batch = batch
+            setting = recheck_setting(batch) if self._rechecking() else None
+        if setting is not None:
+            self.autocast = setting
+            self._timing = (setting, torch.get_num_threads(), time.perf_counter())
+        try:
+            with self.forward_context():
+                yield
+        finally:
+            self.autocast = kept
+
+    @override
+    def post_backward(self, tensor: torch.Tensor, module: Any) -> torch.Tensor:
+        tensor = super().post_backward(tensor, module)
+        if self._timing is not None:
+            bf16, threads, start = self._timing
+            self._timing = None
+            self._halves.append((bf16, threads, time.perf_counter() - start))
+            if len(self._halves) == 2:
+                self._end_pair(module)
+        return tensor
+
+    def _rechecking(self) -> bool:
+        """Whether the run's bf16 is still checked: kept by a trial (or the cache) and not
+        switched off."""
+        return self.choice is not None and self.choice.bf16 and self.autocast
+
+    def _end_pair(self, module: Any) -> None:
+        """Add the pair's ratio (none when the model's threads changed between its halves: a
+        worker search's probe) and switch to fp32 when `recheck_verdict` says so, on every rank."""
+        (first, threads, a), (_, other_threads, b) = self._halves
+        self._halves = []
+        if threads == other_threads:
+            fp32, bf16 = (b, a) if first else (a, b)
+            self.rechecks.append(fp32 / bf16 if bf16 > 0 else 1.0)
+        if from_rank_zero(self.owner, recheck_verdict(self.rechecks)):
+            self._switch_off(module)
+
+    def _switch_off(self, module: Any) -> None:
+        """fp32 for the rest of the run, in the cache and in the report, from the last two pairs."""
+        assert self.choice is not None  # only a kept bf16 is checked
+        trial = self.choice
+        speedup = round(statistics.median(self.rechecks[-2:]), 3)
+        self.choice = AutocastChoice(False, speedup, len(self.rechecks))
+        self.autocast = False
+        self.precision = "32-true"
+        if getattr(module, "trainer", None) is not None and module.trainer.is_global_zero:
+            _store(self._key, self.choice)
+        if self.owner is not None:
+            findings = [f for f in self.owner.findings if "autocast_bf16" not in f.data]
+            self.owner.findings = [*findings, recheck_finding(trial, self.rechecks, self.batch + 1)]
 
     def measure(self, trainer: Any, batch: Any = None, run_steps: float | None = None) -> None:
         """Decide before the first training step, on a copy of the model and one of the run's
@@ -103,6 +186,7 @@ class MeasuredAutocastMixin(_Plugin):
             known = AutocastChoice(False, None, 0, "manual optimization")
         else:
             key, known = _lookup(trainer, batch)
+        self._key = key
         known = from_rank_zero(self.owner, known)
         if known is not None:
             self._apply(known)
@@ -127,6 +211,7 @@ class MeasuredAutocastMixin(_Plugin):
         if batch is None:
             return AutocastChoice(False, None, 0, "no training batch to time the step on")
         key, cached = _lookup(trainer, batch)
+        self._key = key
         if cached is not None:
             return cached
         steps = trainer.estimated_stepping_batches if run_steps is None else run_steps
@@ -312,6 +397,32 @@ def autocast_finding(choice: AutocastChoice, steps: int) -> Finding:
         return Finding("preset", "precision and strategy", Severity.INFO, title, detail, keep_fp32, data=data)
     title = f"fp32 kept on this CPU: bf16 autocast steps ran {choice.speedup:.2f}x as fast"
     return Finding("preset", "precision and strategy", Severity.INFO, title, detail, data=data)
+
+
+def recheck_finding(trial: AutocastChoice, ratios: list[float], batches: int) -> Finding:
+    """bf16 switched off mid-run: what the trial read, and what the run's own check pairs read.
+
+    Example:
+        >>> recheck_finding(AutocastChoice(True, 1.15, 1), [0.71, 0.69], 26).title
+        "fp32 from training batch 26 on: bf16 autocast ran 0.70x as fast as fp32 on the run's own steps"
+    """
+    speedup = statistics.median(ratios[-2:])
+    source = (
+        "an earlier run (cache)" if trial.cached else f"the trial before training ({_pairs(trial.pairs)})"
+    )
+    detail = (
+        f"{source} read bf16 steps {trial.speedup:.2f}x as fast as fp32, so bf16 was kept; the run then"
+        f" timed one fp32 training batch beside a bf16 one now and then (forward and backward), and"
+        f" its last two pairs read {', '.join(f'{r:.2f}x' for r in ratios[-2:])}:"
+        f" bf16 over {AUTOCAST_MAX_LOSS:.0%} slower, so the rest of the run trains in fp32 (a shared"
+        " host's speed can change after a trial); the cache keeps fp32 for the next run"
+    )
+    title = (
+        f"fp32 from training batch {batches} on: bf16 autocast ran {speedup:.2f}x as fast as fp32"
+        " on the run's own steps"
+    )
+    data = {"autocast_bf16": False, "speedup": round(speedup, 3), "rechecks": [round(r, 3) for r in ratios]}
+    return Finding("preset", "precision and strategy", Severity.INFO, title, detail, USE_BF16, data=data)
 
 
 def _pairs(count: int) -> str:
