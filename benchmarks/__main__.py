@@ -31,6 +31,7 @@ BENCHMARKS = (
     "eval_pass",
     "fit_val_set",
     "ddp",
+    "autocast_recheck",
     "worker_replay",
     "checked_steps",
     "batch_size",

@@ -161,48 +161,50 @@ def decide_autocast(
     return AutocastChoice(speedup >= 1 - AUTOCAST_MAX_LOSS, round(speedup, 3), len(ratios))
 
 
-#: A run that kept bf16 autocast checks it again on its own steps (`recheck_setting`): one
-#: training batch in fp32 beside a bf16 one, at these batches first, then every
-#: `AUTOCAST_RECHECK_EVERY` batches after the second. A trial is a few steps on a copy before
-#: training; a shared host can change its speed for minutes at a time, and on this project's 2-CPU
-#: host a trial that read bf16 1.15x as fast was followed by a fit 1.6x as slow as plain fp32's
-#: (`demo_cold`, 2026-11-27). Each check costs one fp32 batch where bf16 is faster: about 0.4 % of
-#: a run whose bf16 steps run 1.25x as fast.
-AUTOCAST_RECHECK_START = (16, 24)
-AUTOCAST_RECHECK_EVERY = 64
+#: A run that kept bf16 autocast checks it again on its own steps: pairs of adjacent training
+#: batches, one in fp32 and one in bf16 (`recheck_setting`), the first at this batch, the next
+#: ones `AUTOCAST_RECHECK_GAPS` apart (`next_recheck`). The first pair is a warm-up (a run whose
+#: verdict came from the cache builds its fp32 kernels there), not counted. A trial is a few steps
+#: on a copy before training; a shared host can change its speed for minutes at a time, and on this
+#: project's 2-CPU host a trial that read bf16 1.15x as fast was followed by a fit 1.6x as slow as
+#: plain fp32's (`demo_cold`, 2026-11-27).
+AUTOCAST_RECHECK_FIRST = 4
+#: Batches from one pair's start to the next's: for the first three pairs, then for the others.
+#: Each later pair costs one fp32 batch in 64, about 0.4 % of a run whose bf16 runs 1.25x as fast.
+AUTOCAST_RECHECK_GAPS = (4, 64)
 
 
-def recheck_setting(batch: int) -> bool | None:
-    """For a run that kept bf16 autocast: whether training batch `batch` (0: the run's first) runs
-    in bf16 as half of a check pair (``True``), in fp32 as its other half (``False``), or is no
-    check's (``None``, bf16 as chosen). Pairs alternate their order (fp32 first, then bf16
+def recheck_setting(batch: int, start: int, pair: int) -> bool | None:
+    """Whether training batch `batch` runs in bf16 (``True``) or fp32 (``False``) as a half of
+    check pair number `pair` (0: the warm-up), which starts at batch `start`; ``None`` when it is
+    no half of it (bf16, as chosen). Pairs alternate their order (fp32 first, then bf16
     first, ...), so a trend favours neither.
 
     Example:
-        >>> [recheck_setting(batch) for batch in (15, 16, 17, 24, 25, 88, 89, 152)]
-        [None, False, True, True, False, False, True, True]
+        >>> [recheck_setting(batch, 4, 0) for batch in (3, 4, 5, 6)]
+        [None, False, True, None]
+        >>> recheck_setting(8, 8, 1), recheck_setting(9, 8, 1)
+        (True, False)
     """
-    pair, half = recheck_pair(batch)
-    if pair is None:
+    half = batch - start
+    if half not in (0, 1):
         return None
     return half != pair % 2
 
 
-def recheck_pair(batch: int) -> tuple[int | None, int]:
-    """The check pair training batch `batch` belongs to and its half (0 or 1); ``(None, 0)``
-    outside the checks.
+def next_recheck(end: int, done: int, against: bool) -> int:
+    """The first batch of the next check pair, once the `done`-th pair (1: the warm-up) ended at
+    batch `end`: the very next batch when that pair put bf16 slower (`against`: a second pair
+    confirms it or clears it), else `AUTOCAST_RECHECK_GAPS` after its start.
 
     Example:
-        >>> recheck_pair(16), recheck_pair(25), recheck_pair(89), recheck_pair(90)
-        ((0, 0), (1, 1), (2, 1), (None, 0))
+        >>> next_recheck(5, 1, False), next_recheck(13, 3, False), next_recheck(77, 4, True)
+        (8, 76, 78)
     """
-    first, second = AUTOCAST_RECHECK_START
-    if batch in (first, first + 1):
-        return 0, batch - first
-    since, half = divmod(batch - second, AUTOCAST_RECHECK_EVERY)
-    if batch < second or half > 1:
-        return None, 0
-    return since + 1, half
+    early, late = AUTOCAST_RECHECK_GAPS
+    if against and done > 1:
+        return end + 1
+    return end - 1 + (early if done < 3 else late)
 
 
 def recheck_verdict(ratios: Sequence[float]) -> bool:

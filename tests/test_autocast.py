@@ -27,13 +27,13 @@ from lightning_boost.precision import (
     AUTOCAST_KEEP_AT_ONCE,
     AUTOCAST_MAX_LOSS,
     AUTOCAST_PAIRS,
-    AUTOCAST_RECHECK_START,
+    AUTOCAST_RECHECK_FIRST,
     AUTOCAST_WARMUP,
     AutocastChoice,
     auto_precision,
     autocast_setting,
     decide_autocast,
-    recheck_pair,
+    next_recheck,
     recheck_setting,
 )
 from lightning_boost.presets.autocast import MeasuredAutocast
@@ -210,38 +210,59 @@ def run_settings(bf16: bool, steps: int) -> list[bool]:
     own checks confirm it: fp32 has no checks; bf16 runs one fp32 batch in each check pair."""
     if not bf16:
         return [False] * steps
-    return [True if setting is None else setting for setting in map(recheck_setting, range(steps))]
+    return schedule([1.25] * steps, steps)
+
+
+def schedule(ratios: list[float], steps: int) -> list[bool]:
+    """The settings of a kept bf16's first `steps` batches when its check pairs read `ratios`
+    (fp32's time over bf16's, the warm-up pair's included; the last one for every pair after)
+    in turn, none switching it off."""
+    settings, start, pair = [], AUTOCAST_RECHECK_FIRST, 0
+    for batch in range(steps):
+        setting = recheck_setting(batch, start, pair)
+        settings.append(True if setting is None else setting)
+        if setting is not None and batch == start + 1:
+            pair += 1
+            ratio = ratios[pair - 1] if pair <= len(ratios) else ratios[-1]
+            start = next_recheck(batch, pair, pair > 1 and ratio < 1 - AUTOCAST_MAX_LOSS)
+    return settings
 
 
 def test_a_kept_bf16_is_checked_on_the_runs_own_steps_at_a_small_cost() -> None:
     """Check pairs are two adjacent batches, one fp32 and one bf16, in alternating order; over a
     long run under 2 % of batches are fp32 (at bf16's usual 1.25x, 0.4 % of the run's time)."""
-    settings = [recheck_setting(batch) for batch in range(10_000)]
-    pairs: dict[int, list[bool]] = {}
-    for batch, setting in enumerate(settings):
-        if setting is not None:
-            pair, half = recheck_pair(batch)
-            assert pair is not None and half == len(pairs.setdefault(pair, []))
-            pairs[pair].append(setting)
-    assert all(sorted(halves) == [False, True] for halves in pairs.values())
-    assert [halves[0] for halves in pairs.values()][:4] == [False, True, False, True]  # fp32 first, then bf16
-    assert settings.count(False) / len(settings) < 0.02 and settings[:16] == [None] * 16
+    settings = schedule([1.25] * 10_000, 10_000)
+    assert (
+        settings[:16]
+        == [True] * 4 + [False, True] + [True] * 2 + [True, False] + [True] * 2 + [False, True] + [True] * 2
+    )
+    assert settings.count(False) / len(settings) < 0.02
+
+
+def test_a_pair_against_bf16_is_followed_at_once_by_another() -> None:
+    """A pair that puts bf16 slower (the second counted one here) gets a second pair at once, in
+    the other order, to confirm or clear it; with it cleared, the checks go back to every 64."""
+    settings = schedule([1.25, 1.25, 0.7, 1.25], 200)
+    assert settings[12:18] == [False, True, True, False, True, True]  # 12-13, then 14-15 at once
+    assert settings[16:78] == [True] * 62 and settings[78:80] == [False, True]  # then 64 after 14
 
 
 def test_a_bf16_that_slows_down_after_the_trial_is_switched_off_mid_run(tmp_path: Path) -> None:
     """The trial (batch 0's step) times bf16 faster; from batch 8 the run's bf16 steps sleep: the
-    check pairs at batches 16 and 24 both read it slower, and from batch 26 the run trains in
-    fp32, says so, and leaves fp32 in the cache for the next run."""
+    check pair at batch 8 (after the warm-up pair at 4) reads it slower, the one it calls at once
+    (batch 10) too, and from batch 12 the run trains in fp32, says so, and leaves fp32 in the
+    cache for the next run."""
     model = SlowUnder("fp32", flip_at=8)
-    trainer, plugin = fit(tmp_path, model, steps=40)
-    assert model.autocast_seen == run_settings(True, 26) + [False] * 14
+    trainer, plugin = fit(tmp_path, model, steps=30)
+    assert model.autocast_seen == schedule([1.25, 0.02, 0.02], 12) + [False] * 18
     assert plugin.choice is not None and not plugin.choice.bf16 and len(plugin.rechecks) == 2
+    assert plugin.switched_at == 12
     assert all(ratio < 1 - AUTOCAST_MAX_LOSS for ratio in plugin.rechecks)
     assert trainer.precision == "32-true" and precision_text(trainer).startswith(
         "32-true (bf16 step measured 0."
     )
     (finding,) = [f for f in report_of(trainer).findings if "autocast_bf16" in f.data]
-    assert finding.title.startswith("fp32 from training batch 26 on: bf16 autocast ran 0.")
+    assert finding.title.startswith("fp32 from training batch 12 on: bf16 autocast ran 0.")
     assert re.search(r"^the trial before training \(\d pairs?\) read bf16 steps", finding.detail)
     again = SlowUnder("fp32", flip_at=8)
     _, plugin = fit(tmp_path / "again", again, steps=8)
@@ -250,13 +271,13 @@ def test_a_bf16_that_slows_down_after_the_trial_is_switched_off_mid_run(tmp_path
 
 
 def test_one_pair_against_bf16_switches_nothing(tmp_path: Path) -> None:
-    """bf16 slow for the first check pair's batches only (a noisy moment): the next pair reads it
-    faster again, and the run keeps bf16."""
+    """bf16 slow for the first counted check pair's batches only (a noisy moment): the pair that
+    follows at once reads it faster again, and the run keeps bf16."""
     model = SlowUnder("fp32", flip_at=8)
-    model.flip_until = 20
+    model.flip_until = 10
     trainer, plugin = fit(tmp_path, model, steps=30)
     assert len(plugin.rechecks) == 2 and plugin.rechecks[0] < 1 < plugin.rechecks[1]
-    assert model.autocast_seen == run_settings(True, 30) and trainer.precision == "bf16-mixed"
+    assert model.autocast_seen == schedule([1.25, 0.02, 1.25], 30) and trainer.precision == "bf16-mixed"
 
 
 def test_when_fp32_is_kept_the_run_trains_plain_lightnings_model(tmp_path: Path) -> None:
@@ -444,7 +465,7 @@ class SlowByRank(BoringModel):
         if self._trainer is None:  # a trial's copy, detached from the trainer
             if autocast == (torch.distributed.get_rank() == 1):
                 time.sleep(0.05)
-        elif batch_idx < AUTOCAST_RECHECK_START[0]:
+        elif batch_idx < AUTOCAST_RECHECK_FIRST:
             self.log("autocast_min", float(autocast), reduce_fx="min", sync_dist=True)
             self.log("autocast_max", float(autocast), reduce_fx="max", sync_dist=True)
         return super().training_step(batch, batch_idx)

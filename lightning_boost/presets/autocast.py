@@ -8,16 +8,16 @@ step by step (`autocast_setting`; weights, optimizer and RNG of the run untouche
 `decide_autocast` keeps bf16 unless its steps are measurably slower. With `AutoBatchSize`, its
 first trial (a copy at the start size, timed anyway) runs these alternating steps itself
 (`begin_trial`, `settle_trial`): one trial instead of two before the first step. The run's own
-steps all run at the chosen setting: when fp32 is kept, the run trains exactly the model plain
+steps run at the chosen setting: when fp32 is kept, the run trains exactly the model plain
 Lightning trains. Every rank keeps rank zero's decision. Manual optimization is not measured (its
 step needs the trainer): it stays in fp32, with a finding.
 
-A run that kept bf16 checks it again on its own steps, since a shared host's speed can change after
-a trial of a few steps: now and then one training batch runs in fp32 beside a bf16 one
-(`recheck_setting`), their forward and backward timed, and when two such pairs in a row put bf16
-more than 5 % slower (`recheck_verdict`) the rest of the run trains in fp32, with a finding, and
-the cache keeps fp32 for the next run. A run that kept fp32 is never checked: it trains exactly
-plain Lightning's model.
+A run that kept bf16 checks it on its own steps, since a shared host's speed can change after a
+trial of a few steps: a warm-up pair at batch 4, pairs at 8 and 12, then one every 64 batches,
+each one training batch in fp32 beside one in bf16 (`recheck_setting`), forward and backward
+timed; a pair that puts bf16 more than 5 % slower is followed at once by another. When two pairs
+in a row say so (`recheck_verdict`), the rest of the run trains in fp32, with a finding, and the
+cache keeps fp32 for the next run.
 """
 
 from __future__ import annotations
@@ -46,11 +46,13 @@ from lightning_boost._lightning import (
 from lightning_boost.fingerprints import describe_model, hardware_parts
 from lightning_boost.precision import (
     AUTOCAST_MAX_LOSS,
+    AUTOCAST_RECHECK_FIRST,
     AUTOCAST_WARMUP,
     AutocastChoice,
     autocast_setting,
     budget_spent,
     decide_autocast,
+    next_recheck,
     recheck_setting,
     recheck_verdict,
 )
@@ -80,8 +82,11 @@ class MeasuredAutocastMixin(_Plugin):
         self.seconds: list[float] = []
         self.choice: AutocastChoice | None = None
         self.owner: Any = None
-        self.batch = -1  # the run's last training batch seen (the check pairs' schedule)
+        self.batch = -1  # the run's last training batch seen
+        self.pairs = 0  # check pairs run, the warm-up included
+        self.next_pair = AUTOCAST_RECHECK_FIRST  # the batch the next check pair starts at
         self.rechecks: list[float] = []  # the check pairs' fp32/bf16 ratios, oldest first
+        self.switched_at: int | None = None  # the run's first batch in fp32 after its checks
         self._key = ""  # the cache entry of this run's decision
         self._timing: tuple[bool, int, float] | None = None  # a check batch's bf16, threads, start
         self._halves: list[tuple[bool, int, float]] = []  # the open pair's bf16, threads, seconds
@@ -108,7 +113,7 @@ class MeasuredAutocastMixin(_Plugin):
         setting = None
         if batch is not None and batch > self.batch:
             self.batch = batch
-            setting = recheck_setting(batch) if self._rechecking() else None
+            setting = recheck_setting(batch, self.next_pair, self.pairs) if self._rechecking() else None
         if setting is not None:
             self.autocast = setting
             self._timing = (setting, torch.get_num_threads(), time.perf_counter())
@@ -135,14 +140,21 @@ class MeasuredAutocastMixin(_Plugin):
         return self.choice is not None and self.choice.bf16 and self.autocast
 
     def _end_pair(self, module: Any) -> None:
-        """Add the pair's ratio (none when the model's threads changed between its halves: a
-        worker search's probe) and switch to fp32 when `recheck_verdict` says so, on every rank."""
+        """Add the pair's ratio (none for the warm-up pair, or when the model's threads changed
+        between its halves: a worker search's probe), plan the next pair, and switch to fp32 when
+        `recheck_verdict` says so; every rank as rank zero's pairs say."""
         (first, threads, a), (_, other_threads, b) = self._halves
         self._halves = []
-        if threads == other_threads:
-            fp32, bf16 = (b, a) if first else (a, b)
-            self.rechecks.append(fp32 / bf16 if bf16 > 0 else 1.0)
-        if from_rank_zero(self.owner, recheck_verdict(self.rechecks)):
+        fp32, bf16 = (b, a) if first else (a, b)
+        ratio = fp32 / bf16 if bf16 > 0 else 1.0
+        counted = threads == other_threads and self.pairs > 0
+        if counted:
+            self.rechecks.append(ratio)
+        self.pairs += 1
+        against = counted and ratio < 1 - AUTOCAST_MAX_LOSS
+        against, switch = from_rank_zero(self.owner, (against, recheck_verdict(self.rechecks)))
+        self.next_pair = next_recheck(self.batch, self.pairs, against)
+        if switch:
             self._switch_off(module)
 
     def _switch_off(self, module: Any) -> None:
@@ -153,11 +165,12 @@ class MeasuredAutocastMixin(_Plugin):
         self.choice = AutocastChoice(False, speedup, len(self.rechecks))
         self.autocast = False
         self.precision = "32-true"
+        self.switched_at = self.batch + 1
         if getattr(module, "trainer", None) is not None and module.trainer.is_global_zero:
             _store(self._key, self.choice)
         if self.owner is not None:
             findings = [f for f in self.owner.findings if "autocast_bf16" not in f.data]
-            self.owner.findings = [*findings, recheck_finding(trial, self.rechecks, self.batch + 1)]
+            self.owner.findings = [*findings, recheck_finding(trial, self.rechecks, self.switched_at)]
 
     def measure(self, trainer: Any, batch: Any = None, run_steps: float | None = None) -> None:
         """Decide before the first training step, on a copy of the model and one of the run's
@@ -403,8 +416,8 @@ def recheck_finding(trial: AutocastChoice, ratios: list[float], batches: int) ->
     """bf16 switched off mid-run: what the trial read, and what the run's own check pairs read.
 
     Example:
-        >>> recheck_finding(AutocastChoice(True, 1.15, 1), [0.71, 0.69], 26).title
-        "fp32 from training batch 26 on: bf16 autocast ran 0.70x as fast as fp32 on the run's own steps"
+        >>> recheck_finding(AutocastChoice(True, 1.15, 1), [0.71, 0.69], 14).title
+        "fp32 from training batch 14 on: bf16 autocast ran 0.70x as fast as fp32 on the run's own steps"
     """
     speedup = statistics.median(ratios[-2:])
     source = (
