@@ -192,30 +192,38 @@ def recheck_setting(batch: int, start: int, pair: int) -> bool | None:
     return half != pair % 2
 
 
-def next_recheck(end: int, done: int, against: bool) -> int:
+def next_recheck(end: int, done: int, ratios: Sequence[float]) -> int:
     """The first batch of the next check pair, once the `done`-th pair (1: the warm-up) ended at
-    batch `end`: the very next batch when that pair put bf16 slower (`against`: a second pair
-    confirms it or clears it), else `AUTOCAST_RECHECK_GAPS` after its start.
+    batch `end`, the counted pairs having read `ratios` (fp32's time over bf16's): the very next
+    batch while they are unsettled (the last put bf16 more than `AUTOCAST_MAX_LOSS` slower, or the
+    last two disagree), else `AUTOCAST_RECHECK_GAPS` after its start.
 
     Example:
-        >>> next_recheck(5, 1, False), next_recheck(13, 3, False), next_recheck(77, 4, True)
+        >>> next_recheck(5, 1, []), next_recheck(13, 3, [1.2, 1.3]), next_recheck(77, 4, [1.2, 0.7])
         (8, 76, 78)
+        >>> next_recheck(79, 5, [1.2, 0.7, 1.1])  # one against, one for: a third pair decides
+        80
     """
     early, late = AUTOCAST_RECHECK_GAPS
-    if against and done > 1:
+    against = [ratio < 1 - AUTOCAST_MAX_LOSS for ratio in ratios[-2:]]
+    if against and (against[-1] or len(set(against)) > 1):
         return end + 1
     return end - 1 + (early if done < 3 else late)
 
 
 def recheck_verdict(ratios: Sequence[float]) -> bool:
     """Whether a run that kept bf16 switches to fp32, from its check pairs' ratios (fp32's batch
-    time over bf16's, oldest first): when the last two (consecutive pairs run in opposite orders)
-    both put bf16 more than `AUTOCAST_MAX_LOSS` slower. One noisy pair switches nothing.
+    time over bf16's, oldest first): when the last pair and one of the two before it put bf16 more
+    than `AUTOCAST_MAX_LOSS` slower (consecutive pairs run in opposite orders). One noisy pair
+    switches nothing, and one noisy pair does not clear two.
 
     Example:
         >>> recheck_verdict([0.70]), recheck_verdict([0.70, 0.72]), recheck_verdict([0.70, 1.2])
         (False, True, False)
         >>> recheck_verdict([1.25, 1.3, 0.8, 0.75])  # the host slowed bf16 down mid-run
         True
+        >>> recheck_verdict([0.75, 1.22, 0.77])  # two of three, the last among them
+        True
     """
-    return len(ratios) >= 2 and all(r < 1 - AUTOCAST_MAX_LOSS for r in ratios[-2:])
+    against = [ratio < 1 - AUTOCAST_MAX_LOSS for ratio in ratios[-3:]]
+    return len(against) >= 2 and against[-1] and sum(against) >= 2

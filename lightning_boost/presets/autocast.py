@@ -15,9 +15,9 @@ step needs the trainer): it stays in fp32, with a finding.
 A run that kept bf16 checks it on its own steps, since a shared host's speed can change after a
 trial of a few steps: a warm-up pair at batch 4, pairs at 8 and 12, then one every 64 batches,
 each one training batch in fp32 beside one in bf16 (`recheck_setting`), forward and backward
-timed; a pair that puts bf16 more than 5 % slower is followed at once by another. When two pairs
-in a row say so (`recheck_verdict`), the rest of the run trains in fp32, with a finding, and the
-cache keeps fp32 for the next run.
+timed; a pair that puts bf16 more than 5 % slower is followed at once by others until they
+settle. When the last pair and one of the two before it say so (`recheck_verdict`), the rest of
+the run trains in fp32, with a finding, and the cache keeps fp32 for the next run.
 """
 
 from __future__ import annotations
@@ -151,17 +151,16 @@ class MeasuredAutocastMixin(_Plugin):
         if counted:
             self.rechecks.append(ratio)
         self.pairs += 1
-        against = counted and ratio < 1 - AUTOCAST_MAX_LOSS
-        against, switch = from_rank_zero(self.owner, (against, recheck_verdict(self.rechecks)))
-        self.next_pair = next_recheck(self.batch, self.pairs, against)
+        planned = (next_recheck(self.batch, self.pairs, self.rechecks), recheck_verdict(self.rechecks))
+        self.next_pair, switch = from_rank_zero(self.owner, planned)  # every rank at the same batches
         if switch:
             self._switch_off(module)
 
     def _switch_off(self, module: Any) -> None:
-        """fp32 for the rest of the run, in the cache and in the report, from the last two pairs."""
+        """fp32 for the rest of the run, in the cache and in the report, from the last pairs."""
         assert self.choice is not None  # only a kept bf16 is checked
         trial = self.choice
-        speedup = round(statistics.median(self.rechecks[-2:]), 3)
+        speedup = round(statistics.median(self.rechecks[-3:]), 3)
         self.choice = AutocastChoice(False, speedup, len(self.rechecks))
         self.autocast = False
         self.precision = "32-true"
@@ -419,14 +418,15 @@ def recheck_finding(trial: AutocastChoice, ratios: list[float], batches: int) ->
         >>> recheck_finding(AutocastChoice(True, 1.15, 1), [0.71, 0.69], 14).title
         "fp32 from training batch 14 on: bf16 autocast ran 0.70x as fast as fp32 on the run's own steps"
     """
-    speedup = statistics.median(ratios[-2:])
+    speedup = statistics.median(ratios[-3:])
     source = (
         "an earlier run (cache)" if trial.cached else f"the trial before training ({_pairs(trial.pairs)})"
     )
     detail = (
         f"{source} read bf16 steps {trial.speedup:.2f}x as fast as fp32, so bf16 was kept; the run then"
         f" timed one fp32 training batch beside a bf16 one now and then (forward and backward), and"
-        f" its last two pairs read {', '.join(f'{r:.2f}x' for r in ratios[-2:])}:"
+        f" its last pairs read {', '.join(f'{r:.2f}x' for r in ratios[-3:])} (the median"
+        f" {speedup:.2f}x):"
         f" bf16 over {AUTOCAST_MAX_LOSS:.0%} slower, so the rest of the run trains in fp32 (a shared"
         " host's speed can change after a trial); the cache keeps fp32 for the next run"
     )
