@@ -275,3 +275,18 @@ def test_ddp_row_pairs_the_preset_with_plain_ddp_at_tiny_size() -> None:
     assert "plain ran 32-true, DDP's defaults" in preset.detail
     assert "the preset ran 32-true, " in flags.detail  # held at fp32
     assert "gradient_as_bucket_view=True" in preset.detail and "val accuracy plain / preset" in preset.detail
+
+
+def test_autocast_recheck_runs_at_tiny_size() -> None:
+    from benchmarks import autocast_recheck
+
+    rows = autocast_recheck.run(rounds=1, resnet_samples=128, cnn_samples=128)
+    assert [row.benchmark.rsplit(": ", 1)[1] for row in rows] == [
+        "fit time without the checks / with them",
+        "fit time in fp32 set by hand / with the checks",
+        "fit time without the checks / with them",
+    ]
+    assert all(row.ratio > 0 and row.command == autocast_recheck.COMMAND for row in rows)
+    assert "planted verdict: bf16 1.25x (cache)" in rows[0].detail
+    assert "unchecked " in rows[0].detail and " in bf16-mixed (check pairs fp32/bf16: none)" in rows[0].detail
+    assert "fp32 " in rows[1].detail and " in 32-true (check pairs fp32/bf16: none)" in rows[1].detail

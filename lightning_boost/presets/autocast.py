@@ -131,7 +131,7 @@ class MeasuredAutocastMixin(_Plugin):
             self._timing = None
             self._halves.append((bf16, threads, time.perf_counter() - start))
             if len(self._halves) == 2:
-                self._end_pair(module)
+                self._end_pair()
         return tensor
 
     def _rechecking(self) -> bool:
@@ -139,7 +139,7 @@ class MeasuredAutocastMixin(_Plugin):
         switched off."""
         return self.choice is not None and self.choice.bf16 and self.autocast
 
-    def _end_pair(self, module: Any) -> None:
+    def _end_pair(self) -> None:
         """Add the pair's ratio (none for the warm-up pair, or when the model's threads changed
         between its halves: a worker search's probe), plan the next pair, and switch to fp32 when
         `recheck_verdict` says so; every rank as rank zero's pairs say."""
@@ -154,9 +154,9 @@ class MeasuredAutocastMixin(_Plugin):
         planned = (next_recheck(self.batch, self.pairs, self.rechecks), recheck_verdict(self.rechecks))
         self.next_pair, switch = from_rank_zero(self.owner, planned)  # every rank at the same batches
         if switch:
-            self._switch_off(module)
+            self._switch_off()
 
-    def _switch_off(self, module: Any) -> None:
+    def _switch_off(self) -> None:
         """fp32 for the rest of the run, in the cache and in the report, from the last pairs."""
         assert self.choice is not None  # only a kept bf16 is checked
         trial = self.choice
@@ -165,7 +165,7 @@ class MeasuredAutocastMixin(_Plugin):
         self.autocast = False
         self.precision = "32-true"
         self.switched_at = self.batch + 1
-        if getattr(module, "trainer", None) is not None and module.trainer.is_global_zero:
+        if getattr(self.owner, "is_global_zero", True):
             _store(self._key, self.choice)
         if self.owner is not None:
             findings = [f for f in self.owner.findings if "autocast_bf16" not in f.data]
