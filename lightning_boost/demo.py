@@ -435,11 +435,15 @@ def _run(name: str, trainer: L.Trainer, throughput: Throughput) -> DemoRun:
 
 
 def precision_text(trainer: L.Trainer) -> str:
-    """The run's precision, with the step-time ratio behind it where a CPU's bf16 was measured."""
-    choice = getattr(trainer.precision_plugin, "choice", None)
-    speedup = getattr(choice, "speedup", None)
+    """The run's precision, with the step-time ratio behind it where a CPU's bf16 was measured,
+    and the batch it changed at where the run's own checks switched bf16 off."""
+    plugin = trainer.precision_plugin
+    speedup = getattr(getattr(plugin, "choice", None), "speedup", None)
     if speedup is None:
         return str(trainer.precision)
+    switched = getattr(plugin, "switched_at", None)
+    if switched is not None:
+        return f"{trainer.precision} from batch {switched} (bf16 ran {speedup:.2f}x as fast in its steps)"
     return f"{trainer.precision} (bf16 step measured {speedup:.2f}x as fast as fp32)"
 
 
@@ -512,6 +516,9 @@ def kept_plain_settings(plain: DemoRun, boosted: DemoRun) -> str | None:
         host.
         >>> workers = DemoRun("lightning-boost", 900.0, 20.0, 1.0, same | {"num_workers": 1})
         >>> kept_plain_settings(plain, workers) is None
+        True
+        >>> switched = same | {"precision": "32-true from batch 12 (bf16 ran 0.70x as fast in its steps)"}
+        >>> kept_plain_settings(plain, DemoRun("lightning-boost", 290.0, 56.0, 2.4, switched)) is None
         True
     """
 
