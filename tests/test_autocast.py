@@ -270,6 +270,28 @@ def test_a_bf16_that_slows_down_after_the_trial_is_switched_off_mid_run(tmp_path
     assert again.autocast_seen == [False] * 8
 
 
+def test_a_resumed_fit_checks_bf16_from_its_own_first_batch(tmp_path: Path) -> None:
+    """A fit resumed from a checkpoint at batch 10 counts its pairs from there (warm-up at 14,
+    pairs at 18 and 20), not from the run's batch 0, which it never sees. Its bf16 comes from the
+    cache the first fit filled, and is slower now: fp32 from batch 22."""
+    first, _ = fit(tmp_path / "first", SlowUnder("fp32"), steps=10)
+    checkpoint = tmp_path / "first.ckpt"
+    first.save_checkpoint(checkpoint)
+    resumed = SlowUnder("bf16")
+    trainer = tiny_trainer(
+        tmp_path / "resumed",
+        strategy=preset("auto", hardware=CPU_BF16),
+        max_epochs=3,
+        limit_train_batches=10,
+        enable_checkpointing=False,
+    )
+    trainer.fit(resumed, datamodule=BoringDataModule(length=80), ckpt_path=checkpoint)
+    plugin = trainer.precision_plugin
+    assert isinstance(plugin, MeasuredAutocast) and plugin.choice is not None
+    assert resumed.autocast_seen == schedule([1.25, 0.02, 0.02], 12) + [False] * 8
+    assert plugin.switched_at == 22 and trainer.precision == "32-true"
+
+
 def test_one_pair_against_bf16_switches_nothing(tmp_path: Path) -> None:
     """bf16 slow for the first counted check pair's batches only (a noisy moment): the pair that
     follows at once reads it faster again, a third one too, and the run keeps bf16."""

@@ -107,11 +107,14 @@ class MeasuredAutocastMixin(_Plugin):
     def train_step_context(self) -> Generator[None, None, None]:
         """The training step's forward, at the check's setting when this batch is half of a check
         pair (timed until its backward ends: `post_backward`). A trial's step on a copy of the
-        model (the batch-size and worker probes use this context too) is no batch of the run's."""
+        model (the batch-size and worker probes use this context too) is no batch of the run's.
+        The pairs count from the fit's first batch, a resumed fit's too."""
         kept = self.autocast
         batch = training_batch_index(getattr(self.owner, "lightning_module", None))
         setting = None
-        if batch is not None and batch > self.batch:
+        if batch is not None and batch != self.batch:  # a probe's step comes at the last batch's index
+            if batch < self.batch or self.batch < 0:  # a fit's first batch (a resumed one's too)
+                self.pairs, self.next_pair, self._halves = 0, batch + AUTOCAST_RECHECK_FIRST, []
             self.batch = batch
             setting = recheck_setting(batch, self.next_pair, self.pairs) if self._rechecking() else None
         if setting is not None:
