@@ -216,7 +216,7 @@ def run_settings(bf16: bool, steps: int) -> list[bool]:
 def schedule(ratios: list[float], steps: int) -> list[bool]:
     """The settings of a kept bf16's first `steps` batches when its check pairs read `ratios`
     (fp32's time over bf16's, the warm-up pair's included; the last one for every pair after)
-    in turn, none switching it off."""
+    in turn, up to a switch to fp32, which the run's plugin decides (`recheck_verdict`)."""
     settings, start, pair = [], AUTOCAST_RECHECK_FIRST, 0
     for batch in range(steps):
         setting = recheck_setting(batch, start, pair)
