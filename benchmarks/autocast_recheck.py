@@ -35,7 +35,7 @@ from unittest import mock
 import lightning as L
 from torch.utils.data import DataLoader, Dataset
 
-from benchmarks.common import Row
+from benchmarks.common import Row, rotated
 from lightning_boost import preset
 from lightning_boost.cache import CACHE_DIR_ENV
 from lightning_boost.demo import (
@@ -103,8 +103,7 @@ def _rounds(
     data = (train(), val())
     _fit(model, data, epochs, "checked")  # untimed: the process's first fit builds its kernels
     return [
-        {mode: _fit(model, data, epochs, mode) for mode in modes[r % len(modes) :] + modes[: r % len(modes)]}
-        for r in range(rounds)
+        {mode: _fit(model, data, epochs, mode) for mode in rotated(modes, turn)} for turn in range(rounds)
     ]
 
 

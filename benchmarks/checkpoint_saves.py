@@ -27,7 +27,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from benchmarks.common import Row
+from benchmarks.common import Row, rotated
 from lightning_boost.demo import VAL_SAMPLES, ValidatedResNet18, demo_dataset
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.presets import preset
@@ -58,7 +58,7 @@ def run(samples: int | None = None, epochs: int = 2, pairs: int = 3, cpu: bool =
     settings = [THREAD, BACKGROUND, PAGEABLE] if cuda else [THREAD, BACKGROUND]
     fits: dict[str, list[tuple[float, float, int]]] = {setting: [] for setting in settings}
     for pair in range(pairs):
-        for setting in settings[pair % len(settings) :] + settings[: pair % len(settings)]:
+        for setting in rotated(settings, pair):
             fits[setting].append(_fit(setting, train, val, epochs, cuda))
     wall = {key: statistics.median(f[0] for f in value) for key, value in fits.items()}
     held = {key: statistics.median(f[1] for f in value) for key, value in fits.items()}

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
-from benchmarks.common import Row
+from benchmarks.common import Row, rotated
 from benchmarks.time_to_quality import MLP, classes
 from lightning_boost import preset
 from lightning_boost.hardware import HardwareInfo
@@ -119,7 +119,7 @@ def run(samples: int = 16384, epochs: int = 2, rounds: int = 3) -> list[Row]:
     fits: dict[str, list[tuple[float, float, str]]] = {kind: [] for kind in KINDS}
     with tempfile.TemporaryDirectory() as root:
         for turn in range(rounds):
-            for kind in KINDS[turn % 3 :] + KINDS[: turn % 3]:
+            for kind in rotated(KINDS, turn):
                 fits[kind].append(_fit(kind, samples, epochs, Path(root)))
     return [_row(kind, fits["plain"], fits[kind], samples, epochs) for kind in KINDS[1:]]
 

@@ -170,7 +170,8 @@ def decide_autocast(
 #: plain fp32's (`demo_cold`, 2026-11-27).
 AUTOCAST_RECHECK_FIRST = 4
 #: Batches from one pair's start to the next's: for the first three pairs, then for the others.
-#: Each later pair costs one fp32 batch in 64, about 0.4 % of a run whose bf16 runs 1.25x as fast.
+#: Each later pair costs one fp32 batch in 64: by arithmetic, 0.4 % of a run whose bf16 runs 1.25x
+#: as fast (`autocast_recheck`'s CNN row, 0.98x with the checks, cannot resolve that on this host).
 AUTOCAST_RECHECK_GAPS = (4, 64)
 
 

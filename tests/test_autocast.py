@@ -230,7 +230,8 @@ def schedule(ratios: list[float], steps: int) -> list[bool]:
 
 def test_a_kept_bf16_is_checked_on_the_runs_own_steps_at_a_small_cost() -> None:
     """Check pairs are two adjacent batches, one fp32 and one bf16, in alternating order; over a
-    long run under 2 % of batches are fp32 (at bf16's usual 1.25x, 0.4 % of the run's time)."""
+    long run under 2 % of batches are fp32 (at bf16's usual 1.25x, by arithmetic 0.4 % of the run's
+    time)."""
     settings = schedule([1.25] * 10_000, 10_000)
     assert (
         settings[:16]

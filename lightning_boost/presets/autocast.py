@@ -110,13 +110,7 @@ class MeasuredAutocastMixin(_Plugin):
         model (the batch-size and worker probes use this context too) is no batch of the run's.
         The pairs count from the fit's first batch, a resumed fit's too."""
         kept = self.autocast
-        batch = training_batch_index(getattr(self.owner, "lightning_module", None))
-        setting = None
-        if batch is not None and batch != self.batch:  # a probe's step comes at the last batch's index
-            if batch < self.batch or self.batch < 0:  # a fit's first batch (a resumed one's too)
-                self.pairs, self.next_pair, self._halves = 0, batch + AUTOCAST_RECHECK_FIRST, []
-            self.batch = batch
-            setting = recheck_setting(batch, self.next_pair, self.pairs) if self._rechecking() else None
+        setting = self._check_setting() if self._rechecking() else None  # fp32 runs: nothing per step
         if setting is not None:
             self.autocast = setting
             self._timing = (setting, torch.get_num_threads(), time.perf_counter())
@@ -136,6 +130,17 @@ class MeasuredAutocastMixin(_Plugin):
             if len(self._halves) == 2:
                 self._end_pair()
         return tensor
+
+    def _check_setting(self) -> bool | None:
+        """This step's setting when its batch is half of a check pair, else ``None``; a probe's
+        step comes at the last batch's index, and is none of the run's."""
+        batch = training_batch_index(getattr(self.owner, "lightning_module", None))
+        if batch is None or batch == self.batch:
+            return None
+        if batch < self.batch or self.batch < 0:  # a fit's first batch (a resumed one's too)
+            self.pairs, self.next_pair, self._halves = 0, batch + AUTOCAST_RECHECK_FIRST, []
+        self.batch = batch
+        return recheck_setting(batch, self.next_pair, self.pairs)
 
     def _rechecking(self) -> bool:
         """Whether the run's bf16 is still checked: kept by a trial (or the cache) and not
@@ -163,8 +168,9 @@ class MeasuredAutocastMixin(_Plugin):
         """fp32 for the rest of the run, in the cache and in the report, from the last pairs."""
         assert self.choice is not None  # only a kept bf16 is checked
         trial = self.choice
-        speedup = round(statistics.median(self.rechecks[-3:]), 3)
-        self.choice = AutocastChoice(False, speedup, len(self.rechecks))
+        self.choice = AutocastChoice(
+            False, round(statistics.median(self.rechecks[-3:]), 3), len(self.rechecks)
+        )
         self.autocast = False
         self.precision = "32-true"
         self.switched_at = self.batch + 1
@@ -172,7 +178,8 @@ class MeasuredAutocastMixin(_Plugin):
             _store(self._key, self.choice)
         if self.owner is not None:
             findings = [f for f in self.owner.findings if "autocast_bf16" not in f.data]
-            self.owner.findings = [*findings, recheck_finding(trial, self.rechecks, self.switched_at)]
+            switch = recheck_finding(trial, self.choice, self.rechecks, self.switched_at)
+            self.owner.findings = [*findings, switch]
 
     def measure(self, trainer: Any, batch: Any = None, run_steps: float | None = None) -> None:
         """Decide before the first training step, on a copy of the model and one of the run's
@@ -414,14 +421,18 @@ def autocast_finding(choice: AutocastChoice, steps: int) -> Finding:
     return Finding("preset", "precision and strategy", Severity.INFO, title, detail, data=data)
 
 
-def recheck_finding(trial: AutocastChoice, ratios: list[float], batches: int) -> Finding:
-    """bf16 switched off mid-run: what the trial read, and what the run's own check pairs read.
+def recheck_finding(
+    trial: AutocastChoice, switched: AutocastChoice, ratios: list[float], batches: int
+) -> Finding:
+    """bf16 switched off mid-run: what the trial read, and what the run's own check pairs read
+    (`ratios`, the last three's median in `switched`).
 
     Example:
-        >>> recheck_finding(AutocastChoice(True, 1.15, 1), [0.71, 0.69], 14).title
+        >>> switched = AutocastChoice(False, 0.70, 2)
+        >>> recheck_finding(AutocastChoice(True, 1.15, 1), switched, [0.71, 0.69], 14).title
         "fp32 from training batch 14 on: bf16 autocast ran 0.70x as fast as fp32 on the run's own steps"
     """
-    speedup = statistics.median(ratios[-3:])
+    speedup = switched.speedup
     source = (
         "an earlier run (cache)" if trial.cached else f"the trial before training ({_pairs(trial.pairs)})"
     )
@@ -437,7 +448,7 @@ def recheck_finding(trial: AutocastChoice, ratios: list[float], batches: int) ->
         f"fp32 from training batch {batches} on: bf16 autocast ran {speedup:.2f}x as fast as fp32"
         " on the run's own steps"
     )
-    data = {"autocast_bf16": False, "speedup": round(speedup, 3), "rechecks": [round(r, 3) for r in ratios]}
+    data = {"autocast_bf16": False, "speedup": speedup, "rechecks": [round(r, 3) for r in ratios]}
     return Finding("preset", "precision and strategy", Severity.INFO, title, detail, USE_BF16, data=data)
 
 
