@@ -30,7 +30,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from lightning_boost._lightning import call_step, detached_copy
+from lightning_boost._lightning import call_step, detached_copy, preserved_rng
 from lightning_boost.trials import Trial, cautious_grad_sq
 
 #: Timed steps per trial stop short of `steps` when they would take longer than this (seconds).
@@ -278,6 +278,32 @@ class StepProbe:
             self._train_step(clone, optimizers, batch, None, context=context)
             _synchronize(self.device)
             yield time.perf_counter() - start
+
+    def stepper(self) -> Callable[[Any, int | None], float]:
+        """Training steps of one copy, each at its own batch: ``step(batch, threads)`` takes one
+        on `threads` intra-op threads (``None``: torch's count as it is) and returns its seconds,
+        the device synced. The batch's
+        tensors are cloned first (a step may change them in place) and the RNG states and torch's
+        thread count are put back, so the run's next step is the one it would have taken: a CPU
+        run's worker search times the model on fewer threads this way without training any of
+        the run's own steps on them (`lightning_boost.workers.segments`)."""
+        clone, optimizers = self._copies()
+        clone.train()
+
+        def step(batch: Any, threads: int | None) -> float:
+            before = torch.get_num_threads()
+            loaded = self.move(apply_to_collection(batch, Tensor, Tensor.clone))
+            try:
+                with preserved_rng():
+                    torch.set_num_threads(threads or before)
+                    start = time.perf_counter()
+                    self._train_step(clone, optimizers, loaded, None)
+                    _synchronize(self.device)
+                    return time.perf_counter() - start
+            finally:
+                torch.set_num_threads(before)
+
+        return step
 
     def evaluate(self, batch: Any, hook: str, memory_format: torch.memory_format | None = None) -> None:
         """One evaluation step (`hook`: ``"validation_step"``, ...) of a copy at `batch`, its weights

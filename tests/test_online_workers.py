@@ -159,6 +159,46 @@ def test_a_probe_of_the_threads_alternates_them_step_by_step_and_compares_the_pa
     assert turns == [] and plain.trial().paired == 0.0
 
 
+def test_a_probe_on_a_copy_moves_the_runs_steps_by_the_copys_difference() -> None:
+    """A segment of 4 (a scripted clock): the run's steps take 3 ms on its threads (2 ms of it the
+    model's), the wait for each batch 1 ms. A copy takes a warm-up step, then pairs: 4 ms on the
+    probe's 1 thread, 2 ms on the run's, in swapped order the second time. The probe's step is the
+    run's 4 ms with the copy's 2 ms difference added; the run's own steps keep their threads and
+    their time leaves the copy's out."""
+    now = [0.0]
+    chunk = [[4 * i + j for j in range(4)] for i in range(4)]
+    calls: list[tuple[int, int | None]] = []
+
+    def copy_step(batch: int, threads: int | None) -> float:
+        calls.append((batch, threads))
+        seconds = (9.0 if len(calls) == 1 else 4.0 if threads == 1 else 2.0) / 1e3
+        now[0] += seconds
+        return seconds
+
+    def stream() -> Any:
+        for k in range(4):
+            if k:
+                now[0] += 1.0 / 1e3  # the wait for batch k
+            yield k
+
+    turns: list[int | None] = []
+    timing = _Timing(Setting(0, None, 1), chunk, lambda: now[0], alternate=turns.append, copy_step=copy_step)
+    for _ in timing.run(stream(), lambda done: iter(())):
+        now[0] += 3.0 / 1e3  # the run's step of the batch
+    assert calls == [(0, 1), (0, 1), (0, None), (1, None), (1, 1)] and turns == []
+    trial = timing.trial()
+    assert trial.ok and trial.threads == 1
+    assert trial.samples_per_s == pytest.approx(8 / 0.012)  # batches 0 and 1 at 6 ms each
+    assert trial.paired == pytest.approx(4 / 6) and trial.load_share == pytest.approx(1 / 6)
+
+    def fails(batch: int, threads: int | None) -> float:
+        raise RuntimeError("the step reads self.trainer")
+
+    broken = _Timing(Setting(0, None, 1), chunk, lambda: now[0], copy_step=fails)
+    assert len(list(broken.run(stream(), lambda done: iter(())))) == 4  # the run goes on
+    assert not broken.trial().ok and "cannot run on a copy" in broken.trial().error
+
+
 def test_a_paired_probes_lead_sets_the_threads_without_a_segment_to_confirm_it() -> None:
     """The lead of `test_one_segments_lead_of_the_probe_does_not_set_the_threads`, timed step for
     step against the other threads: no segment is spent measuring both threads again."""
@@ -567,6 +607,76 @@ def test_a_cached_thread_count_trains_every_step_and_is_put_back(
         assert (choice.source, choice.threads, threads.seen) == ("cache", 1, {1})
         assert any("set_num_threads(1): the model's step measured faster" in f.title for f in data.findings)
         assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+class _StepThreads(L.Callback):
+    """torch's intra-op thread count at each training step, in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, i: int) -> None:
+        self.seen.append(torch.get_num_threads())
+
+
+class _Images(Dataset[tuple[Tensor, int]]):
+    """Sample ``i``: a 3 x 16 x 16 image drawn from seed ``i``, its class ``i % 2``."""
+
+    def __len__(self) -> int:
+        return SAMPLES
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        return torch.randn(3, 16, 16, generator=torch.Generator().manual_seed(index)), index % 2
+
+
+class _ConvNet(L.LightningModule):
+    """A convolution, whose gradients round differently on 1 thread than on 2 (checked by hand)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Conv2d(3, 16, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(16 * 14 * 14, 2)
+        )
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return torch.nn.functional.cross_entropy(self.net(batch[0]), batch[1])
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the probe of fewer threads needs 2 CPUs")
+def test_the_probe_of_fewer_threads_trains_none_of_the_runs_steps_on_them(tmp_path: Path) -> None:
+    """A CPU run's search probes the model on the 1 thread a worker would leave on a copy: every
+    step of the run trains on the run's 2 threads and it ends on the weights of the run told its
+    settings by hand, bit for bit (a step on 1 thread rounds differently). The tolerance keeps
+    the choice the run's own."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        runs = {}
+        for name, tuning in (("tuned", WorkerTuning(max_workers=2, tolerance=0.99)), ("by hand", None)):
+            data = Data(_Images(), worker_tuning=tuning) if tuning else Data(_Images(), num_workers=0)
+            threads = _StepThreads()
+            L.seed_everything(0, verbose=False)
+            model = _ConvNet()
+            trainer = tiny_trainer(
+                tmp_path / name, max_epochs=1, limit_train_batches=1.0, logger=False, callbacks=[threads]
+            )
+            trainer.fit(model, datamodule=data)
+            runs[name] = (data, threads.seen, torch.cat([p.detach().flatten() for p in model.parameters()]))
+        data, seen, weights = runs["tuned"]
+        choice = _searched(data)
+        probes = [trial for trial in choice.trials if trial.threads == 1]
+        assert probes and all(trial.ok for trial in probes), choice.trials
+        assert (choice.num_workers, choice.threads) == (0, None)
+        assert seen == [2] * (SAMPLES // 4) == runs["by hand"][1]
+        assert torch.equal(weights, runs["by hand"][2])
     finally:
         torch.set_num_threads(before)
 

@@ -209,6 +209,12 @@ _FIXES = {
 }
 
 
+def _copy_steps(choice: WorkerChoice) -> str:
+    """The search's steps of a copy of the model, for its cost's sentence."""
+    seconds = sum(trial.overhead_s for trial in choice.trials if trial.on_copy)
+    return f" and the steps of the model's copy ({seconds:.1f} s)" if seconds else ""
+
+
 def choice_findings(source: str, choice: WorkerChoice, loader: str = "") -> list[Finding]:
     """The choice with its evidence, and one finding per candidate that failed; `loader` names
     the loader it is for (``"train loader at batch 256"``) in each title."""
@@ -226,7 +232,8 @@ def choice_findings(source: str, choice: WorkerChoice, loader: str = "") -> list
         "measured": f"Measured {measured}. Tuning took {choice.seconds:.1f} s.",
         "searched": f"Searched on the run's own batches and steps, {len(choice.trials)} segment(s):"
         f" {measured}. Every segment was part of the run; the slower settings, and starting and stopping"
-        f" each segment's workers, cost about {choice.seconds:.1f} s against the winner's rate.",
+        f" each segment's workers{_copy_steps(choice)}, cost about {choice.seconds:.1f} s against the"
+        " winner's rate.",
         "cache": "Reused the cached measurement (`retune=True` measures again).",
         "checkpoint": "Restored from the checkpoint; not measured again.",
         "short run": f"Measured {measured}. Tuning took {choice.seconds:.1f} s; a longer run measures"

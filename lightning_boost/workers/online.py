@@ -637,9 +637,10 @@ def _fewest_fed(near: list[int], trials: list[WorkerTrial], tuning: WorkerTuning
 
 def search_cost(trials: list[WorkerTrial], winner_rate: float) -> float:
     """Seconds the search's segments took beyond running them at the winner's rate (each segment
-    trains the run anyway: only the slower settings cost time; a failed one costs all of its),
-    plus each segment's starting and stopping of its workers (`overhead_s`: a run set by hand
-    starts one loader).
+    trains the run anyway: only the slower settings cost time; a failed one costs all of its;
+    a probe on a copy ran the run's own steps at the rate it was paired with), plus each
+    segment's starting and stopping of its workers and a probe's steps of a copy (`overhead_s`:
+    a run set by hand starts one loader and steps no copy).
 
     Example:
         >>> trials = [WorkerTrial(0, None, 100.0, seconds=2.0), WorkerTrial(2, 2, 200.0, 1.0)]
@@ -649,8 +650,13 @@ def search_cost(trials: list[WorkerTrial], winner_rate: float) -> float:
     """
     if winner_rate <= 0:
         return 0.0
-    return sum(
-        (trial.seconds * max(0.0, 1 - trial.samples_per_s / winner_rate) if trial.ok else trial.seconds)
-        + trial.overhead_s
-        for trial in trials
-    )
+    return sum(_lost(trial, winner_rate) + trial.overhead_s for trial in trials)
+
+
+def _lost(trial: WorkerTrial, winner_rate: float) -> float:
+    """A segment's seconds beyond running it at `winner_rate` (`search_cost`)."""
+    if not trial.ok:
+        return trial.seconds if not trial.on_copy else 0.0  # a failed copy left the run's steps as they were
+    rate = trial.samples_per_s / trial.paired if trial.on_copy and trial.paired else trial.samples_per_s
+    seconds = trial.seconds - trial.overhead_s if trial.on_copy else trial.seconds
+    return seconds * max(0.0, 1 - rate / winner_rate)

@@ -134,6 +134,8 @@ class WorkerTrial:
             them (forking and joining the processes), beyond `seconds`.
         paired: a probe of the model's threads timed step for step against the threads it would
             otherwise run (alternating in the same segment): its rate over theirs; 0 when not.
+        on_copy: a probe timed on a copy of the model beside the run's own steps, which kept the
+            run's threads (the copy's steps are in `overhead_s`).
         cpu_share: a trial in the main process (no workers): its CPU seconds per second while
             timed, at most 1; below 1 the loading waits on I/O, which workers overlap even
             without spare CPUs (`most_saved_s`).
@@ -151,6 +153,7 @@ class WorkerTrial:
     overhead_s: float = 0.0
     paired: float = 0.0
     cpu_share: float = 1.0
+    on_copy: bool = False
 
     @property
     def ok(self) -> bool:
@@ -160,7 +163,8 @@ class WorkerTrial:
     def label(self) -> str:
         """``"2 workers, prefetch 4"``."""
         if self.threads is not None:
-            return f"{self.num_workers} workers, the model on {self.threads} thread(s)"
+            copy = " (a copy of it)" if self.on_copy else ""
+            return f"{self.num_workers} workers, the model on {self.threads} thread(s){copy}"
         if self.num_workers == 0:
             return "0 workers"
         noun = "worker" if self.num_workers == 1 else "workers"

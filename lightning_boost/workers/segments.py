@@ -47,6 +47,10 @@ from lightning_boost.workers.search import (
 
 Clock = Callable[[], float]
 
+#: Pairs of steps of the model's copy (one on the probe's threads, one on the run's) a probe of
+#: its threads on a copy times, after one warm-up step (`_Timing`'s ``copy_step``).
+COPY_PAIRS = 2
+
 #: Steps the run's first segment leaves untimed besides its first batch's wait: the fit's first
 #: step builds the optimizer's state and Lightning's first-batch work (the time-to-quality MLP's
 #: took 12 ms against 2 ms later, timed by hand once), so it would count against the setting the
@@ -69,6 +73,11 @@ class OnlineSearch:
         configure: applies a setting's process side when its loader starts (its workers load while
             the segment before steps its last batch): ``configure(num_workers, threads)`` sets the
             model's threads (those the workers leave, or `threads` when given).
+        copy_steps: makes a stepper of a fresh copy of the model (`StepProbe.stepper`): with it, a
+            probe of the model's threads times a copy on them beside the run's own steps, which
+            keep the run's threads, so none of the run's training is taken on other threads (their
+            rounding differs); without it (an evaluation pass, a module whose step cannot run on a
+            copy) the run's own steps alternate the threads.
         settled: told the choice once the search ends.
         clock: the time source.
     """
@@ -82,6 +91,7 @@ class OnlineSearch:
         *,
         share: Callable[[WorkerTrial], WorkerTrial] | None = None,
         configure: Callable[[int, int | None], None] = lambda num_workers, threads: None,
+        copy_steps: Callable[[], Callable[[Any, int | None], float]] | None = None,
         settled: Callable[[WorkerChoice], None] = lambda choice: None,
         clock: Clock = time.perf_counter,
     ) -> None:
@@ -93,6 +103,7 @@ class OnlineSearch:
         # ranks switch settings at the same batch: only a lone process ends a segment on its own timings
         self.may_end_early = share is None
         self.configure = configure
+        self.copy_steps = copy_steps
         self.on_settled = settled
         self.clock = clock
         self.choice: WorkerChoice | None = None
@@ -126,7 +137,13 @@ class OnlineSearch:
             while setting is not None and chunk:
                 warmup = 0 if self._trials else WARMUP_STEPS  # the run's first segment
                 timing = _Timing(
-                    setting, chunk, self.clock, warmup, start_s=self._start_s, alternate=self._threads
+                    setting,
+                    chunk,
+                    self.clock,
+                    warmup,
+                    start_s=self._start_s,
+                    alternate=self._threads,
+                    copy_step=self._copy_step(setting),
                 )
                 following: tuple[Setting | None, list[list[int]], Iterator[Any]] = (None, [], iter(()))
                 fallback = functools.partial(self._resume, loader, chunk, last_good, next(seeds))
@@ -181,10 +198,25 @@ class OnlineSearch:
         (on 2 CPUs, the model's 2 threads beside 2 starting workers made that step 330-560 ms
         against 45 ms, `data_bound` timed by hand, 2026-11-25)."""
         starting = self.clock()
-        self.configure(setting.num_workers, setting.threads)
+        # a probe on a copy: the run's own steps keep the threads of loading in the main process
+        self.configure(setting.num_workers, None if self._copies(setting) else setting.threads)
         stream = start_loader(loader, batches, setting, seed, self.tuning.timeout_s)
         self._start_s = self.clock() - starting  # the forks, on the training thread: a cost of the search
         return stream
+
+    def _copies(self, setting: Setting) -> bool:
+        """Whether `setting` is a probe of the model's threads that steps a copy."""
+        return self.copy_steps is not None and setting.threads is not None and not setting.num_workers
+
+    def _copy_step(self, setting: Setting) -> Callable[[Any, int | None], float] | None:
+        """A probe's stepper of a fresh copy (`copy_steps`); one that raises when no copy can be
+        made, so the probe's trial says why."""
+        if self.copy_steps is None or not self._copies(setting):
+            return None
+        try:
+            return self.copy_steps()
+        except Exception as err:
+            return functools.partial(_raise, err)
 
     def _threads(self, threads: int | None) -> None:
         """A paired probe's turn: the model at the probe's `threads`, or at those of loading in the
@@ -219,6 +251,10 @@ class OnlineSearch:
         return self.choice
 
 
+def _raise(error: Exception, *args: Any) -> float:
+    raise error
+
+
 def probe_first(step: int) -> bool:
     """Whether a paired probe's step `step` runs at the probe's threads: pairs of steps, the probe
     first in every other pair (ABBA), so a host that speeds up or slows down favours neither.
@@ -239,7 +275,12 @@ class _Timing:
     calls ``alternate(threads)`` before each step, the probe's threads and ``None`` (the threads
     loading in the main process runs) taking turns (`probe_first`), and its trial compares the two
     step for step (`WorkerTrial.paired`): two segments of a few steps, one after the other, differ
-    by up to 25 % on a busy 2-CPU host, steps interleaved in one segment by far less."""
+    by up to 25 % on a busy 2-CPU host, steps interleaved in one segment by far less. Given
+    `copy_step` instead (``copy_step(batch, threads)``, ``None``: the run's threads), the run's
+    steps keep their threads and a copy of the model takes a step on the probe's threads and one on
+    the run's at a batch before the run's own step (`COPY_PAIRS`, the first pair's order swapped in
+    the second, after a warm-up step): the probe's step is the run's with the copy's difference
+    between the two added, its Lightning work and its wait for the next batch as they were."""
 
     def __init__(
         self,
@@ -250,6 +291,7 @@ class _Timing:
         marks: Callable[[], int] | None = None,
         start_s: float = 0.0,
         alternate: Callable[[int | None], None] | None = None,
+        copy_step: Callable[[Any, int | None], float] | None = None,
     ) -> None:
         self.setting = setting
         self.start_s = start_s
@@ -264,9 +306,15 @@ class _Timing:
         self.arrived = 0
         self.failed = ""
         self.batch_bytes = 0
-        paired = setting.num_workers == 0 and setting.threads is not None and alternate is not None
-        self.alternate = alternate if paired else None
+        probe = setting.num_workers == 0 and setting.threads is not None
+        self.copy_step = copy_step if probe else None
+        self.alternate = alternate if probe and self.copy_step is None else None
         self.probed: list[bool] = []  # of a paired probe: whether each step ran at the probe's threads
+        self.copied: list[float] = []  # a probe on a copy: the seconds of its steps at each arrival
+        self.copy_pairs: dict[
+            int, tuple[float, float]
+        ] = {}  # arrival: its steps on the probe's, the run's threads
+        self.copy_error = ""
 
     def run(self, stream: Iterator[Any], fallback: Callable[[int], Iterator[Any]]) -> Iterator[Any]:
         """Yield the segment's batches in order; if its workers fail, the rest from `fallback`
@@ -285,6 +333,7 @@ class _Timing:
                 self.times.append(self.clock())
                 self.waits.append(self.times[-1] - asked if self.arrived else 0.0)
                 self.marked.append(self.marks())
+                self.copied.append(self._step_copy(batch))
             if self.arrived == 0:
                 self.batch_bytes = tensor_bytes(batch)
             if self.alternate is not None:  # the step of this batch, at the threads of its turn
@@ -292,6 +341,26 @@ class _Timing:
                 self.alternate(self.setting.threads if self.probed[-1] else None)
             self.arrived += 1
             yield batch
+
+    def _step_copy(self, batch: Any) -> float:
+        """A probe on a copy: its steps at this batch (their seconds, 0.0 for none), a pair while
+        it has pairs left and one of the run's steps follows in the segment."""
+        if self.copy_step is None or self.copy_error or len(self.copy_pairs) >= COPY_PAIRS:
+            return 0.0
+        if self.arrived >= len(self.chunk) - 1:
+            return 0.0
+        threads = (
+            (self.setting.threads, None) if len(self.copy_pairs) % 2 == 0 else (None, self.setting.threads)
+        )
+        try:
+            warmup = 0.0 if self.copy_pairs else self.copy_step(batch, self.setting.threads)
+            first, second = (self.copy_step(batch, count) for count in threads)
+        except Exception as err:  # the step needs the live fit: no probe, the run goes on
+            self.copy_error = f"the model's step cannot run on a copy ({type(err).__name__}: {err})"
+            return 0.0
+        probe, run = (first, second) if threads[0] is not None else (second, first)
+        self.copy_pairs[self.arrived] = (probe, run)
+        return warmup + first + second
 
     def loader_bound(self) -> bool:
         """Whether this segment loads in the main process (no workers, not a probe of the model's
@@ -305,8 +374,9 @@ class _Timing:
         return self._load_share(range(first, len(self.times) - 1)) >= LOADER_BOUND
 
     def _span(self, steps: Iterable[int]) -> float:
-        """The seconds of `steps`, each from its batch's arrival to the next's."""
-        return max(sum(self.times[step + 1] - self.times[step] for step in steps), 1e-9)
+        """The seconds of `steps`, each from its batch's arrival to the next's (a copy's step in
+        between left out)."""
+        return max(sum(self.times[step + 1] - self.times[step] - self.copied[step] for step in steps), 1e-9)
 
     def _load_share(self, steps: Sequence[int]) -> float:
         """The share of `steps`' time spent waiting for the batch after each."""
@@ -330,10 +400,20 @@ class _Timing:
         workers, factor, threads = self.setting
         seconds = self.clock() - self.started
         overhead = self.start_s + stop_s
-        if self.failed or len(self.times) < 2:
-            error = self.failed or "too few batches to time"
+        if self.copy_step is not None and not self.copy_pairs:
+            self.copy_error = self.copy_error or "too few batches to time a copy of the model beside"
+        if self.failed or self.copy_error or len(self.times) < 2:
+            error = self.failed or self.copy_error or "too few batches to time"
             return WorkerTrial(
-                workers, factor, 0.0, seconds, self.batch_bytes, error, threads=threads, overhead_s=overhead
+                workers,
+                factor,
+                0.0,
+                seconds,
+                self.batch_bytes,
+                error,
+                threads=threads,
+                overhead_s=overhead + sum(self.copied),
+                on_copy=self.copy_step is not None,
             )
         last, queued = len(self.times) - 1, queue_depth(workers, factor)
         if last - queued >= MIN_TIMED_STEPS:
@@ -341,6 +421,8 @@ class _Timing:
         first = self.warmup if last - self.warmup >= MIN_TIMED_STEPS else 0
         steps = self._unchecked(first, last)  # from one arrival to the next: a step and a wait
         paired = 0.0
+        if self.copy_step is not None:
+            return self._copy_trial(steps, seconds, overhead)
         if self.probed:
             probe = [step for step in steps if self.probed[step]]
             other = [step for step in steps if not self.probed[step]]
@@ -366,6 +448,41 @@ class _Timing:
     def _rate(self, steps: Sequence[int]) -> float:
         """Samples per second over `steps`."""
         return sum(len(self.chunk[step]) for step in steps) / self._span(steps)
+
+    def _moved(self, step: int) -> float:
+        """The run's step `step` (and the wait after it) with the copy's difference between the
+        probe's threads and the run's added, never under the wait."""
+        probe, run = self.copy_pairs[step]
+        return max(self._span([step]) + probe - run, self.waits[step + 1])
+
+    def _copy_trial(self, steps: list[int], seconds: float, overhead: float) -> WorkerTrial:
+        """A probe on a copy: the rate of the run's steps beside its pairs, each step's time moved
+        by the copy's step on the probe's threads less the one on the run's (never under the wait
+        for the next batch), and that over the run's own rate on them when `MIN_TIMED_STEPS`
+        were paired."""
+        probe = [step for step in steps if step in self.copy_pairs] or list(self.copy_pairs)
+        waited = sum(self.waits[step + 1] for step in probe)
+        span = max(sum(self._moved(step) for step in probe), 1e-9)
+        rate = sum(len(self.chunk[step]) for step in probe) / span
+        paired = rate / self._rate(probe) if len(probe) >= MIN_TIMED_STEPS else 0.0
+        workers, factor, threads = self.setting
+        startup = self.times[0] - self.started
+        overhead += sum(self.copied)  # the copy's steps: a cost of the search, as its workers' start is
+        share = waited / span
+        return WorkerTrial(
+            workers,
+            factor,
+            rate,
+            seconds,
+            self.batch_bytes,
+            "",
+            startup,
+            threads,
+            share,
+            overhead,
+            paired,
+            on_copy=True,
+        )
 
 
 def start_loader(

@@ -195,6 +195,7 @@ class LoaderTuner:
             prior,
             share=share,
             configure=lambda count, threads: self.configure_segment(hardware, count, threads, split),
+            copy_steps=copy_steps(trainer, split),
             settled=settled,
         )
 
@@ -451,6 +452,28 @@ def consumer_rate(
     except Exception:  # the step needs the live fit: decide without the consumer's rate
         return None
     return trial.samples_per_s if not trial.oom and trial.samples_per_s > 0 else None
+
+
+def copy_steps(
+    trainer: L.Trainer | None, split: str
+) -> Callable[[], Callable[[Any, int | None], float]] | None:
+    """A fit's training loader: what makes a stepper of a fresh copy of the model, in the run's
+    precision (`StepProbe.stepper`), for the worker search's probe of the model's threads; ``None``
+    where nothing trains (an evaluation pass) or the step cannot run on a copy (manual
+    optimization; ``SyncBatchNorm``, whose collectives would run on one rank), where the probe
+    alternates the threads of the run's own steps instead."""
+    module = trainer.lightning_module if trainer is not None and split == "train" else None
+    if trainer is None or module is None or not module.automatic_optimization:
+        return None
+    if any(isinstance(layer, torch.nn.SyncBatchNorm) for layer in module.modules()):
+        return None
+
+    def make() -> Callable[[Any, int | None], float]:
+        plugin = trainer.precision_plugin
+        probe = StepProbe(module, trainer.optimizers, 1, plugin.train_step_context, plugin.val_step_context)
+        return probe.stepper()
+
+    return make
 
 
 def apply_open_files_plan(action: str, minimum: int) -> str:
