@@ -225,10 +225,12 @@ class Throughput(L.Callback):
     time from the start of the fit to that batch (tuning, for a boosted run: batch-size and
     precision trials, whichever hook ran them), and each validation's accuracy with the seconds
     since the start of the fit (`curve`, read after it: each accuracy stays on its device until
-    then, so taking it does not wait for the GPU)."""
+    then, so taking it does not wait for the GPU), and torch's intra-op thread counts its training
+    steps ran on, in order (`threads`: a CPU run's worker search may leave the model fewer)."""
 
     def __init__(self) -> None:
         self.samples = 0
+        self.threads: list[int] = []
         self.fit_started = 0.0
         self.started = 0.0
         self.seconds = 0.0
@@ -255,6 +257,8 @@ class Throughput(L.Callback):
         if not self.samples:  # the first batch: what ran before it was spent before training
             self.started = time.perf_counter()
         self.samples += len(batch[0])
+        if not self.threads or self.threads[-1] != torch.get_num_threads():
+            self.threads.append(torch.get_num_threads())
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -424,6 +428,8 @@ def _run(name: str, trainer: L.Trainer, throughput: Throughput) -> DemoRun:
         "strategy": type(trainer.strategy).__name__,
         "accelerator": type(trainer.accelerator).__name__.removesuffix("Accelerator"),
     }
+    if settings["accelerator"] == "CPU":
+        settings["model threads"] = " then ".join(str(count) for count in throughput.threads) or "-"
     return DemoRun(
         name,
         throughput.samples_per_second,
@@ -495,7 +501,7 @@ def side_by_side(plain: DemoRun, boosted: DemoRun) -> list[tuple[str, str, str]]
 
 #: The settings that change how fast a step runs or how many run: where the boosted fit kept
 #: plain's for every one, the two fits differ only by the tuning's time and the host's noise.
-SPEED_SETTINGS = ("batch size", "num_workers", "pin_memory", "precision", "memory format")
+SPEED_SETTINGS = ("batch size", "num_workers", "pin_memory", "precision", "memory format", "model threads")
 
 
 def kept_plain_settings(plain: DemoRun, boosted: DemoRun) -> str | None:
@@ -520,14 +526,17 @@ def kept_plain_settings(plain: DemoRun, boosted: DemoRun) -> str | None:
         >>> switched = same | {"precision": "32-true from batch 12 (bf16 ran 0.70x as fast in its steps)"}
         >>> kept_plain_settings(plain, DemoRun("lightning-boost", 290.0, 56.0, 2.4, switched)) is None
         True
+        >>> fewer = same | {"model threads": "2 then 1"}  # the worker search found 1 thread faster
+        >>> kept_plain_settings(plain, DemoRun("lightning-boost", 290.0, 56.0, 2.4, fewer)) is None
+        True
     """
 
     def setting(run: DemoRun, key: str) -> str:
-        return str(run.settings[key]).split(" (", 1)[0]  # without the measurement behind it
+        return str(run.settings.get(key, "")).split(" (", 1)[0]  # without the measurement behind it
 
     if any(setting(plain, key) != setting(boosted, key) for key in SPEED_SETTINGS):
         return None
-    kept = ", ".join(f"{key} {setting(plain, key)}" for key in SPEED_SETTINGS)
+    kept = ", ".join(f"{key} {setting(plain, key)}" for key in SPEED_SETTINGS if key in plain.settings)
     return (
         f"lightning-boost kept plain's settings on this machine ({kept}): none of the changes it"
         " weighed would reach the model sooner here (its report says why, for each), so the two fits"
