@@ -8,6 +8,7 @@ sync on one, and the ``gpu``-marked tests check the CUDA path where a GPU is len
 from __future__ import annotations
 
 import json
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -468,6 +469,28 @@ def test_default_checks_a_sample_of_steps(tmp_path: Path) -> None:
     assert 3 <= checked < 40
     (finding,) = user_syncs(guard).values()
     assert finding.data["per_step"] == 1 and finding.data["checked_steps"] == checked
+
+
+class _SlowFetch(pl.Callback):
+    """The step after the guard's first checks waits 0.3 s beside it, as a step whose loader ran a
+    tuner's trial on a copy of the model does: the guard's first plain step to time."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, i: int) -> None:
+        if i == 3:
+            time.sleep(0.3)
+
+
+def test_one_slow_plain_step_does_not_make_every_later_step_checked(tmp_path: Path) -> None:
+    """Against a plain step 0.3 s long, each check reads free; before, checks then came every
+    step and no plain step was timed again to correct it (the demo's ResNet-18: 127 of 128 steps
+    checked, its loading in the main process 4.7x slower under the guard's mode). Now a check
+    that reads free leaves the next step plain, and once those outvote the slow one the budget
+    spaces the checks."""
+    guard = SyncGuard(mode="report")
+    options: dict[str, Any] = {"limit_train_batches": 60, "limit_val_batches": 0, "logger": False}
+    trainer = tiny_trainer(tmp_path, callbacks=[guard, _SlowFetch()], **options)
+    trainer.fit(Item(), datamodule=BoringDataModule(length=480))  # 60 steps
+    assert 3 < guard.checked_steps["training"] <= 30
 
 
 def test_results_are_the_same_with_and_without_the_guard(tmp_path: Path) -> None:

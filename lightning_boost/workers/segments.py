@@ -311,9 +311,8 @@ class _Timing:
         self.alternate = alternate if probe and self.copy_step is None else None
         self.probed: list[bool] = []  # of a paired probe: whether each step ran at the probe's threads
         self.copied: list[float] = []  # a probe on a copy: the seconds of its steps at each arrival
-        self.copy_pairs: dict[
-            int, tuple[float, float]
-        ] = {}  # arrival: its steps on the probe's, the run's threads
+        # a probe on a copy, per arrival paired: the copy's step on the probe's threads, on the run's
+        self.copy_pairs: dict[int, tuple[float, float]] = {}
         self.copy_error = ""
 
     def run(self, stream: Iterator[Any], fallback: Callable[[int], Iterator[Any]]) -> Iterator[Any]:
