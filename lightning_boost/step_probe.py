@@ -282,11 +282,10 @@ class StepProbe:
     def stepper(self) -> Callable[[Any, int | None], float]:
         """Training steps of one copy, each at its own batch: ``step(batch, threads)`` takes one
         on `threads` intra-op threads (``None``: torch's count as it is) and returns its seconds,
-        the device synced. The batch's
-        tensors are cloned first (a step may change them in place) and the RNG states and torch's
-        thread count are put back, so the run's next step is the one it would have taken: a CPU
-        run's worker search times the model on fewer threads this way without training any of
-        the run's own steps on them (`lightning_boost.workers.segments`)."""
+        the device synced. The batch's tensors are cloned first (a step may change them in place)
+        and the RNG states and torch's thread count are put back, so the run's next step is the
+        one it would have taken: a CPU run's worker search times the model on fewer threads this
+        way without training any of the run's own steps on them (`lightning_boost.workers.segments`)."""
         clone, optimizers = self._copies()
         clone.train()
 

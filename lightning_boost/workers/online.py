@@ -647,6 +647,9 @@ def search_cost(trials: list[WorkerTrial], winner_rate: float) -> float:
         >>> trials[1] = dataclasses.replace(trials[1], overhead_s=0.04)  # its workers' start and stop
         >>> search_cost(trials, 200.0)
         1.04
+        >>> probe = WorkerTrial(0, None, 150.0, 1.2, threads=1, overhead_s=0.2, paired=0.75, on_copy=True)
+        >>> search_cost([probe], 200.0)  # its own steps ran at 200 (150 / 0.75): the copy's 0.2 s
+        0.2
     """
     if winner_rate <= 0:
         return 0.0
