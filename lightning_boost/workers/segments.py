@@ -418,10 +418,10 @@ class _Timing:
         if last - queued >= MIN_TIMED_STEPS:
             last -= queued
         first = self.warmup if last - self.warmup >= MIN_TIMED_STEPS else 0
+        if self.copy_step is not None:  # a guard's check slows a pair's run step and its moved one alike
+            return self._copy_trial(list(range(first, last)), seconds, overhead)
         steps = self._unchecked(first, last)  # from one arrival to the next: a step and a wait
         paired = 0.0
-        if self.copy_step is not None:
-            return self._copy_trial(steps, seconds, overhead)
         if self.probed:
             probe = [step for step in steps if self.probed[step]]
             other = [step for step in steps if not self.probed[step]]
@@ -459,7 +459,7 @@ class _Timing:
         by the copy's step on the probe's threads less the one on the run's (never under the wait
         for the next batch), and that over the run's own rate on them when `MIN_TIMED_STEPS`
         were paired."""
-        probe = [step for step in steps if step in self.copy_pairs] or list(self.copy_pairs)
+        probe = [step for step in steps if step in self.copy_pairs]
         waited = sum(self.waits[step + 1] for step in probe)
         span = max(sum(self._moved(step) for step in probe), 1e-9)
         rate = sum(len(self.chunk[step]) for step in probe) / span
