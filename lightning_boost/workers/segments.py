@@ -419,55 +419,11 @@ class _Timing:
             last -= queued
         first = self.warmup if last - self.warmup >= MIN_TIMED_STEPS else 0
         if self.copy_step is not None:  # a guard's check slows a pair's run step and its moved one alike
-            return self._copy_trial(list(range(first, last)), seconds, overhead)
-        steps = self._unchecked(first, last)  # from one arrival to the next: a step and a wait
-        paired = 0.0
-        if self.probed:
-            probe = [step for step in steps if self.probed[step]]
-            other = [step for step in steps if not self.probed[step]]
-            if min(len(probe), len(other)) >= MIN_TIMED_STEPS:
-                paired = self._rate(probe) / self._rate(other)
-                steps = probe
-        share = self._load_share(steps)
+            rate, share, paired = self._copy_rates(list(range(first, last)))
+            overhead += sum(self.copied)  # the copy's steps: a cost of the search, as its workers' start is
+        else:
+            rate, share, paired = self._rates(self._unchecked(first, last))
         startup = self.times[0] - self.started
-        return WorkerTrial(
-            workers,
-            factor,
-            self._rate(steps),
-            seconds,
-            self.batch_bytes,
-            "",
-            startup,
-            threads,
-            share,
-            overhead,
-            paired,
-        )
-
-    def _rate(self, steps: Sequence[int]) -> float:
-        """Samples per second over `steps`."""
-        return sum(len(self.chunk[step]) for step in steps) / self._span(steps)
-
-    def _moved(self, step: int) -> float:
-        """The run's step `step` (and the wait after it) with the copy's difference between the
-        probe's threads and the run's added, never under the wait."""
-        probe, run = self.copy_pairs[step]
-        return max(self._span([step]) + probe - run, self.waits[step + 1])
-
-    def _copy_trial(self, steps: list[int], seconds: float, overhead: float) -> WorkerTrial:
-        """A probe on a copy: the rate of the run's steps beside its pairs, each step's time moved
-        by the copy's step on the probe's threads less the one on the run's (never under the wait
-        for the next batch), and that over the run's own rate on them when `MIN_TIMED_STEPS`
-        were paired."""
-        probe = [step for step in steps if step in self.copy_pairs]
-        waited = sum(self.waits[step + 1] for step in probe)
-        span = max(sum(self._moved(step) for step in probe), 1e-9)
-        rate = sum(len(self.chunk[step]) for step in probe) / span
-        paired = rate / self._rate(probe) if len(probe) >= MIN_TIMED_STEPS else 0.0
-        workers, factor, threads = self.setting
-        startup = self.times[0] - self.started
-        overhead += sum(self.copied)  # the copy's steps: a cost of the search, as its workers' start is
-        share = waited / span
         return WorkerTrial(
             workers,
             factor,
@@ -480,8 +436,42 @@ class _Timing:
             share,
             overhead,
             paired,
-            on_copy=True,
+            on_copy=self.copy_step is not None,
         )
+
+    def _rate(self, steps: Sequence[int]) -> float:
+        """Samples per second over `steps`."""
+        return sum(len(self.chunk[step]) for step in steps) / self._span(steps)
+
+    def _moved(self, step: int) -> float:
+        """The run's step `step` (and the wait after it) with the copy's difference between the
+        probe's threads and the run's added, never under the wait."""
+        probe, run = self.copy_pairs[step]
+        return max(self._span([step]) + probe - run, self.waits[step + 1])
+
+    def _rates(self, steps: list[int]) -> tuple[float, float, float]:
+        """The rate of `steps` (each from one arrival to the next: a step and a wait), the share
+        of it waiting, and a paired probe's rate over the other threads' steps beside it when
+        each took `MIN_TIMED_STEPS` (the probe's steps' rate and share then; else 0)."""
+        paired = 0.0
+        if self.probed:
+            probe = [step for step in steps if self.probed[step]]
+            other = [step for step in steps if not self.probed[step]]
+            if min(len(probe), len(other)) >= MIN_TIMED_STEPS:
+                paired = self._rate(probe) / self._rate(other)
+                steps = probe
+        return self._rate(steps), self._load_share(steps), paired
+
+    def _copy_rates(self, steps: list[int]) -> tuple[float, float, float]:
+        """A probe on a copy: the rate of the run's steps beside its pairs, each step's time moved
+        by the copy's step on the probe's threads less the one on the run's (never under the wait
+        for the next batch), the share of that time waiting, and the rate over the run's own on
+        the same steps when `MIN_TIMED_STEPS` were paired (else 0)."""
+        probe = [step for step in steps if step in self.copy_pairs]
+        span = max(sum(self._moved(step) for step in probe), 1e-9)
+        rate = sum(len(self.chunk[step]) for step in probe) / span
+        paired = rate / self._rate(probe) if len(probe) >= MIN_TIMED_STEPS else 0.0
+        return rate, sum(self.waits[step + 1] for step in probe) / span, paired
 
 
 def start_loader(
