@@ -483,7 +483,7 @@ class _SlowFetch(pl.Callback):
 def test_one_slow_plain_step_does_not_make_every_later_step_checked(tmp_path: Path) -> None:
     """Against a plain step 0.3 s long, each check reads free; before, checks then came every
     step and no plain step was timed again to correct it (the demo's ResNet-18: 127 of 128 steps
-    checked, its loading in the main process 4.7x slower under the guard's mode). Now a check
+    checked, its loading in the main process 4.7x slower under the guard's mode, timed by hand). Now a check
     that reads free leaves the next step plain, and once those outvote the slow one the budget
     spaces the checks."""
     guard = SyncGuard(mode="report")

@@ -67,7 +67,8 @@ class _Phase:
         Where that reads nothing (no plain step timed yet, or plain steps that took longer: one
         whose loader ran a tuner's trial, say), the next step is left unchecked to time a plain
         one: read as free, checks would come every step and no plain step would ever correct it
-        (the demo's ResNet-18 checked 127 steps of 128, its loading 4.7x slower under the mode)."""
+        (the demo's ResNet-18 checked 127 steps of 128, its loading 4.7x slower under the mode, timed
+        by hand)."""
         self.checked += 1
         cost = max(seconds - statistics.median(self.plain_s), 0.0) if self.plain_s else 0.0
         self.sampler.record(self.steps, cost)
