@@ -12,7 +12,7 @@
 #
 # part        seconds  what it checks (issue 32's criterion)
 # gpu-tests        20  1: every gpu-marked test
-# suite           200  2: the whole suite, 14 processes
+# suite           400  2: the whole suite, 14 processes (a call of its own: over 370 s on 2026-11-27)
 # guards           60  3: the guards' overhead on CUDA
 # data-bound      150  4: workers against the sweep and Lightning's count, 8,192 images
 # demo            150  5: the demo cold, then warm, then warm under cProfile ($DEMO_SAMPLES images)
@@ -44,7 +44,9 @@ timed() {
   shift 2
   local start=$SECONDS
   echo "== $name: $*" >> "$OUT/log.txt"
-  timeout "$limit" "$@" 2>&1 | tee -a "$OUT/log.txt" | tail -n 40
+  # SIGINT first: pytest then prints its summary (the failures' names) for what ran; on
+  # 2026-11-27 a plain SIGTERM at the limit left a whole suite's run with no failure named
+  timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee -a "$OUT/log.txt" | tail -n 40
   echo "== $name: exit ${PIPESTATUS[0]} in $((SECONDS - start)) s" | tee -a "$OUT/log.txt"
   cp benchmarks/RESULTS.md "$OUT/RESULTS.md"
 }
@@ -71,7 +73,7 @@ PARTS=(gpu-tests suite guards data-bound demo batch-size saves eval-pass channel
 run_part() {
   case $1 in
     gpu-tests) timed 60 gpu-tests python3 -m pytest -p no:benchmark -p no:cacheprovider -m gpu -rA ;;
-    suite) timed 400 suite python3 -m pytest -p no:benchmark -p no:cacheprovider -n 14 -q ;;
+    suite) timed 480 suite python3 -m pytest -p no:benchmark -p no:cacheprovider -n 14 -q --durations=20 ;;
     guards) timed 120 guards python3 -m benchmarks guard_overhead ;;
     data-bound) timed 240 data-bound python3 -m benchmarks data_bound:samples=8192 ;;
     demo) demo ;;

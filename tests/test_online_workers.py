@@ -23,6 +23,7 @@ from typing_extensions import override
 from lightning_boost import AutoNumWorkers, BoostedDataModule, WorkerTuning
 from lightning_boost.hardware import EXAMPLES
 from lightning_boost.testing import BoringModel, tiny_trainer
+from lightning_boost.workers import tuner
 from lightning_boost.workers.loaders import SameOrderDataLoader
 from lightning_boost.workers.online import (
     SegmentPlan,
@@ -42,11 +43,13 @@ TUNING = WorkerTuning(max_workers=2, timeout_s=20.0)
 SAMPLES = 960  # batch 4: 240 batches an epoch, so 10 % of it holds three segments of 8 (each times 2 workers)
 
 
-def _run(rate: Any, hardware: Any = None, plan: SegmentPlan | None = None, prior: Any = None) -> Any:
+def _run(
+    rate: Any, hardware: Any = None, plan: SegmentPlan | None = None, prior: Any = None, threads: Any = None
+) -> Any:
     plan = plan or SegmentPlan(32, 8)  # an ImageNet-sized first epoch: times up to 14 workers at factor 2
     hardware = hardware or EXAMPLES["h100"]
     search = search_online(
-        hardware, WorkerTuning(), plan, prior or search_start(hardware, WorkerTuning(), plan)
+        hardware, WorkerTuning(), plan, prior or search_start(hardware, WorkerTuning(), plan), threads
     )
     setting, measured = next(search), []
     try:
@@ -650,12 +653,19 @@ class _ConvNet(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the probe of fewer threads needs 2 CPUs")
-def test_the_probe_of_fewer_threads_trains_none_of_the_runs_steps_on_them(tmp_path: Path) -> None:
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the run's 2 threads need 2 CPUs")
+@pytest.mark.parametrize("cpus", [2, 16])
+def test_the_probe_of_fewer_threads_trains_none_of_the_runs_steps_on_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cpus: int
+) -> None:
     """A CPU run's search probes the model on the 1 thread a worker would leave on a copy: every
     step of the run trains on the run's 2 threads and it ends on the weights of the run told its
     settings by hand, bit for bit (a step on 1 thread rounds differently). The tolerance keeps
-    the choice the run's own."""
+    the choice the run's own. On 16 CPUs (simulated: the tuner is told so, as a GPU machine
+    has them, where this test failed on 2026-11-27) a worker leaves 15, no fewer than the run's
+    2: no probe runs, where one used to time the run's own 2 threads as "15"."""
+    real = tuner.hardware_for
+    monkeypatch.setattr(tuner, "hardware_for", lambda trainer: real(trainer).replace(cpus_available=cpus))
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -672,13 +682,29 @@ def test_the_probe_of_fewer_threads_trains_none_of_the_runs_steps_on_them(tmp_pa
             runs[name] = (data, threads.seen, torch.cat([p.detach().flatten() for p in model.parameters()]))
         data, seen, weights = runs["tuned"]
         choice = _searched(data)
-        probes = [trial for trial in choice.trials if trial.threads == 1]
-        assert probes and all(trial.ok for trial in probes), choice.trials
-        assert (choice.num_workers, choice.threads) == (0, None)
+        probes = [trial for trial in choice.trials if trial.threads is not None]
+        if cpus == 2:
+            assert probes and all(trial.ok and trial.threads == 1 for trial in probes), choice.trials
+            assert (choice.num_workers, choice.threads) == (0, None)
+        else:
+            assert not probes and choice.threads is None, choice.trials
         assert seen == [2] * (SAMPLES // 4) == runs["by hand"][1]
         assert torch.equal(weights, runs["by hand"][2])
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_run_on_fewer_threads_than_a_worker_leaves_probes_no_threads() -> None:
+    """16 CPUs and the run's model on 8 threads (torch's default of one a physical core, two
+    logical CPUs a core): one worker leaves 15, so it takes none of the 8 and the search goes
+    from no workers to worker counts without a probe; a run on all 16 probes 15 first."""
+    cpu = EXAMPLES["cpu"].replace(cpus_available=16)
+    rate = {n: (300.0 + 40 * n, 0.1) for n in range(16)}
+    rate["threads", 15] = (320.0, 0.1)
+    measured, choice = _run(rate.__getitem__, cpu, SegmentPlan(8, 4), prior=(0, None), threads=8)
+    assert all(trial.threads is None for trial in choice.trials) and measured[1] > 0, choice.trials
+    measured, choice = _run(rate.__getitem__, cpu, SegmentPlan(8, 4), prior=(0, None), threads=16)
+    assert [trial.threads for trial in choice.trials][:2] == [None, 15], choice.trials
 
 
 class _Draws(L.Callback):

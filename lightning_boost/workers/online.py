@@ -218,10 +218,16 @@ def _half(workers: int) -> int:
 
 
 def search_online(
-    hardware: HardwareInfo, tuning: WorkerTuning, plan: SegmentPlan, prior: Setting
+    hardware: HardwareInfo,
+    tuning: WorkerTuning,
+    plan: SegmentPlan,
+    prior: Setting,
+    threads: int | None = None,
 ) -> Generator[Setting, WorkerTrial | None, WorkerChoice]:
     """Yield settings to run as segments, be sent each one's trial, return the choice (sent
-    ``None``, when the run ended the search early, at once, from what was measured).
+    ``None``, when the run ended the search early, at once, from what was measured). `threads`:
+    the model's intra-op threads as the run found them (a CPU run's probe of fewer threads runs
+    only where one worker would take some of them); ``None``: one per CPU.
 
     Example (a scripted run: 16 CPUs, the step takes 2000 samples/s, the loader 300 per worker):
         >>> from lightning_boost.hardware import EXAMPLES
@@ -267,7 +273,9 @@ def search_online(
                 )
         # an accelerator run whose fastest count waits for data keeps a segment for a deeper prefetch
         waits = deeper and _prefetch_could_gain(_waited(_runs_of(order, _fastest(order))), tuning)
-        setting = _next_setting(hardware, candidates, order, tuning, keep_one if waits else plan, skipped)
+        setting = _next_setting(
+            hardware, candidates, order, tuning, keep_one if waits else plan, skipped, threads
+        )
     choice = choose_online(order, tuning, tuple(skipped), fewest)
     if fewest or not choice.num_workers:
         return choice  # a CPU run's workers share the model's CPUs: deeper queues only hold memory
@@ -391,13 +399,16 @@ def _next_setting(
     tuning: WorkerTuning,
     plan: SegmentPlan,
     skipped: list[str],
+    threads: int | None = None,
 ) -> Setting | None:
     """The next segment: on a CPU run whose first segment waited for data less than `PROBE_BELOW`
-    of its time, first the model alone at the threads one worker would leave (no worker started:
-    it trains the run at once), and no worker segment at all when that step alone cannot beat
-    loading in the main process (a run that waits longer for its data goes to workers at once);
-    then `_next_count`. The probe runs even where no worker count can be timed: its threads may
-    win on their own (`choose_online`)."""
+    of its time, first the model alone at the threads one worker would leave, where that is fewer
+    than the run's `threads` (no worker started: it trains the run at once; a run on no more
+    threads than its CPUs less one loses none to a worker, as torch's default of one thread per
+    physical core is on a machine of two logical CPUs a core), and no worker segment at all when that
+    step alone cannot beat loading in the main process (a run that waits longer for its data goes
+    to workers at once); then `_next_count`. The probe runs even where no worker count can be
+    timed: its threads may win on their own (`choose_online`)."""
     if len(order) >= plan.max_segments:
         return None
     fewest = hardware.accelerator == "cpu"
@@ -405,7 +416,8 @@ def _next_setting(
     if fewest and order[0].num_workers == 0 and order[0].threads is None:
         probe = next((trial for trial in order if trial.threads is not None), None)
         fewer = model_threads(hardware.cpus_per_process, 1)
-        if probe is None and fewer < hardware.cpus_per_process and order[0].load_share < PROBE_BELOW:
+        takes = fewer < (threads or hardware.cpus_per_process)  # a worker would take some of them
+        if probe is None and takes and order[0].load_share < PROBE_BELOW:
             return Setting(0, None, fewer)
         why = workers_cannot_win(order[0], probe, tuning.tolerance)
         if why:

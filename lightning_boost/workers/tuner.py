@@ -188,8 +188,10 @@ class LoaderTuner:
                 path = Path(self.cache_dir or cache.default_cache_dir()) / CACHE_FILE
                 cache.store_entry(path, key, {"choice": choice.to_dict()})
 
+        # the model's threads as the run found them (a search of another split may have set them)
+        threads = self._threads_before if self._threads_before is not None else torch.get_num_threads()
         return OnlineSearch(
-            functools.partial(search_online, hardware, self.tuning, plan, prior),
+            functools.partial(search_online, hardware, self.tuning, plan, prior, threads),
             plan,
             self.tuning,
             prior,
