@@ -12,13 +12,32 @@ from lightning_boost.cache import CACHE_DIR_ENV
 pytest_plugins = ["lightning_boost.testing.pytest_plugin"]
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--simulate-cpus",
+        type=int,
+        metavar="N",
+        help="tell this process it has N CPUs (os.cpu_count, os.sched_getaffinity): the suite as a"
+        " many-core machine runs it, such as the GPU machine's 16 (`make test-many-cpus`)",
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Under `pytest -n N` (the GPU machine's run, issue 32) the N processes share the CPUs: each
     gets its part for torch's threads, not all of them (14 x 16 threads on 16 CPUs made a tiny
-    bf16 step there slower than the 50 ms sleep the autocast tests time it against)."""
+    bf16 step there slower than the 50 ms sleep the autocast tests time it against).
+
+    ``--simulate-cpus N`` reports N CPUs to the process (and the DataLoader workers it forks; a
+    spawned DDP rank sees the real count), its torch threads as they were: a test that passes on
+    2 CPUs and fails on 16 failed on the H100 machine's whole suite (the worker search's thread
+    probe, 2026-11-27), and this machine reproduced it."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    cpus = config.getoption("--simulate-cpus")
+    if cpus:
+        os.cpu_count = lambda: cpus
+        os.sched_getaffinity = lambda pid: set(range(cpus))
 
 
 @pytest.fixture(autouse=True)
