@@ -28,9 +28,9 @@ def pytest_configure(config: pytest.Config) -> None:
     bf16 step there slower than the 50 ms sleep the autocast tests time it against).
 
     ``--simulate-cpus N`` reports N CPUs to the process (and the DataLoader workers it forks; a
-    spawned DDP rank sees the real count), its torch threads as they were: a test that passes on
-    2 CPUs and fails on 16 failed on the H100 machine's whole suite (the worker search's thread
-    probe, 2026-11-27), and this machine reproduced it."""
+    spawned DDP rank sees the real count), its torch threads as they were: the H100 machine's
+    whole suite failed tests it did not name (2026-11-27), and under this option the worker
+    search's thread-probe test, passing on 2 CPUs, failed here."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
