@@ -69,10 +69,13 @@ def test_loaders_passed_to_fit_are_rebuilt_with_every_other_setting_kept(tmp_pat
     val = trainer.val_dataloaders
     assert isinstance(val, DataLoader) and val.persistent_workers == (val.num_workers > 0)
     assert callback.findings[0].source == "AutoNumWorkers" and callback.findings[0].data["trials"]
-    # The same samples in the same order, epoch after epoch, as a run given these counts by hand
-    # (persistent workers draw the loader's base seed once, not every epoch: the count matters).
-    _, by_hand = _fit(tmp_path, [], workers=(train.num_workers, val.num_workers))
-    assert model.seen == by_hand.seen
+    # The same samples in the same order, epoch after epoch, as the run on the loaders as given:
+    # whatever the counts chosen, the rebuilt loaders draw a base seed every iteration as those
+    # did (`SameOrderDataLoader`). A run given a chosen count of persistent workers by hand draws
+    # it once and shuffles its second epoch otherwise: this test compared against that until
+    # 2026-11-27 and passed only where the search chose no workers (under load it chose 2).
+    _, untuned = _fit(tmp_path, [])
+    assert model.seen == untuned.seen
 
 
 class _OwnLoader(DataLoader[Any]):
