@@ -188,10 +188,8 @@ class LoaderTuner:
                 path = Path(self.cache_dir or cache.default_cache_dir()) / CACHE_FILE
                 cache.store_entry(path, key, {"choice": choice.to_dict()})
 
-        # the model's threads as the run found them (a search of another split may have set them)
-        threads = self._threads_before if self._threads_before is not None else torch.get_num_threads()
         return OnlineSearch(
-            functools.partial(search_online, hardware, self.tuning, plan, prior, threads),
+            functools.partial(search_online, hardware, self.tuning, plan, prior, self.threads_found()),
             plan,
             self.tuning,
             prior,
@@ -353,8 +351,7 @@ class LoaderTuner:
                     torch.multiprocessing.get_sharing_strategy(),
                 )
             self.add_finding(open_files_finding(self.source, apply_open_files_plan(*plan), hardware))
-        # what the run had before tuning (a search's segments may have set the threads already)
-        before = self._threads_before if self._threads_before is not None else torch.get_num_threads()
+        before = self.threads_found()
         threads = compute_threads(hardware, num_workers, before)
         if measured_threads is not None and hardware.accelerator == "cpu":
             threads = measured_threads if measured_threads < before else None
@@ -366,6 +363,11 @@ class LoaderTuner:
         if hardware.accelerator == "cpu":
             self._split_threads[split] = threads or before
             self.enter(split)
+
+    def threads_found(self) -> int:
+        """The model's intra-op threads as the run had them before tuning (a search's segments, or
+        another split's, may have set them since)."""
+        return self._threads_before if self._threads_before is not None else torch.get_num_threads()
 
     def enter(self, split: str) -> None:
         """A CPU run's model threads beside `split`'s workers, once decided: set as they are
