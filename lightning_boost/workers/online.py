@@ -75,6 +75,11 @@ class Setting(NamedTuple):
     prefetch_factor: int | None = None
     threads: int | None = None
 
+    @property
+    def probe(self) -> bool:
+        """Whether this is a probe of the model's threads: no workers, the threads set apart."""
+        return self.num_workers == 0 and self.threads is not None
+
 
 @dataclass(frozen=True)
 class SegmentPlan:

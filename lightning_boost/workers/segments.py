@@ -206,7 +206,7 @@ class OnlineSearch:
 
     def _copies(self, setting: Setting) -> bool:
         """Whether `setting` is a probe of the model's threads that steps a copy."""
-        return self.copy_steps is not None and setting.threads is not None and not setting.num_workers
+        return self.copy_steps is not None and setting.probe
 
     def _copy_step(self, setting: Setting) -> Callable[[Any, int | None], float] | None:
         """A probe's stepper of a fresh copy (`copy_steps`); one that raises when no copy can be
@@ -307,9 +307,8 @@ class _Timing:
         self.arrived = 0
         self.failed = ""
         self.batch_bytes = 0
-        probe = setting.num_workers == 0 and setting.threads is not None
-        self.copy_step = copy_step if probe else None
-        self.alternate = alternate if probe and self.copy_step is None else None
+        self.copy_step = copy_step if setting.probe else None
+        self.alternate = alternate if setting.probe and self.copy_step is None else None
         self.probed: list[bool] = []  # of a paired probe: whether each step ran at the probe's threads
         self.copied: list[float] = []  # a probe on a copy: the seconds of its steps at each arrival
         # a probe on a copy, per arrival paired: the copy's step on the probe's threads, on the run's
