@@ -7,6 +7,7 @@ import functools
 import json
 import multiprocessing
 import os
+import signal
 import time
 import warnings
 from pathlib import Path
@@ -544,11 +545,18 @@ def test_len_and_persistent_workers_after_the_search(tmp_path: Path) -> None:
 
 
 def test_a_crashing_worker_drops_its_candidate_and_loses_no_sample(tmp_path: Path) -> None:
+    """After a plain fit whose loader had workers, as in a notebook's second fit: Lightning put
+    the process's SIGCHLD handler back as it found it, torch's gone, and the search still finds a
+    worker's death as it happens, not at its loader's `timeout` (20 s a candidate here before)."""
+    loader = DataLoader(IndexedData(16), batch_size=4, num_workers=1)
+    tiny_trainer(tmp_path / "plain", logger=False, enable_checkpointing=False).fit(Recorder(), loader, loader)
+    assert "_set_SIGCHLD_handler" not in getattr(signal.getsignal(signal.SIGCHLD), "__qualname__", "")
     data = Data(IndexedData(SAMPLES, crash_in_workers=True, load_s=0.001), shuffle=False)
     model = _fit(tmp_path, data, max_epochs=1)
     choice = _searched(data)
     assert choice.num_workers == 0
-    assert any("crashed" in trial.error or "exited" in trial.error for trial in choice.trials), choice.trials
+    crashed = [trial for trial in choice.trials if "crashed" in trial.error or "exited" in trial.error]
+    assert crashed and all(trial.seconds < TUNING.timeout_s / 2 for trial in crashed), choice.trials
     assert model.seen[0] == list(range(SAMPLES))
 
 
