@@ -150,11 +150,14 @@ def test_persistent_workers_are_off_with_pinned_memory_and_reloading(tmp_path: P
 
 
 def test_each_sample_is_seen_once_per_epoch_in_the_untuned_order(tmp_path: Path) -> None:
+    """Against a run that loads in the main process: tuned workers (`SameOrderDataLoader`) keep
+    its order in every epoch, where workers set by hand, persistent, draw their base seed once and
+    shuffle the second epoch otherwise (compared with those, this failed wherever the measurement
+    chose workers: on a loaded host, ten test processes on 2 CPUs)."""
     tuned = Indexed(batch_size=8, retune=True)
     seen_tuned = _fit(tmp_path, tuned, epochs=2).seen
-    workers = tuned.train_dataloader().num_workers
-    by_hand = _fit(tmp_path, Indexed(batch_size=8, num_workers=workers), epochs=2).seen
-    assert seen_tuned == by_hand  # same order: tuning drew nothing from the global RNG
+    untuned = _fit(tmp_path, Indexed(batch_size=8, num_workers=0), epochs=2).seen
+    assert seen_tuned == untuned  # same order: tuning drew nothing from the global RNG
     for epoch in (seen_tuned[:8], seen_tuned[8:]):
         assert sorted(i for batch in epoch for i in batch) == list(range(64))
 
@@ -175,13 +178,17 @@ def test_a_gpu_run_holds_the_loader_to_the_steps_own_rate(
     model = _fit(tmp_path, tuned, epochs=2)
     (choice,) = tuned.worker_tuner.choices.values()
     assert choice.consumer_samples_per_s is not None and choice.consumer_samples_per_s > 0
-    assert [t.num_workers for t in choice.trials][:2] == [0, 2]  # top-down: the budget after none
+    counts = [t.num_workers for t in choice.trials]
+    # top-down, the budget after none; unless loading in the main process takes under 5 % of the
+    # step already (a loaded host slows the step on the copy: 172 against 20,152 samples/s)
+    assert counts[:2] == [0, 2] or (counts == [0] and "under 5% of the step" in choice.reason), choice
     assert "step" in choice.reason
     assert choice.seconds >= sum(t.seconds for t in choice.trials)  # the step's timing is counted
     detail = tuned.findings[0].detail
-    assert "Worker start-up (until one batch per worker arrived)" in detail
+    assert ("Worker start-up (until one batch per worker arrived)" in detail) == (len(counts) > 1)
     assert f"The training step alone: {choice.consumer_samples_per_s:.0f} samples/s" in detail
-    by_hand = _fit(tmp_path, Indexed(batch_size=8, num_workers=choice.num_workers), epochs=2)
+    # against the main process's order (workers set by hand, persistent, shuffle epoch 2 otherwise)
+    by_hand = _fit(tmp_path, Indexed(batch_size=8, num_workers=0), epochs=2)
     assert model.seen == by_hand.seen  # timing the step on a copy left no trace
     assert torch.equal(model.layer.weight, by_hand.layer.weight)
 
