@@ -180,7 +180,7 @@ def test_a_gpu_run_holds_the_loader_to_the_steps_own_rate(
     assert choice.consumer_samples_per_s is not None and choice.consumer_samples_per_s > 0
     counts = [t.num_workers for t in choice.trials]
     # top-down, the budget after none; unless loading in the main process takes under 5 % of the
-    # step already (a loaded host slows the step on the copy: 172 against 20,152 samples/s)
+    # step already (a loaded host slows the step on the copy: 172 against 20,152 samples/s, by hand)
     assert counts[:2] == [0, 2] or (counts == [0] and "under 5% of the step" in choice.reason), choice
     assert "step" in choice.reason
     assert choice.seconds >= sum(t.seconds for t in choice.trials)  # the step's timing is counted

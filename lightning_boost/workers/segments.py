@@ -451,7 +451,7 @@ class _Timing:
         probe's for what it becomes. A copy's step slower than the run's whole step less its wait
         (noise) stands for that time at most, scaled by the copy's ratio: subtracted whole, it
         left the wait alone, and on 2 CPUs beside six busy processes probes read 150-800x the
-        run's rate."""
+        run's rate (by hand, the thread-probe test's trials)."""
         probe, run = self.copy_pairs[step]
         span, wait = self._span([step]), self.waits[step + 1]
         model = min(run, max(span - wait, 0.0))
