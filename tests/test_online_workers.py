@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, TensorDataset
+from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL, signal_handling
 from typing_extensions import override
 
 from lightning_boost import AutoNumWorkers, BoostedDataModule, WorkerTuning
@@ -544,15 +545,26 @@ def test_len_and_persistent_workers_after_the_search(tmp_path: Path) -> None:
     assert all(persistent == bool(choice.num_workers) for _, _, persistent in callback.seen)
 
 
-def test_a_crashing_worker_drops_its_candidate_and_loses_no_sample(tmp_path: Path) -> None:
+def test_a_crashing_worker_drops_its_candidate_and_loses_no_sample(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """After a plain fit whose loader had workers, as in a notebook's second fit: Lightning put
     the process's SIGCHLD handler back as it found it, torch's gone, and the search still finds a
-    worker's death as it happens, not at its loader's `timeout` (20 s a candidate here before)."""
-    loader = DataLoader(IndexedData(16), batch_size=4, num_workers=1)
-    tiny_trainer(tmp_path / "plain", logger=False, enable_checkpointing=False).fit(Recorder(), loader, loader)
-    assert "_set_SIGCHLD_handler" not in getattr(signal.getsignal(signal.SIGCHLD), "__qualname__", "")
-    data = Data(IndexedData(SAMPLES, crash_in_workers=True, load_s=0.001), shuffle=False)
-    model = _fit(tmp_path, data, max_epochs=1)
+    worker's death as it happens, not at its loader's `timeout` (20 s a candidate here before).
+    The process starts as a fresh one does, torch's handler not yet set: one set outside a fit
+    (by an earlier test of the process) would be what Lightning puts back."""
+    before = signal.getsignal(signal.SIGCHLD)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    monkeypatch.setattr(signal_handling, "_SIGCHLD_handler_set", False)
+    try:
+        loader = DataLoader(IndexedData(16), batch_size=4, num_workers=1)
+        plain = tiny_trainer(tmp_path / "plain", logger=False, enable_checkpointing=False)
+        plain.fit(Recorder(), loader, loader)
+        assert signal.getsignal(signal.SIGCHLD) == signal.SIG_DFL and signal_handling._SIGCHLD_handler_set
+        data = Data(IndexedData(SAMPLES, crash_in_workers=True, load_s=0.001), shuffle=False)
+        model = _fit(tmp_path, data, max_epochs=1)
+    finally:
+        signal.signal(signal.SIGCHLD, before)
     choice = _searched(data)
     assert choice.num_workers == 0
     crashed = [trial for trial in choice.trials if "crashed" in trial.error or "exited" in trial.error]
@@ -561,11 +573,16 @@ def test_a_crashing_worker_drops_its_candidate_and_loses_no_sample(tmp_path: Pat
 
 
 def test_a_hanging_worker_drops_its_candidate_and_loses_no_sample(tmp_path: Path) -> None:
+    """A hung candidate costs its timeout: its workers are terminated, not joined for torch's 5 s
+    each first (before: 6.1 s for 1 worker, 11.1 s for 2, with this 1 s timeout)."""
     tuning = WorkerTuning(max_workers=2, timeout_s=1.0)
     data = Data(IndexedData(SAMPLES, hang_in_workers=True, load_s=0.001), shuffle=False, worker_tuning=tuning)
     model = _fit(tmp_path, data, max_epochs=1)
     choice = _searched(data)
-    assert choice.num_workers == 0 and any("hung" in trial.error for trial in choice.trials), choice.trials
+    hung = [trial for trial in choice.trials if "hung" in trial.error]
+    assert choice.num_workers == 0 and hung, choice.trials
+    assert all(trial.seconds < tuning.timeout_s + MP_STATUS_CHECK_INTERVAL - 1 for trial in hung), hung
+    assert not multiprocessing.active_children()  # terminated, and reaped
     assert model.seen[0] == list(range(SAMPLES))
 
 

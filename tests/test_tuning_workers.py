@@ -366,6 +366,36 @@ def test_measure_loader_turns_errors_into_failed_trials() -> None:
     assert not trial.ok and trial.error.startswith("crashed")
 
 
+class _HangsInWorkers(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """A deadlock after fork: a worker's first sample never comes."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> Tensor:
+        if torch.utils.data.get_worker_info() is not None:
+            time.sleep(3600)
+        return torch.zeros(2)
+
+
+def test_a_hung_candidates_workers_are_terminated_not_joined() -> None:
+    """Real workers that hang: the candidate costs its timeout, not torch's 5 s join per worker
+    on top (11.1 s here before), and no worker is left behind."""
+    import multiprocessing
+
+    from torch.utils.data import DataLoader
+    from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL
+
+    def make(num_workers: int, prefetch_factor: int | None) -> DataLoader[Any]:
+        return DataLoader(_HangsInWorkers(), batch_size=8, num_workers=num_workers, timeout=1.0)
+
+    started = time.perf_counter()
+    trial = measure_loader(make, 2, 2, batch_size=8, window_s=1.0)
+    assert trial.error.startswith("hung")
+    assert time.perf_counter() - started < 1.0 + MP_STATUS_CHECK_INTERVAL - 1  # no 5 s join, let alone two
+    assert not multiprocessing.active_children()
+
+
 @pytest.mark.parametrize(
     ("error", "kind"),
     [

@@ -44,6 +44,7 @@ from lightning_boost.workers.search import (
     WorkerTrial,
     WorkerTuning,
     describe_failure,
+    end_workers,
     tensor_bytes,
 )
 
@@ -514,8 +515,12 @@ def _watch_worker_deaths() -> None:
 
 def _owned(iterator: Iterator[Any]) -> Generator[Any, None, None]:
     """`iterator`'s items, from a generator that holds the only reference to it: `stop_loader` releases
-    it, and a worker loader's iterator stops its workers when released."""
-    yield from iterator
+    it, and a worker loader's iterator stops its workers when released (at once, when it failed)."""
+    try:
+        yield from iterator
+    except Exception:
+        end_workers(iterator)
+        raise
 
 
 def stop_loader(stream: Iterator[Any]) -> None:
