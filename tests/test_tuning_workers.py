@@ -389,11 +389,12 @@ def test_a_hung_candidates_workers_are_terminated_not_joined() -> None:
     def make(num_workers: int, prefetch_factor: int | None) -> DataLoader[Any]:
         return DataLoader(_HangsInWorkers(), batch_size=8, num_workers=num_workers, timeout=1.0)
 
+    children = set(multiprocessing.active_children())  # an earlier test's, under pytest -n
     started = time.perf_counter()
     trial = measure_loader(make, 2, 2, batch_size=8, window_s=1.0)
     assert trial.error.startswith("hung")
     assert time.perf_counter() - started < 1.0 + MP_STATUS_CHECK_INTERVAL - 1  # no 5 s join, let alone two
-    assert not multiprocessing.active_children()
+    assert set(multiprocessing.active_children()) <= children
 
 
 @pytest.mark.parametrize(
