@@ -118,7 +118,9 @@ def test_a_datamodule_twice_and_then_validate(tmp_path: Path) -> None:
     choices = list(callback.worker_tuner.choices.values())
     assert len(choices) == 3
     validated = choices[-1]
-    assert trainer.val_dataloaders.num_workers == validated.num_workers  # type: ignore[union-attr]
+    # at most one worker a batch of the pass: tiny_trainer's limit_val_batches=2 (a loaded host's
+    # measurement chose 12 under pytest --simulate-cpus=16 -n 8)
+    assert trainer.val_dataloaders.num_workers == min(validated.num_workers, 2)  # type: ignore[union-attr]
 
 
 def test_state_dict_round_trips_and_resuming_does_not_measure(tmp_path: Path) -> None:

@@ -943,7 +943,8 @@ def test_a_segments_workers_stop_as_its_last_batch_arrives_and_count_in_the_sear
 
 
 class _Slow(Dataset[int]):
-    """Sample ``i`` is ``i``, after 2 ms of loading."""
+    """Sample ``i`` is ``i``, after 10 ms of loading (a sleep: workers overlap it whatever the load;
+    at 2 ms a worker's wake-ups on a host loaded 4x over cost more than 2 workers saved)."""
 
     def __init__(self, length: int) -> None:
         self.length = length
@@ -952,7 +953,7 @@ class _Slow(Dataset[int]):
         return self.length
 
     def __getitem__(self, index: int) -> int:
-        time.sleep(0.002)
+        time.sleep(0.01)
         return index
 
 
@@ -960,7 +961,7 @@ def test_a_deeper_prefetch_segment_loads_each_batch_once_in_order() -> None:
     """The driver under a GPU machine's search (its properties simulated: this machine has no
     GPU): nothing but loading runs between batches, so the step always waits for data and the
     winner gets a real segment of workers at prefetch_factor=4; the epoch is still the sampler's.
-    Each sample takes 2 ms to load, so workers win over the main process."""
+    Each sample takes 10 ms to load, so workers win over the main process."""
     dataset = _Slow(200)
     hardware = EXAMPLES["h100"]
     plan = SegmentPlan(12, 5)  # times 2 workers at prefetch_factor=4 (8 batches in flight)
