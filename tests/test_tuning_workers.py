@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import itertools
 import json
+import multiprocessing
 import random
 import time
 from collections.abc import Iterator
@@ -16,6 +17,8 @@ import numpy as np
 import pytest
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL
 
 from lightning_boost import cache
 from lightning_boost._lightning import preserved_rng
@@ -366,7 +369,7 @@ def test_measure_loader_turns_errors_into_failed_trials() -> None:
     assert not trial.ok and trial.error.startswith("crashed")
 
 
-class _HangsInWorkers(torch.utils.data.Dataset):  # type: ignore[type-arg]
+class _HangsInWorkers(Dataset[Tensor]):
     """A deadlock after fork: a worker's first sample never comes."""
 
     def __len__(self) -> int:
@@ -381,10 +384,6 @@ class _HangsInWorkers(torch.utils.data.Dataset):  # type: ignore[type-arg]
 def test_a_hung_candidates_workers_are_terminated_not_joined() -> None:
     """Real workers that hang: the candidate costs its timeout, not torch's 5 s join per worker
     on top (11.1 s here before), and no worker is left behind."""
-    import multiprocessing
-
-    from torch.utils.data import DataLoader
-    from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL
 
     def make(num_workers: int, prefetch_factor: int | None) -> DataLoader[Any]:
         return DataLoader(_HangsInWorkers(), batch_size=8, num_workers=num_workers, timeout=1.0)
