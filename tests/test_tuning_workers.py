@@ -7,7 +7,9 @@ import functools
 import itertools
 import json
 import multiprocessing
+import os
 import random
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +20,7 @@ import pytest
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
-from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL
+from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL, signal_handling
 
 from lightning_boost import cache
 from lightning_boost._lightning import preserved_rng
@@ -394,6 +396,38 @@ def test_a_hung_candidates_workers_are_terminated_not_joined() -> None:
     assert trial.error.startswith("hung")
     assert time.perf_counter() - started < 1.0 + MP_STATUS_CHECK_INTERVAL - 1  # no 5 s join, let alone two
     assert set(multiprocessing.active_children()) <= children
+
+
+class _CrashesInWorkers(Dataset[Tensor]):
+    """A worker process dies at its first sample (a native crash, as far as torch can tell)."""
+
+    def __len__(self) -> int:
+        return 64
+
+    def __getitem__(self, index: int) -> Tensor:
+        if torch.utils.data.get_worker_info() is not None:
+            os._exit(1)
+        return torch.zeros(2)
+
+
+def test_a_crash_before_the_fit_is_found_as_it_happens_after_a_fit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As after a fit (Lightning put the SIGCHLD handler back as it found it, torch's note that it
+    is set kept): the measurement before the fit finds a crashed worker at once, not at its
+    loader's timeout (10 s here, when only the online search set torch's handler again)."""
+    before = signal.getsignal(signal.SIGCHLD)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    monkeypatch.setattr(signal_handling, "_SIGCHLD_handler_set", True)
+
+    def make(num_workers: int, prefetch_factor: int | None) -> DataLoader[Any]:
+        return DataLoader(_CrashesInWorkers(), batch_size=8, num_workers=num_workers, timeout=10.0)
+
+    started = time.perf_counter()
+    try:
+        trial = measure_loader(make, 1, 2, batch_size=8, window_s=1.0)
+    finally:
+        signal.signal(signal.SIGCHLD, before)
+    assert "crashed" in trial.error or "exited" in trial.error, trial.error
+    assert time.perf_counter() - started < 5.0  # half the loader's timeout
 
 
 @pytest.mark.parametrize(

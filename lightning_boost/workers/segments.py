@@ -20,14 +20,12 @@ from __future__ import annotations
 
 import functools
 import itertools
-import signal
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
-from torch.utils.data._utils import signal_handling
 
 from lightning_boost import instrumented
 from lightning_boost.workers.loaders import SameOrderDataLoader, loader_options
@@ -46,6 +44,7 @@ from lightning_boost.workers.search import (
     describe_failure,
     end_workers,
     tensor_bytes,
+    watch_worker_deaths,
 )
 
 Clock = Callable[[], float]
@@ -496,21 +495,8 @@ def start_loader(
         "generator": torch.Generator().manual_seed(seed & ((1 << 63) - 1)),
     }
     if workers:
-        _watch_worker_deaths()
+        watch_worker_deaths()
     return _owned(iter(DataLoader(loader.dataset, batch_sampler=_Once(batches), **options)))
-
-
-def _watch_worker_deaths() -> None:
-    """Have the next worker loader set torch's SIGCHLD handler again where it is gone. torch sets
-    it once a process and notes so; Lightning puts every signal's handler back as it found it
-    when a fit ends, torch's among them, and the note stays. In a process's second fit a worker's
-    death was then found only at the loader's `timeout` (the search's 30 s a candidate; 20 s twice
-    in a test of 1.5 s run alone)."""
-    sigchld = getattr(signal, "SIGCHLD", None)  # none on Windows
-    if sigchld is None:
-        return
-    if getattr(signal.getsignal(sigchld), "__qualname__", "") != "_set_SIGCHLD_handler.<locals>.handler":
-        signal_handling._SIGCHLD_handler_set = False
 
 
 def _owned(iterator: Iterator[Any]) -> Generator[Any, None, None]:
