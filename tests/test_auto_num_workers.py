@@ -263,3 +263,31 @@ def test_an_evaluation_loader_gets_no_more_workers_than_a_pass_has_batches(
     assert (train.num_workers, rebuilt.num_workers, rebuilt.persistent_workers) == (2, 1, True)
     (capped,) = [f for f in callback.findings if f.title.startswith("val loader")]
     assert capped.title == "val loader: num_workers=1, not the 2 decided"
+
+
+def test_an_evaluation_loader_is_measured_only_up_to_its_batches_per_pass(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Before 2026-11-28 a fit's validation loader over a set of its own was measured before the
+    # fit over the whole CPU budget and then capped at its pass's batches: a 2-batch validate pass
+    # measured up to 12 workers for 7.8 s under load. Now no candidate goes past the cap.
+    from lightning_boost.workers import tuner
+
+    bounds: list[int | None] = []
+    real = tuner.decide_workers
+
+    def spied(probes: Any, hardware: Any, tuning: WorkerTuning, *rest: Any) -> Any:
+        bounds.append(tuning.max_workers)
+        return real(probes, hardware, tuning, *rest)
+
+    monkeypatch.setattr(tuner, "decide_workers", spied)
+    callback = AutoNumWorkers(FAST, retune=True)
+    trainer = tiny_trainer(tmp_path, callbacks=[callback], logger=False, enable_checkpointing=False)
+    val = DataLoader(IndexDataset(16), batch_size=16)  # one batch a pass
+    trainer.fit(SeenIndices(), DataLoader(IndexDataset(64), batch_size=8), val)
+    assert sorted(bounds, key=str) == [1, None]  # the validation loader on 1, training on the CPU budget
+    val_choice = list(callback.worker_tuner.choices.values())[bounds.index(1)]
+    assert all(trial.num_workers <= 1 for trial in val_choice.trials)
+    assert "val loader: candidates up to 1 workers" in [finding.title for finding in callback.findings]
+    rebuilt = trainer.val_dataloaders
+    assert isinstance(rebuilt, DataLoader) and rebuilt.num_workers == val_choice.num_workers

@@ -4,6 +4,7 @@ evaluated once, in the sampler's order, as the user's own loader would give it."
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -16,7 +17,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, SequentialSampler
 from typing_extensions import override
 
-from lightning_boost import AutoNumWorkers, BoostedDataModule
+from lightning_boost import AutoNumWorkers, BoostedDataModule, WorkerTuning
 from lightning_boost.testing import tiny_trainer
 from lightning_boost.workers.search import WorkerChoice
 from tests.test_online_workers import TUNING, IndexedData, Recorder
@@ -82,8 +83,8 @@ class Sets(BoostedDataModule):
     """Assigns every set it is given at each stage, as a datamodule whose ``setup`` ignores the
     stage does (the README's)."""
 
-    def __init__(self, **sets: Any) -> None:
-        super().__init__(batch_size=4, worker_tuning=TUNING)
+    def __init__(self, tuning: WorkerTuning = TUNING, **sets: Any) -> None:
+        super().__init__(batch_size=4, worker_tuning=tuning)
         self.sets = sets
 
     @override
@@ -151,6 +152,29 @@ def test_a_pass_too_short_to_search_keeps_the_prior_without_loading_anything_fir
     assert choice.source == "short run" and not choice.trials and choice.num_workers == 0  # a CPU run
     assert "the predict pass has 16 batches" in choice.reason
     assert before.loads["predict"] == 0 and _Counted.loads == 64
+
+
+def test_a_pass_measured_before_its_loop_tries_no_more_workers_than_it_has_batches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `online=False` measures a pass before its loop; a worker past the pass's batches never gets
+    # one, so none is tried (before 2026-11-28: up to the CPU budget, then capped)
+    from lightning_boost.workers import tuner
+
+    bounds: list[int | None] = []
+    real = tuner.decide_workers
+
+    def spied(probes: Any, hardware: Any, tuning: WorkerTuning, *rest: Any) -> Any:
+        bounds.append(tuning.max_workers)
+        return real(probes, hardware, tuning, *rest)
+
+    monkeypatch.setattr(tuner, "decide_workers", spied)
+    measured = dataclasses.replace(TUNING, window_s=0.2, online=False, skip_short_runs=False)
+    data, model = Sets(measured, val=IndexedData(4)), Evaluated()  # one batch of 4
+    _trainer(tmp_path).validate(model, datamodule=data)
+    assert bounds == [1] and model.evaluated == [0, 1, 2, 3]
+    assert all(trial.num_workers <= 1 for trial in _only(data.worker_tuner.choices).trials)
+    assert "val loader: candidates up to 1 workers" in [finding.title for finding in data.findings]
 
 
 def test_validate_and_test_decide_on_their_own_sets_not_the_training_set(tmp_path: Path) -> None:

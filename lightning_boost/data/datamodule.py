@@ -260,8 +260,11 @@ class BoostedDataMixin(_DataModule):
             samples = workload(trainer, split, tuning_dataset, size)
             searched = train or own_split is not None
             batches = epoch_batches(trainer, tuning_dataset, size, drop_last, split) if searched else None
+            # an evaluation pass's workers past its batches never get one (`_eval_cap`): none is tried
+            stream = isinstance(tuning_dataset, IterableDataset)
+            most = batches if own_split is not None and not stream else None
             choice, search = self.worker_tuner.decide(
-                trainer, tuning_dataset, size, settings, samples, split, batches
+                trainer, tuning_dataset, size, settings, samples, split, batches, most
             )
             workers, prefetch = choice.num_workers, prefetch or choice.prefetch_factor
         else:

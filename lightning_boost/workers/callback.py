@@ -149,11 +149,11 @@ class AutoNumWorkers(BoostCallback):
         alone = own_pass(trainer, split)  # an evaluation stage run alone: searched on its own pass
         per_pass = epoch_batches(trainer, loader.dataset, batch_size, loader.drop_last, split)
         searched = per_pass if split == "train" or alone else None
+        cap = per_pass if split != "train" else None  # a worker past a pass's batches never gets one
         choice, search = self.worker_tuner.decide(
-            trainer, loader.dataset, batch_size, settings, samples, split, searched
+            trainer, loader.dataset, batch_size, settings, samples, split, searched, cap
         )
         workers = choice.num_workers
-        cap = per_pass if split != "train" else None  # a worker past a pass's batches never gets one
         if cap is not None and cap < workers:
             self.worker_tuner.add_finding(capped_finding(type(self).__name__, split, cap, workers))
             workers = cap

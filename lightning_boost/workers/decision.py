@@ -328,13 +328,17 @@ def threads_finding(
     return Finding(source, "data", Severity.INFO, title, why, data=data)
 
 
-def capped_finding(source: str, split: str, cap: int, workers: int) -> Finding:
-    """Why an evaluation loader of `split` got `cap` workers, not the `workers` decided for it."""
+def capped_finding(source: str, split: str, cap: int, workers: int | None) -> Finding:
+    """Why an evaluation loader of `split` got `cap` workers, not the `workers` decided for it
+    (``None``: why its candidates stopped at `cap`)."""
+    what = f"num_workers={cap}, not the {workers} decided"
+    if workers is None:
+        what = f"candidates up to {cap} workers"
     return Finding(
         source,
         "data",
         Severity.INFO,
-        f"{split} loader: num_workers={cap}, not the {workers} decided",
+        f"{split} loader: {what}",
         f"a {split} pass has {cap} batch(es) per process, and each pass hands them to the workers in"
         " turn from the first: a worker past them would never get one, and would only cost a process"
         " start and its memory",

@@ -241,6 +241,19 @@ def workers_allowed(cpus: int, tuning: WorkerTuning) -> int:
     return cpus if tuning.max_workers is None else min(cpus, tuning.max_workers)
 
 
+def bounded(tuning: WorkerTuning, most: int | None) -> WorkerTuning:
+    """`tuning` with no candidate past `most` workers (``None``: no bound), the user's lower
+    ``max_workers`` kept.
+
+    Example:
+        >>> bounded(WorkerTuning(), 4).max_workers, bounded(WorkerTuning(max_workers=2), 4).max_workers
+        (4, 2)
+    """
+    if most is None or (tuning.max_workers is not None and tuning.max_workers <= most):
+        return tuning
+    return dataclasses.replace(tuning, max_workers=most)
+
+
 def worker_limit(
     hardware: HardwareInfo, batch_bytes: int, prefetch_factor: int, tuning: WorkerTuning
 ) -> tuple[int, list[str]]:

@@ -29,6 +29,7 @@ from lightning_boost.report import BoostWarning, Finding
 from lightning_boost.step_probe import StepProbe
 from lightning_boost.workers.decision import (
     WorkerProbes,
+    capped_finding,
     choice_findings,
     decide_workers,
     open_files_finding,
@@ -48,6 +49,7 @@ from lightning_boost.workers.search import (
     WorkerChoice,
     WorkerTrial,
     WorkerTuning,
+    bounded,
     compute_threads,
     measure_loader,
     model_threads,
@@ -95,6 +97,7 @@ class LoaderTuner:
         workload_samples: int | None = None,
         loader: str = "",
         epoch_batches: int | None = None,
+        most: int | None = None,
     ) -> tuple[WorkerChoice, OnlineSearch | None]:
         """The worker setting for `dataset` at `batch_size`, the same on every rank, and the
         search that decides it on the first epoch's own batches when one runs (else ``None``).
@@ -108,8 +111,11 @@ class LoaderTuner:
         `loader` names the split (``"train"``, ``"val"``, ...); the loader of an evaluation stage
         run alone (`own_pass`: ``trainer.predict``, ...) is given its pass's `epoch_batches` and
         searched on that pass, timed against its own step, and cached apart from training's.
+        `most` bounds the candidates (an evaluation loader's batches per pass: a worker past them
+        never gets one, so none is measured) and is part of the cache key.
         """
         hardware = hardware_for(trainer)
+        tuning = bounded(self.tuning, most)
         split = loader
         unit = PASS_NAMES[loader] if own_pass(trainer, loader) else "first epoch"
         hook = CONSUMING_STEPS.get(loader, "training_step")  # what a measurement before the loop weighs
@@ -126,7 +132,7 @@ class LoaderTuner:
                 model += f", {unit}"
             elif hook != "training_step":  # measured before the fit against the step it feeds
                 model += f", feeding {hook}"
-        parts = fingerprint_parts(hardware, dataset, batch_size, settings, self.tuning, model)
+        parts = fingerprint_parts(hardware, dataset, batch_size, settings, tuning, model)
         key = cache.fingerprint(parts)
         pending = self.searches.get(key)
         if pending is not None and pending.choice is None:
@@ -137,7 +143,16 @@ class LoaderTuner:
 
             def decide() -> dict[str, Any]:
                 return self._decide(
-                    hardware, key, dataset, batch_size, settings, trainer, workload_samples, online, hook
+                    tuning,
+                    hardware,
+                    key,
+                    dataset,
+                    batch_size,
+                    settings,
+                    trainer,
+                    workload_samples,
+                    online,
+                    hook,
                 )
 
             result = decided_on_rank_zero(
@@ -145,9 +160,13 @@ class LoaderTuner:
                 trainer is None or trainer.is_global_zero,
                 decide,
             )
+            measured = "online" in result or bool(result.get("trials"))
+            budget = workers_allowed(hardware.cpus_per_process, self.tuning)
+            if measured and most is not None and most < budget:
+                self.findings.append(capped_finding(self.source, split, most, None))
             if "online" in result:
                 plan = SegmentPlan(**result["online"])
-                search = self._online(trainer, hardware, key, plan, loader, split)
+                search = self._online(tuning, trainer, hardware, key, plan, loader, split)
                 self.searches[key] = search
                 self.configure_segment(hardware, search.prior.num_workers, split=split)
                 return pending_choice(search), search
@@ -162,6 +181,7 @@ class LoaderTuner:
 
     def _online(
         self,
+        tuning: WorkerTuning,
         trainer: L.Trainer | None,
         hardware: HardwareInfo,
         key: str,
@@ -170,7 +190,7 @@ class LoaderTuner:
         split: str,
     ) -> OnlineSearch:
         """The search every rank runs on its own batches, each deciding on rank zero's measurements."""
-        prior = search_start(hardware, self.tuning, plan)
+        prior = search_start(hardware, tuning, plan)
         assert prior is not None, "_decide plans a search only where one can start"
         share = None
         if trainer is not None and trainer.world_size > 1:
@@ -189,9 +209,9 @@ class LoaderTuner:
                 cache.store_entry(path, key, {"choice": choice.to_dict()})
 
         return OnlineSearch(
-            functools.partial(search_online, hardware, self.tuning, plan, prior, self.threads_found()),
+            functools.partial(search_online, hardware, tuning, plan, prior, self.threads_found()),
             plan,
-            self.tuning,
+            tuning,
             prior,
             share=share,
             configure=lambda count, threads: self.configure_segment(hardware, count, threads, split),
@@ -201,6 +221,7 @@ class LoaderTuner:
 
     def _decide(
         self,
+        tuning: WorkerTuning,
         hardware: HardwareInfo,
         key: str,
         dataset: Dataset[Any],
@@ -232,15 +253,16 @@ class LoaderTuner:
                 epoch_batches, samples, unit = online
                 run_batches = None if samples is None else -(-samples // batch_size)
                 # the counts a search may try split its segments
-                most = workers_allowed(hardware.cpus_per_process, self.tuning)
+                most = workers_allowed(hardware.cpus_per_process, tuning)
                 plan = plan_segments(epoch_batches, run_batches, most, unit)
-                if not plan.why_not and search_start(hardware, self.tuning, plan) is not None:
+                if not plan.why_not and search_start(hardware, tuning, plan) is not None:
                     return {"online": dataclasses.asdict(plan)}
-                workers, factor, _ = prior_setting(hardware, self.tuning)
-                why = plan.why_not or untimeable_reason(hardware, self.tuning, plan)
+                workers, factor, _ = prior_setting(hardware, tuning)
+                why = plan.why_not or untimeable_reason(hardware, tuning, plan)
                 reason = f"{workers} workers, not searched: {why}"
                 return WorkerChoice(workers, factor, reason, source="short run").to_dict()
-            choice = self._measure(hardware, dataset, batch_size, settings, trainer, workload_samples, hook)
+            samples = workload_samples
+            choice = self._measure(tuning, hardware, dataset, batch_size, settings, trainer, samples, hook)
             if choice.source == "measured":  # a short run's shortcut would shortchange a long one
                 cache.store_entry(path, key, {"choice": choice.to_dict()})
             return choice.to_dict()
@@ -263,6 +285,7 @@ class LoaderTuner:
 
     def _measure(
         self,
+        tuning: WorkerTuning,
         hardware: HardwareInfo,
         dataset: Dataset[Any],
         batch_size: int,
@@ -277,15 +300,15 @@ class LoaderTuner:
         # to the whole dataset is timed at `MEASURE_BATCH_CAP` samples a batch, not loaded whole
         # by every trial; the model's step is still timed on one batch of the real size
         size = min(batch_size, MEASURE_BATCH_CAP)
-        make = measurement_loaders(dataset, size, settings, self.tuning.timeout_s)
-        make_full = measurement_loaders(dataset, batch_size, settings, self.tuning.timeout_s)
+        make = measurement_loaders(dataset, size, settings, tuning.timeout_s)
+        make_full = measurement_loaders(dataset, batch_size, settings, tuning.timeout_s)
         module = trainer.lightning_module if trainer is not None else None
-        window, consume = self.tuning.window_s, None
-        short = workload_samples if self.tuning.skip_short_runs else None
+        window, consume = tuning.window_s, None
+        short = workload_samples if tuning.skip_short_runs else None
         if trainer is not None and hardware.accelerator != "cpu":
             consume = device_transfer(trainer)
         times_model = module is not None and consume is None  # a CPU run: the model's step timed too
-        rest_s = rest_of_measuring(self.tuning, times_model)
+        rest_s = rest_of_measuring(tuning, times_model)
 
         def loader(num_workers: int, prefetch_factor: int | None) -> WorkerTrial:
             trial = measure_loader(
@@ -310,9 +333,9 @@ class LoaderTuner:
         )
         if times_model:
             assert module is not None
-            probes = cpu_probes(probes, module, make_full, batch_size, hook, self.tuning.budget_s / 2)
+            probes = cpu_probes(probes, module, make_full, batch_size, hook, tuning.budget_s / 2)
         with preserved_rng():  # the measurement loaders draw their seeds from the run's generator
-            return decide_workers(probes, hardware, self.tuning, workload_samples)
+            return decide_workers(probes, hardware, tuning, workload_samples)
 
     def configure_segment(
         self, hardware: HardwareInfo, num_workers: int, threads: int | None = None, split: str = ""
