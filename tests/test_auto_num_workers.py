@@ -288,6 +288,6 @@ def test_an_evaluation_loader_is_measured_only_up_to_its_batches_per_pass(
     assert sorted(bounds, key=str) == [1, None]  # the validation loader on 1, training on the CPU budget
     val_choice = list(callback.worker_tuner.choices.values())[bounds.index(1)]
     assert all(trial.num_workers <= 1 for trial in val_choice.trials)
-    assert "val loader: candidates up to 1 workers" in [finding.title for finding in callback.findings]
+    assert "val loader: candidates up to 1 worker(s)" in [finding.title for finding in callback.findings]
     rebuilt = trainer.val_dataloaders
     assert isinstance(rebuilt, DataLoader) and rebuilt.num_workers == val_choice.num_workers

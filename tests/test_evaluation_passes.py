@@ -174,7 +174,7 @@ def test_a_pass_measured_before_its_loop_tries_no_more_workers_than_it_has_batch
     _trainer(tmp_path).validate(model, datamodule=data)
     assert bounds == [1] and model.evaluated == [0, 1, 2, 3]
     assert all(trial.num_workers <= 1 for trial in _only(data.worker_tuner.choices).trials)
-    assert "val loader: candidates up to 1 workers" in [finding.title for finding in data.findings]
+    assert "val loader: candidates up to 1 worker(s)" in [finding.title for finding in data.findings]
 
 
 def test_validate_and_test_decide_on_their_own_sets_not_the_training_set(tmp_path: Path) -> None:

@@ -333,7 +333,7 @@ def capped_finding(source: str, split: str, cap: int, workers: int | None) -> Fi
     (``None``: why its candidates stopped at `cap`)."""
     what = f"num_workers={cap}, not the {workers} decided"
     if workers is None:
-        what = f"candidates up to {cap} workers"
+        what = f"candidates up to {cap} worker(s)"
     return Finding(
         source,
         "data",
