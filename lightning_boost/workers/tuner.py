@@ -261,8 +261,9 @@ class LoaderTuner:
                 why = plan.why_not or untimeable_reason(hardware, tuning, plan)
                 reason = f"{workers} workers, not searched: {why}"
                 return WorkerChoice(workers, factor, reason, source="short run").to_dict()
-            samples = workload_samples
-            choice = self._measure(tuning, hardware, dataset, batch_size, settings, trainer, samples, hook)
+            choice = self._measure(
+                tuning, hardware, dataset, batch_size, settings, trainer, workload_samples, hook
+            )
             if choice.source == "measured":  # a short run's shortcut would shortchange a long one
                 cache.store_entry(path, key, {"choice": choice.to_dict()})
             return choice.to_dict()
