@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -182,6 +183,15 @@ def test_loaders_too_small_to_pay_back_measuring_load_in_the_main_process(tmp_pa
     assert not (tmp_path / "lightning_boost_cache" / "workers.json").exists()  # not cached for long runs
 
 
+class _SlowToLoad(IndexDataset):
+    """5 ms a sample: the step waits for its data, so a worker count is always tried."""
+
+    @override
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        time.sleep(0.005)
+        return super().__getitem__(index)
+
+
 class _CountedLoads(IndexDataset):
     """Counts the samples loaded in this process (a main-process loader's: no workers)."""
 
@@ -283,7 +293,7 @@ def test_an_evaluation_loader_is_measured_only_up_to_its_batches_per_pass(
     monkeypatch.setattr(tuner, "decide_workers", spied)
     callback = AutoNumWorkers(FAST, retune=True)
     trainer = tiny_trainer(tmp_path, callbacks=[callback], logger=False, enable_checkpointing=False)
-    val = DataLoader(IndexDataset(16), batch_size=16)  # one batch a pass
+    val = DataLoader(_SlowToLoad(16), batch_size=16)  # one batch a pass, worth a worker: one is tried
     trainer.fit(SeenIndices(), DataLoader(IndexDataset(64), batch_size=8), val)
     assert sorted(bounds, key=str) == [1, None]  # the validation loader on 1, training on the CPU budget
     val_choice = list(callback.worker_tuner.choices.values())[bounds.index(1)]

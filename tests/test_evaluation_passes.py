@@ -170,7 +170,8 @@ def test_a_pass_measured_before_its_loop_tries_no_more_workers_than_it_has_batch
 
     monkeypatch.setattr(tuner, "decide_workers", spied)
     measured = dataclasses.replace(TUNING, window_s=0.2, online=False, skip_short_runs=False)
-    data, model = Sets(measured, val=IndexedData(4)), Evaluated()  # one batch of 4
+    # one batch of 4, slow enough to load that a worker is worth trying
+    data, model = Sets(measured, val=IndexedData(4, load_s=0.005)), Evaluated()
     _trainer(tmp_path).validate(model, datamodule=data)
     assert bounds == [1] and model.evaluated == [0, 1, 2, 3]
     assert all(trial.num_workers <= 1 for trial in _only(data.worker_tuner.choices).trials)

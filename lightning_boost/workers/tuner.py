@@ -160,19 +160,20 @@ class LoaderTuner:
                 trainer is None or trainer.is_global_zero,
                 decide,
             )
-            measured = "online" in result or bool(result.get("trials"))
-            budget = workers_allowed(hardware.cpus_per_process, self.tuning)
-            if measured and most is not None and most < budget:
-                self.findings.append(capped_finding(self.source, split, most, None))
+            bound: list[Finding] = []  # said where a worker count was tried (a short run may try none)
+            tried = "online" in result or any(trial["num_workers"] for trial in result.get("trials", ()))
+            if tried and most is not None and most < workers_allowed(hardware.cpus_per_process, self.tuning):
+                bound.append(capped_finding(self.source, split, most, None))
             if "online" in result:
                 plan = SegmentPlan(**result["online"])
                 search = self._online(tuning, trainer, hardware, key, plan, loader, split)
                 self.searches[key] = search
                 self.configure_segment(hardware, search.prior.num_workers, split=split)
+                self.findings += bound
                 return pending_choice(search), search
             choice = WorkerChoice.from_dict(result)
             self.choices[key] = choice
-            self.findings += choice_findings(self.source, choice, loader)
+            self.findings += choice_findings(self.source, choice, loader) + bound
         elif key in self.restored:
             self.restored.discard(key)
             self.findings += choice_findings(self.source, choice.replace(source="checkpoint"), loader)
