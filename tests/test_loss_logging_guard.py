@@ -6,12 +6,14 @@ assert the guard reports exactly that ``file:line``.
 
 from __future__ import annotations
 
+import gc
 import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from torch import Tensor, nn
@@ -314,6 +316,10 @@ class LeaksOutsideTheModule(BoringModel):
 
 def test_growth_without_a_named_holder_is_a_probable_leak(tmp_path: Path) -> None:
     LEAKED.clear()
+    # a fresh process's state: what earlier tests left in reference cycles is freed now, not by a
+    # collection during the fit (that case: the test below). Under `pytest -n 4` on Python 3.12 a
+    # collection freed it mid-fit, and the finding was missed (2026-11-28).
+    gc.collect()
     try:
         # a loaded machine must not starve the growth scans of their budget: this test is about findings
         guard = fit(
@@ -329,6 +335,45 @@ def test_growth_without_a_named_holder_is_a_probable_leak(tmp_path: Path) -> Non
     assert finding.data["correlation"] > 0.99 and finding.data["per_step"] > 0
     assert "outside the LightningModule" in finding.fix
     assert finding.data["plot"]["name"] == "retained_growth"
+
+
+class _CollectAtStep(L.Callback):
+    """A full garbage collection after training step `step`, as the interpreter may run one."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            gc.collect()
+
+
+def test_a_leak_is_found_across_a_collection_that_frees_earlier_garbage(tmp_path: Path) -> None:
+    # 200 graph nodes left in a reference cycle before the fit, as an earlier fit's model that kept
+    # its losses leaves them (found so: an earlier test's model). Counted alive until a full
+    # collection frees them at step 4; the samples dropped there and hid the leak's 3 nodes a step.
+    graph = torch.ones(3, requires_grad=True)
+    for _ in range(200):
+        graph = graph * 1.01
+    cycle: dict[str, Any] = {"loss": graph}
+    cycle["self"] = cycle
+    del graph, cycle
+    LEAKED.clear()
+    guard = LossLoggingGuard(mode="report", every_n_steps=1, max_overhead=0.9)
+    options = {"limit_train_batches": 8, "limit_val_batches": 0}
+    gc.disable()  # the collection comes at step 4, no sooner
+    try:
+        trainer = tiny_trainer(tmp_path, callbacks=[guard, _CollectAtStep(4)], **options)
+        trainer.fit(LeaksOutsideTheModule(), datamodule=BoringDataModule())
+    finally:
+        gc.enable()
+        LEAKED.clear()
+    (finding,) = guard.findings
+    assert finding.severity is Severity.WARN and "probable leak" in finding.title
+    assert finding.data["per_step"] == pytest.approx(3.0) and finding.data["correlation"] > 0.99
+    assert "fitted across 1 full garbage collection(s)" in finding.detail
+    values = finding.data["plot"]["left"]["autograd nodes alive"]
+    assert values[3] - values[4] > 150  # the drop is there, in the plot as measured
 
 
 def test_growth_explained_by_a_named_holder_is_not_reported_twice(tmp_path: Path) -> None:

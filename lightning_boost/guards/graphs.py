@@ -10,6 +10,7 @@ No Lightning here: `lightning_boost.callbacks.LossLoggingGuard` drives them.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import gc
 import math
@@ -208,11 +209,13 @@ class Growth:
     """How a sampled quantity changes with the step count.
 
     Args:
-        samples: how many ``(step, value)`` samples.
+        samples: how many ``(step, value)`` samples the slope rests on: all of them, less one for
+            each stretch after the first (`growth`'s breaks: a stretch's first sample only sets
+            its level).
         per_step: least-squares slope, value per step.
         correlation: Pearson correlation of value with step (1 for a straight rising line).
         first: the first sample's value.
-        last: the last sample's value.
+        last: the last sample's value (across breaks, the first plus the fitted growth).
     """
 
     samples: int
@@ -231,8 +234,14 @@ class Growth:
 MIN_GROWTH_SAMPLES = 4
 
 
-def growth(samples: Sequence[tuple[int, float]]) -> Growth:
+def growth(samples: Sequence[tuple[int, float]], breaks: Iterable[int] = ()) -> Growth:
     """Fit ``value ~ step`` to `samples`.
+
+    `breaks` are steps at or before which a full garbage collection freed objects since the
+    sample before: it frees at once graphs that earlier code left in reference cycles (an earlier
+    fit's model), which the samples before it counted. Each stretch between breaks then keeps its
+    own level and the fit is one slope across them; the last value is the first plus that
+    growth, not the level the collection dropped to.
 
     Example:
         >>> g = growth([(1, 10.0), (2, 12.0), (3, 14.0), (5, 18.0)])
@@ -240,20 +249,33 @@ def growth(samples: Sequence[tuple[int, float]]) -> Growth:
         (2.0, True)
         >>> growth([(1, 10.0), (2, 10.0), (3, 10.0), (4, 10.0)]).steady
         False
+        >>> g = growth([(1, 65.0), (2, 68.0), (3, 71.0), (5, 17.0), (6, 20.0)], breaks=[5])
+        >>> g.per_step, g.correlation, g.samples, g.last, g.steady
+        (3.0, 1.0, 4, 80.0, True)
+        >>> growth([(1, 65.0), (2, 68.0), (3, 17.0), (4, 20.0)], breaks=[3, 4]).steady  # 2 rest on it
+        False
     """
     n = len(samples)
     if n < 2:
         value = float(samples[0][1]) if samples else 0.0
         return Growth(n, 0.0, 0.0, value, value)
-    steps = [float(step) for step, _ in samples]
-    values = [float(value) for _, value in samples]
-    mean_s, mean_v = sum(steps) / n, sum(values) / n
-    cov = sum((s - mean_s) * (v - mean_v) for s, v in zip(steps, values, strict=True))
-    var_s = sum((s - mean_s) ** 2 for s in steps)
-    var_v = sum((v - mean_v) ** 2 for v in values)
+    cuts = sorted(breaks)
+    stretches: dict[int, list[tuple[float, float]]] = {}
+    for step, value in samples:
+        stretches.setdefault(bisect.bisect_right(cuts, step), []).append((float(step), float(value)))
+    cov = var_s = var_v = 0.0
+    for stretch in stretches.values():
+        mean_s = sum(step for step, _ in stretch) / len(stretch)
+        mean_v = sum(value for _, value in stretch) / len(stretch)
+        cov += sum((s - mean_s) * (v - mean_v) for s, v in stretch)
+        var_s += sum((s - mean_s) ** 2 for s, _ in stretch)
+        var_v += sum((v - mean_v) ** 2 for _, v in stretch)
     slope = cov / var_s if var_s else 0.0
     correlation = cov / math.sqrt(var_s * var_v) if var_s and var_v else 0.0
-    return Growth(n, slope, correlation, values[0], values[-1])
+    first, last = float(samples[0][1]), float(samples[-1][1])
+    if len(stretches) > 1:
+        last = first + slope * (samples[-1][0] - samples[0][0])
+    return Growth(n - len(stretches) + 1, slope, correlation, first, last)
 
 
 def thin(samples: list[_T], limit: int = 64) -> list[_T]:

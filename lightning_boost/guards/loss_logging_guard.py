@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Annotated, Any, ClassVar, get_args
@@ -103,6 +104,8 @@ class LossLoggingGuard(Guard):
     def _reset(self) -> None:
         self._holders: dict[str, Holder] = {}
         self._series: list[tuple[int, float]] = []
+        self._breaks: list[int] = []  # steps a full garbage collection freed objects before (`growth`)
+        self._collected = _fully_collected()
         self._logged: list[tuple[str, Tensor, Site | None]] = []
         self._weights: list[Tensor] = []
         self._steps = 0
@@ -228,6 +231,10 @@ class LossLoggingGuard(Guard):
             self._census.spend(time.perf_counter() - start)
         else:
             return
+        collected = _fully_collected()  # what it freed had been counted alive by the samples before
+        if collected > self._collected:
+            self._breaks.append(self._steps)
+        self._collected = collected
         self._series = thin([*self._series, (self._steps, value)])
 
     def _raise_if_found(self, trainer: L.Trainer, pl_module: L.LightningModule, new: list[Holder]) -> None:
@@ -281,7 +288,7 @@ class LossLoggingGuard(Guard):
         return findings
 
     def _growth_finding(self, on_cuda: bool) -> Finding | None:
-        trend = growth(self._series)
+        trend = growth(self._series, self._breaks)
         measures = ("saved_bytes", "held_bytes") if on_cuda else ("nodes",)  # bytes on CUDA, nodes on CPU
         named = sum(holder.growth(m).per_step for holder in self._holders.values() for m in measures)
         if not trend.steady or named >= 0.5 * trend.per_step:  # none, or explained by named holders
@@ -296,7 +303,13 @@ class LossLoggingGuard(Guard):
             label = "autograd nodes alive"
         steps = [step for step, _ in self._series]
         detail = f"{span} between steps {steps[0]} and {steps[-1]}"
-        detail += f" ({trend.samples} samples, correlation {trend.correlation:.2f})."
+        detail += f" ({trend.samples} samples, correlation {trend.correlation:.2f})"
+        collections = sum(steps[0] < step <= steps[-1] for step in self._breaks)
+        if collections:  # the levels dropped as earlier garbage went: the growth is each stretch's
+            detail += (
+                f", fitted across {collections} full garbage collection(s) that freed what was left before"
+            )
+        detail += "."
         fix = unnamed_growth_fix()
         if on_cuda:
             fix += " Metrics that keep every prediction (AUROC, CatMetric) also grow, until their reset."
@@ -313,6 +326,11 @@ class LossLoggingGuard(Guard):
             ),
         }
         return Finding(type(self).__name__, "retained graphs", Severity.WARN, title, detail, fix, data=data)
+
+
+def _fully_collected() -> int:
+    """Objects freed so far by collections of the garbage collector's oldest generation."""
+    return int(gc.get_stats()[-1]["collected"])
 
 
 def _sites(cls: type, kind: str, name: str) -> list[Site]:
