@@ -113,3 +113,19 @@ def script_trials(monkeypatch: pytest.MonkeyPatch, scripted: Callable[[int], dic
         return trial if trial.oom else dataclasses.replace(trial, **scripted(size))
 
     monkeypatch.setattr(StepProbe, "train", train)
+
+
+def worker_bounds(monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
+    """The `WorkerTuning.max_workers` of each measurement before a loop (`decide_workers`), in
+    order, as the test goes on: the real decision runs, only watched."""
+    from lightning_boost.workers import tuner
+
+    bounds: list[int | None] = []
+    real = tuner.decide_workers
+
+    def watched(probes: Any, hardware: Any, tuning: Any, *rest: Any) -> Any:
+        bounds.append(tuning.max_workers)
+        return real(probes, hardware, tuning, *rest)
+
+    monkeypatch.setattr(tuner, "decide_workers", watched)
+    return bounds

@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_boost import AutoNumWorkers, WorkerTuning
 from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
 from lightning_boost.workers.search import MIN_TIMED_BATCHES
+from tests.conftest import worker_bounds
 from tests.test_datamodule import IndexDataset, SeenIndices
 
 #: Trials before the fit; the search on the training loader's own batches: test_online_workers.
@@ -279,18 +280,9 @@ def test_an_evaluation_loader_is_measured_only_up_to_its_batches_per_pass(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Before 2026-11-28 a fit's validation loader over a set of its own was measured before the
-    # fit over the whole CPU budget and then capped at its pass's batches: a 2-batch validate pass
-    # measured up to 12 workers for 7.8 s under load. Now no candidate goes past the cap.
-    from lightning_boost.workers import tuner
-
-    bounds: list[int | None] = []
-    real = tuner.decide_workers
-
-    def spied(probes: Any, hardware: Any, tuning: WorkerTuning, *rest: Any) -> Any:
-        bounds.append(tuning.max_workers)
-        return real(probes, hardware, tuning, *rest)
-
-    monkeypatch.setattr(tuner, "decide_workers", spied)
+    # fit over the whole CPU budget and then capped at its pass's batches (4 batches a pass on 16
+    # simulated CPUs: 7 s for 0-16 workers, by hand, to keep 4). Now no candidate goes past the cap.
+    bounds = worker_bounds(monkeypatch)
     callback = AutoNumWorkers(FAST, retune=True)
     trainer = tiny_trainer(tmp_path, callbacks=[callback], logger=False, enable_checkpointing=False)
     val = DataLoader(_SlowToLoad(16), batch_size=16)  # one batch a pass, worth a worker: one is tried

@@ -20,6 +20,7 @@ from typing_extensions import override
 from lightning_boost import AutoNumWorkers, BoostedDataModule, WorkerTuning
 from lightning_boost.testing import tiny_trainer
 from lightning_boost.workers.search import WorkerChoice
+from tests.conftest import worker_bounds
 from tests.test_online_workers import TUNING, IndexedData, Recorder
 
 #: 960 samples at batch 4: 240 batches a pass, so a tenth of it holds three segments of 8.
@@ -159,16 +160,7 @@ def test_a_pass_measured_before_its_loop_tries_no_more_workers_than_it_has_batch
 ) -> None:
     # `online=False` measures a pass before its loop; a worker past the pass's batches never gets
     # one, so none is tried (before 2026-11-28: up to the CPU budget, then capped)
-    from lightning_boost.workers import tuner
-
-    bounds: list[int | None] = []
-    real = tuner.decide_workers
-
-    def spied(probes: Any, hardware: Any, tuning: WorkerTuning, *rest: Any) -> Any:
-        bounds.append(tuning.max_workers)
-        return real(probes, hardware, tuning, *rest)
-
-    monkeypatch.setattr(tuner, "decide_workers", spied)
+    bounds = worker_bounds(monkeypatch)
     measured = dataclasses.replace(TUNING, window_s=0.2, online=False, skip_short_runs=False)
     # one batch of 4, slow enough to load that a worker is worth trying
     data, model = Sets(measured, val=IndexedData(4, load_s=0.005)), Evaluated()
