@@ -7,7 +7,6 @@ import functools
 import itertools
 import json
 import multiprocessing
-import os
 import random
 import signal
 import time
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 from torch.utils.data._utils import MP_STATUS_CHECK_INTERVAL, signal_handling
 
 from lightning_boost import cache
@@ -40,6 +39,7 @@ from lightning_boost.workers.search import (
     worker_limit,
     workers_worth_measuring,
 )
+from tests.test_datamodule import CrashingInWorkers, HangingInWorkers
 
 CPU16 = EXAMPLES["cpu"].replace(cpus_available=16, ram_available_bytes=64 * GIB, shm_bytes=32 * GIB)
 
@@ -371,24 +371,12 @@ def test_measure_loader_turns_errors_into_failed_trials() -> None:
     assert not trial.ok and trial.error.startswith("crashed")
 
 
-class _HangsInWorkers(Dataset[Tensor]):
-    """A deadlock after fork: a worker's first sample never comes."""
-
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, index: int) -> Tensor:
-        if torch.utils.data.get_worker_info() is not None:
-            time.sleep(3600)
-        return torch.zeros(2)
-
-
 def test_a_hung_candidates_workers_are_terminated_not_joined() -> None:
     """Real workers that hang: the candidate costs its timeout, not torch's 5 s join per worker
     on top (11.1 s here before), and no worker is left behind."""
 
     def make(num_workers: int, prefetch_factor: int | None) -> DataLoader[Any]:
-        return DataLoader(_HangsInWorkers(), batch_size=8, num_workers=num_workers, timeout=1.0)
+        return DataLoader(HangingInWorkers(), batch_size=8, num_workers=num_workers, timeout=1.0)
 
     children = set(multiprocessing.active_children())  # an earlier test's, under pytest -n
     started = time.perf_counter()
@@ -396,18 +384,6 @@ def test_a_hung_candidates_workers_are_terminated_not_joined() -> None:
     assert trial.error.startswith("hung")
     assert time.perf_counter() - started < 1.0 + MP_STATUS_CHECK_INTERVAL - 1  # no 5 s join, let alone two
     assert set(multiprocessing.active_children()) <= children
-
-
-class _CrashesInWorkers(Dataset[Tensor]):
-    """A worker process dies at its first sample (a native crash, as far as torch can tell)."""
-
-    def __len__(self) -> int:
-        return 64
-
-    def __getitem__(self, index: int) -> Tensor:
-        if torch.utils.data.get_worker_info() is not None:
-            os._exit(1)
-        return torch.zeros(2)
 
 
 def test_a_crash_before_the_fit_is_found_as_it_happens_after_a_fit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -419,7 +395,7 @@ def test_a_crash_before_the_fit_is_found_as_it_happens_after_a_fit(monkeypatch: 
     monkeypatch.setattr(signal_handling, "_SIGCHLD_handler_set", True)
 
     def make(num_workers: int, prefetch_factor: int | None) -> DataLoader[Any]:
-        return DataLoader(_CrashesInWorkers(), batch_size=8, num_workers=num_workers, timeout=10.0)
+        return DataLoader(CrashingInWorkers(), batch_size=8, num_workers=num_workers, timeout=10.0)
 
     started = time.perf_counter()
     try:
