@@ -40,6 +40,7 @@ def test_demo_trains_plain_then_boosted_and_writes_the_report(tmp_path: Path) ->
     assert rows["speed-up (training)"][1].endswith("x")
     wall = float(rows["speed-up (wall time, tuning included)"][1].removesuffix("x"))
     assert wall == pytest.approx(plain.seconds / boosted.seconds, abs=0.006)
+    assert boosted.seconds > boosted.before_training_s + boosted.after_training_s > 0  # its report's files
     assert plain.final_accuracy is not None and boosted.final_accuracy is not None
     assert rows["final validation accuracy"] == (
         f"{plain.final_accuracy:.1%}",
@@ -107,6 +108,34 @@ def test_throughput_reads_each_accuracy_after_the_fit_not_at_its_validation() ->
     assert Reads.count == 0
     ((_, read),) = clock.curve
     assert read == 0.5 and Reads.count == 1
+
+
+@PLAIN_WARNS
+def test_demo_wall_time_runs_to_the_return_of_fit(tmp_path: Path) -> None:
+    """What runs after training counts: the fit-end hooks (the report's files and plots) and the
+    wait for the last checkpoint save (a background save's, under a preset). Before 2026-11-28 the
+    demo stopped its clock at the end of training, which left both out of the boosted fit's wall
+    time, while plain Lightning pays for its last save inside training."""
+    import time
+
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_boost.demo import SmallCNN, _fit
+
+    class SlowFitEnd(L.Callback):
+        def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            time.sleep(0.3)
+
+    images = TensorDataset(torch.randn(32, 3, 32, 32), torch.randint(0, 10, (32,)))
+    options = {"enable_progress_bar": False, "enable_checkpointing": False, "log_every_n_steps": 1}
+    _, throughput = _fit(
+        DataLoader(images, batch_size=16), "auto", 1, str(tmp_path), "x", [SlowFitEnd()], SmallCNN, **options
+    )
+    assert throughput.after_training_s >= 0.3
+    whole = throughput.before_training_s + throughput.seconds + throughput.after_training_s
+    assert whole == pytest.approx(throughput.ended - throughput.fit_started)
 
 
 def test_cli_demo_says_when_the_boosted_fit_kept_plain_s_settings(
