@@ -67,7 +67,7 @@ $(STAMP): pyproject.toml constraints.txt
 
 $(OLDEST_STAMP): pyproject.toml constraints-oldest.txt
 	test -x $(OLDEST_VENV)/bin/python || $(OLDEST_PYTHON) -m venv $(OLDEST_VENV)
-	$(OLDEST_VENV)/bin/python -m pip install --quiet --constraint constraints-oldest.txt --editable '.[dev]'
+	$(OLDEST_VENV)/bin/python -m pip install --quiet --constraint constraints-oldest.txt --editable '.[test]'
 	touch $(OLDEST_STAMP)
 
 clean:

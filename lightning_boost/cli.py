@@ -32,6 +32,8 @@ def _parser() -> argparse.ArgumentParser:
         "--data", default=None, help="a directory holding CIFAR-10 (default: learnable images made here)"
     )
     demo.add_argument("--root", default="lightning_logs_demo", help="where logs and the report go")
+    plots = commands.add_parser("plots", help="draw a report's plots (a short fit leaves them undrawn)")
+    plots.add_argument("dir", help="the directory that holds boost_report.json (the run's log directory)")
     return parser
 
 
@@ -97,10 +99,28 @@ def demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def plots(directory: str) -> int:
+    """Draw the plots of the report in `directory` beside it; exit status 2 when it cannot."""
+    from lightning_boost.report.plots import INSTALL_HINT, redraw
+
+    try:
+        drawn = redraw(directory)
+    except FileNotFoundError:
+        print(f"No boost_report.json in {directory}: pass the directory a BoostReport wrote it to.")
+        return 2
+    except ModuleNotFoundError:
+        print(f"Drawing the plots needs matplotlib: {INSTALL_HINT}")
+        return 2
+    print("\n".join(str(path) for path in drawn) or f"The report in {directory} has nothing to plot.")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "doctor":
         return doctor(args.json)
+    if args.command == "plots":
+        return plots(args.dir)
     return demo(args)
 
 

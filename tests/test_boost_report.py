@@ -24,7 +24,7 @@ from lightning_boost import (
     preset,
 )
 from lightning_boost.hardware import EXAMPLES, HardwareInfo
-from lightning_boost.report import AREAS, SCHEMA_VERSION, Finding, Severity, plot_data
+from lightning_boost.report import AREAS, SCHEMA_VERSION, Finding, Report, Severity, plot_data
 from lightning_boost.report.callback import attach_report
 from lightning_boost.report.plots import INSTALL_HINT, write_plots
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
@@ -104,7 +104,8 @@ def test_files_land_in_log_dir_with_schema_plots_and_hparams(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     trainer = tiny_trainer(tmp_path, strategy=preset("auto", hardware=EXAMPLES["cpu"]), limit_train_batches=8,
-                           callbacks=boost_callbacks(auto_num_workers={"tuning": FAST}))  # fmt: skip
+                           callbacks=boost_callbacks(auto_num_workers={"tuning": FAST},
+                                                     boost_report={"plots": True}))  # fmt: skip
     trainer.fit(BoringModel(), datamodule=Data(batch_size=8, worker_tuning=FAST))
     log_dir = Path(trainer.log_dir or "")
     document = json.loads((log_dir / "boost_report.json").read_text())
@@ -158,7 +159,7 @@ def test_without_matplotlib_the_report_says_how_to_get_plots(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
-    report = BoostReport(console=False)
+    report = BoostReport(console=False, plots=True)
     trainer = tiny_trainer(tmp_path, limit_train_batches=6, callbacks=[StepTimeMonitor(), report])
     trainer.fit(BoringModel(), datamodule=BoringDataModule())
     assert report.report is not None and report.report.plots == []
@@ -169,6 +170,52 @@ def test_without_matplotlib_the_report_says_how_to_get_plots(
         "Plots skipped: matplotlib is not installed"
         in (Path(trainer.log_dir or "") / "boost_report.md").read_text()
     )
+
+
+def test_a_short_fit_leaves_its_plots_to_the_plots_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drawing costs about 0.15 s a plot, and matplotlib's import 0.5 s once a process (2 CPUs):
+    a fit of a few seconds that did not ask for plots is not made 10 % longer by them."""
+    from lightning_boost import cli
+    from lightning_boost.report import plots
+
+    monkeypatch.setattr(plots, "PLOT_S", 1.0)  # over budget below 100 s, however loaded the host
+    report = BoostReport(console=False)
+    trainer = tiny_trainer(tmp_path, limit_train_batches=6, callbacks=[StepTimeMonitor(), report])
+    trainer.fit(BoringModel(), datamodule=BoringDataModule())
+    log_dir = Path(trainer.log_dir or "")
+    assert report.report is not None and report.report.plots == [] and not list(log_dir.glob("*.png"))
+    (skipped,) = [f for f in report.report.findings if f.title.startswith("Plots skipped")]
+    assert skipped.title.startswith("Plots skipped: 1 would take about") and "% of this" in skipped.title
+    assert "`lightning-boost plots DIR`" in skipped.fix and "plots=True" in skipped.fix
+    assert skipped.data["fit_s"] * 0.01 < skipped.data["estimated_s"]
+
+    assert cli.main(["plots", str(log_dir)]) == 0
+    assert capsys.readouterr().out.strip() == str(log_dir / "boost_data_wait.png")
+    assert (log_dir / "boost_data_wait.png").read_bytes().startswith(b"\x89PNG")
+    document = json.loads((log_dir / "boost_report.json").read_text())
+    check_schema(document)
+    assert document["plots"] == ["boost_data_wait.png"]
+    assert not [f for f in document["findings"] if f["title"].startswith("Plots skipped")]
+    assert "![boost_data_wait](boost_data_wait.png)" in (log_dir / "boost_report.md").read_text()
+
+
+def test_plots_command_says_what_it_needs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning_boost import cli
+
+    assert cli.main(["plots", str(tmp_path)]) == 2
+    assert f"No boost_report.json in {tmp_path}" in capsys.readouterr().out
+    Report([Finding("x", "data", "info", "nothing to plot")]).write(tmp_path)
+    assert cli.main(["plots", str(tmp_path)]) == 0
+    assert "has nothing to plot" in capsys.readouterr().out
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed
+    spec = plot_data("data_wait", "Data wait", "step", [1, 2], {"wait": [0.1, 0.2]})
+    Report([Finding("x", "data", "info", "a plot", data={"plot": spec})]).write(tmp_path)
+    assert cli.main(["plots", str(tmp_path)]) == 2
+    assert INSTALL_HINT in capsys.readouterr().out
 
 
 def test_plots_are_drawn_from_plot_data(tmp_path: Path) -> None:
@@ -247,7 +294,7 @@ def test_report_collects_strategy_datamodule_and_callbacks_once(tmp_path: Path) 
     ("kwargs", "error", "match"),
     [
         ({"console": "yes"}, TypeError, "`console` expected True or False, got 'yes'"),
-        ({"plots": 1}, TypeError, "`plots` expected True or False, got 1"),
+        ({"plots": 1}, TypeError, "`plots` expected True or False or None, got 1"),
         (
             {"dirpath": 3},
             TypeError,

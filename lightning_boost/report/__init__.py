@@ -281,6 +281,13 @@ class Report:
         else:
             console.print(self.to_text(console.width, title), markup=False, highlight=False, soft_wrap=True)
 
+    @classmethod
+    def read(cls, path: str | Path) -> Report:
+        """The report a `write` left in ``boost_report.json`` at `path`."""
+        data = json.loads(Path(path).read_text())
+        findings = [Finding.from_dict(finding) for finding in data.get("findings", [])]
+        return cls(findings, dict(data.get("tuned", {})), list(data.get("plots", [])))
+
     def write(self, directory: str | Path) -> tuple[Path, Path]:
         """Write ``boost_report.json`` and ``boost_report.md`` atomically into `directory`."""
         directory = Path(directory)

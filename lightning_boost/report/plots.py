@@ -3,19 +3,62 @@
 A finding asks for a plot by carrying ``data["plot"]`` made with `lightning_boost.report.plot_data`:
 throughput vs ``num_workers``, throughput and peak memory vs batch size, the data-wait fraction over
 steps. `write_plots` draws each one with matplotlib's object API (no pyplot, so the user's backend
-and figures are left alone).
+and figures are left alone). Drawing is not free (`drawing_s`): a fit that did not ask for plots
+gets them when they cost at most `PLOT_BUDGET` of its wall time (`plots_fit`), and
+``lightning-boost plots DIR`` draws them from the report afterwards.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from lightning_boost.report import Finding, Severity
+from lightning_boost.report import Finding, Report, Severity
 
 #: What the report says when matplotlib is missing.
 INSTALL_HINT = "pip install 'lightning-boost[plots]'  (or: pip install matplotlib)"
+
+#: Seconds drawing takes on the 2-CPU development host (by hand, 2026-11-28, the demo's plots):
+#: matplotlib's import, the first time in a process, and then each plot.
+IMPORT_S, PLOT_S = 0.5, 0.15
+#: The share of a fit's wall time the plots may take when nobody asked for them: a 1-minute fit
+#: that imports matplotlib for 2 plots pays 0.8 s, 1.3 %, and draws none.
+PLOT_BUDGET = 0.01
+
+
+def drawing_s(count: int) -> float:
+    """About how long `count` plots take to draw in this process (the first pays the import)."""
+    if not count:
+        return 0.0
+    return (0.0 if "matplotlib.figure" in sys.modules else IMPORT_S) + PLOT_S * count
+
+
+def plots_fit(count: int, fit_s: float) -> bool:
+    """Whether drawing `count` plots stays within `PLOT_BUDGET` of a fit that took `fit_s` seconds.
+
+    Example:
+        >>> plots_fit(2, fit_s=3600.0), plots_fit(0, fit_s=1.0), plots_fit(2, fit_s=10.0)
+        (True, True, False)
+    """
+    return drawing_s(count) <= PLOT_BUDGET * fit_s
+
+
+def plots_skipped(source: str, count: int, fit_s: float) -> Finding:
+    """The finding that stands in for `count` plots left undrawn to keep a `fit_s`-second fit short."""
+    cost = drawing_s(count)
+    return Finding(
+        source,
+        "environment",
+        Severity.INFO,
+        f"Plots skipped: {count} would take about {cost:.1f} s, {cost / fit_s:.0%} of this {fit_s:.0f} s fit",
+        f"Plots nobody asked for are drawn when they take at most {PLOT_BUDGET:.0%} of the fit; the"
+        " report's JSON holds their data.",
+        "`lightning-boost plots DIR` draws them from the report in DIR;"
+        " `BoostReport(plots=True)` draws them on every fit",
+        data={"plots": count, "estimated_s": round(cost, 2), "fit_s": round(fit_s, 2)},
+    )
 
 
 def plot_specs(findings: Iterable[Finding]) -> list[Mapping[str, Any]]:
@@ -56,6 +99,23 @@ def write_plots(findings: Iterable[Finding], directory: str | Path) -> list[Path
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     return [_draw(spec, directory / f"boost_{spec['name']}.png") for spec in specs]
+
+
+def redraw(directory: str | Path) -> list[Path]:
+    """Draw the plots of the report in `directory` (``boost_report.json``) beside it and write the
+    report again with them, in place of a finding that said they were skipped.
+
+    Raises:
+        FileNotFoundError: when `directory` holds no ``boost_report.json``.
+        ModuleNotFoundError: when matplotlib is not installed.
+    """
+    directory = Path(directory)
+    report = Report.read(directory / "boost_report.json")
+    plots = write_plots(report.findings, directory)
+    report.findings = [f for f in report.findings if not f.title.startswith("Plots skipped")]
+    report.plots = [path.name for path in plots]
+    report.write(directory)
+    return plots
 
 
 def _draw(spec: Mapping[str, Any], path: Path) -> Path:
