@@ -207,7 +207,7 @@ def test_two_gloo_processes_save_in_the_background_on_rank_zero(tmp_path: Path) 
     assert [(tmp_path / f"rank{rank}.io").read_text() for rank in (0, 1)] == ["BackgroundSaves"] * 2
     assert [p.name for p in _checkpoints(tmp_path / "ckpt")] == ["epoch=0-step=4.ckpt"]
     saved = torch.load(tmp_path / "ckpt" / "epoch=0-step=4.ckpt", map_location="cpu", weights_only=False)
-    trained = torch.load(tmp_path / "trained.pt")
+    trained = torch.load(tmp_path / "trained.pt", weights_only=True)
     assert all(torch.equal(saved["state_dict"][k], v) for k, v in trained.items())
 
 

@@ -187,7 +187,9 @@ def test_a_short_fit_leaves_its_plots_to_the_plots_command(
     log_dir = Path(trainer.log_dir or "")
     assert report.report is not None and report.report.plots == [] and not list(log_dir.glob("*.png"))
     (skipped,) = [f for f in report.report.findings if f.title.startswith("Plots skipped")]
-    assert skipped.title.startswith("Plots skipped: 1 would take about") and "% of this" in skipped.title
+    assert (
+        skipped.title.startswith("Plots skipped: 1 plot(s) would take about") and "% of this" in skipped.title
+    )
     assert "`lightning-boost plots DIR`" in skipped.fix and "plots=True" in skipped.fix
     assert skipped.data["fit_s"] * 0.01 < skipped.data["estimated_s"]
 

@@ -420,7 +420,7 @@ def test_under_ddp_an_oom_on_one_rank_shrinks_every_rank_in_the_same_step(
             limit_train_batches=None, limit_val_batches=None, max_epochs=1,
         )  # fmt: skip
         trainer.fit(RankModel(str(out), **kwargs), train_dataloaders=loader(128))
-        runs[name] = [torch.load(out / f"rank{rank}.pt") for rank in (0, 1)]
+        runs[name] = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in (0, 1)]
     for rank in (0, 1):
         for key, value in runs["plain"][rank].items():
             torch.testing.assert_close(runs["tuned"][rank][key], value, rtol=1e-5, atol=1e-6)

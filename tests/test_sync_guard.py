@@ -7,12 +7,14 @@ sync on one, and the ``gpu``-marked tests check the CUDA path where a GPU is len
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import time
 import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import pytorch_lightning as pl
 import torch
@@ -34,6 +36,12 @@ from lightning_boost import (
 )
 from lightning_boost._lightning import pytorch_lightning_takes_our_callbacks
 from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
+
+
+def _version(package: str) -> tuple[int, int]:
+    major, minor = importlib.metadata.version(package).split(".")[:2]
+    return int(major), int(minor)
+
 
 #: AutoBatchSize runs here are a few batches long; its run-length rules are tested in test_goodput.
 pytestmark = pytest.mark.usefixtures("long_planned_run")
@@ -471,11 +479,11 @@ def test_default_checks_a_sample_of_steps(tmp_path: Path) -> None:
     assert finding.data["per_step"] == 1 and finding.data["checked_steps"] == checked
 
 
-class _SlowFetch(pl.Callback):
+class _SlowFetch(L.Callback):  # `lightning`'s, as the trainer: Lightning 2.4 takes no other
     """The step after the guard's first checks waits 0.3 s beside it, as a step whose loader ran a
     tuner's trial on a copy of the model does: the guard's first plain step to time."""
 
-    def on_train_batch_end(self, trainer: pl.Trainer, module: Any, outputs: Any, batch: Any, i: int) -> None:
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, batch: Any, i: int) -> None:
         if i == 3:
             time.sleep(0.3)
 
@@ -915,6 +923,13 @@ class LoggedItem(BoringModel):
         return loss
 
 
+#: Without the pack, a compiled module's `self.log` fails under torch 2.5.1 with Lightning 2.4.0
+#: (dynamo: "'_ResultMetric' object has no attribute '_defaults'"); it trains under torch 2.14.1
+#: with Lightning 2.6.6. The sets between are not checked.
+OLD_COMPILE = _version("torch") < (2, 6) or _version("lightning") < (2, 5)
+
+
+@pytest.mark.skipif(OLD_COMPILE, reason="a compiled module's self.log fails without the pack here")
 @pytest.mark.parametrize(("model", "found"), [(BoringModel, 0), (LoggedItem, 1)])
 @pytest.mark.filterwarnings(
     "ignore:The .grad attribute of a Tensor that is not a leaf"

@@ -52,7 +52,8 @@ def plots_skipped(source: str, count: int, fit_s: float) -> Finding:
         source,
         "environment",
         Severity.INFO,
-        f"Plots skipped: {count} would take about {cost:.1f} s, {cost / fit_s:.0%} of this {fit_s:.0f} s fit",
+        f"Plots skipped: {count} plot(s) would take about {cost:.1f} s, {cost / fit_s:.0%} of this"
+        f" {fit_s:.0f} s fit",
         f"Plots nobody asked for are drawn when they take at most {PLOT_BUDGET:.0%} of the fit; the"
         " report's JSON holds their data.",
         "`lightning-boost plots DIR` draws them from the report in DIR;"
