@@ -129,3 +129,9 @@ def worker_bounds(monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
 
     monkeypatch.setattr(tuner, "decide_workers", watched)
     return bounds
+
+
+def minor_version(version: str) -> tuple[int, int]:
+    """``(2, 14)`` of ``"2.14.1+cu130"``: to compare a package's release with a floor."""
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)

@@ -14,6 +14,7 @@ import torch
 
 from benchmarks.corpus.public import PROGRAMS, run
 from lightning_boost import BoostReport, Finding, Severity
+from tests.conftest import minor_version
 
 # What Lightning and PyTorch themselves say about these programs as written (the GAN's datamodule
 # asks for 16 workers and has a val loader but no validation_step; the imagenet example pins memory
@@ -93,14 +94,9 @@ EXPECTED: dict[str, list[tuple[str, Severity, str]]] = {
 SYNC_LINES = {"generative_adversarial_net": 4, "transformer": 2}
 
 
-def _minor(version: str) -> tuple[int, int]:
-    major, minor = version.split(".")[:2]
-    return int(major), int(minor)
-
-
 #: The transformer's syncs are torch's `nn.Transformer` and Lightning's demo model: at the oldest
 #: set (torch 2.5.1, Lightning 2.4.0) neither syncs there, and the guards rightly find none.
-if _minor(torch.__version__) < (2, 6) or _minor(L.__version__) < (2, 5):
+if minor_version(torch.__version__) < (2, 6) or minor_version(L.__version__) < (2, 5):
     EXPECTED["transformer"] = [
         e for e in EXPECTED["transformer"] if not re.search("forward|self.model", e[2])
     ]

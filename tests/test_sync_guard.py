@@ -7,7 +7,6 @@ sync on one, and the ``gpu``-marked tests check the CUDA path where a GPU is len
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import time
 import warnings
@@ -36,12 +35,7 @@ from lightning_boost import (
 )
 from lightning_boost._lightning import pytorch_lightning_takes_our_callbacks
 from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
-
-
-def _version(package: str) -> tuple[int, int]:
-    major, minor = importlib.metadata.version(package).split(".")[:2]
-    return int(major), int(minor)
-
+from tests.conftest import minor_version
 
 #: AutoBatchSize runs here are a few batches long; its run-length rules are tested in test_goodput.
 pytestmark = pytest.mark.usefixtures("long_planned_run")
@@ -926,7 +920,7 @@ class LoggedItem(BoringModel):
 #: Without the pack, a compiled module's `self.log` fails under torch 2.5.1 with Lightning 2.4.0
 #: (dynamo: "'_ResultMetric' object has no attribute '_defaults'"); it trains under torch 2.14.1
 #: with Lightning 2.6.6. The sets between are not checked.
-OLD_COMPILE = _version("torch") < (2, 6) or _version("lightning") < (2, 5)
+OLD_COMPILE = minor_version(torch.__version__) < (2, 6) or minor_version(L.__version__) < (2, 5)
 
 
 @pytest.mark.skipif(OLD_COMPILE, reason="a compiled module's self.log fails without the pack here")
