@@ -43,6 +43,7 @@ BENCHMARKS = (
     "noise_scale",
     "batch_quality",
     "monitor_overhead",
+    "report_plots",
     "guard_overhead",
     "micro_batch",
     "stack_overhead",

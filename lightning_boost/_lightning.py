@@ -6,6 +6,7 @@ import atexit
 import copy
 import functools
 import inspect
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -453,8 +454,17 @@ def destroy_process_group_at_exit() -> None:
 _exit_hook_registered = False
 
 
+#: How long the exit hook hands the GIL to gloo's worker threads before destroying the group.
+GIL_HANDOVER_S = 0.05
+
+
 def _destroy_process_group() -> None:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Before torch 2.8 (pytorch#154976) the group's destructor holds the GIL while it joins
+        # gloo's worker threads, and a worker releasing a finished collective's tensors needs the
+        # GIL to free their Python objects: a deadlock that hung a finished fit's rank at exit.
+        # Sleeping releases the GIL, so a worker waiting for it finishes first.
+        time.sleep(GIL_HANDOVER_S)
         torch.distributed.destroy_process_group()
 
 

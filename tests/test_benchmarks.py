@@ -76,6 +76,16 @@ def test_monitor_overhead_runs_at_tiny_size() -> None:
     assert "end-of-fit work" in rows[0].detail
 
 
+def test_report_plots_times_the_plots_of_a_real_report_at_tiny_size() -> None:
+    from benchmarks import report_plots
+
+    (row,) = report_plots.run(samples=1024, repeats=1)
+    assert row.benchmark.startswith("report plots: BoostReport's estimate of drawing a fit's plots")
+    assert row.ratio > 0 and row.command == report_plots.COMMAND
+    assert re.search(r"[1-9] plots [0-9.]+ s the first time in a process", row.detail)
+    assert "a plot drawn again (PLOT_S" in row.detail
+
+
 def test_guard_overhead_runs_at_tiny_size() -> None:
     from benchmarks import guard_overhead
 

@@ -175,8 +175,8 @@ def test_without_matplotlib_the_report_says_how_to_get_plots(
 def test_a_short_fit_leaves_its_plots_to_the_plots_command(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Drawing costs about 0.15 s a plot, and matplotlib's import 0.5 s once a process (2 CPUs):
-    a fit of a few seconds that did not ask for plots is not made 10 % longer by them."""
+    """Drawing costs about 0.15 s a plot (2 CPUs): a fit of a few seconds that did not ask for
+    plots is not made 10 % longer by them."""
     from lightning_boost import cli
     from lightning_boost.report import plots
 

@@ -58,8 +58,8 @@ class BoostReport(L.Callback):
             its logs (its first logger's directory; none without a logger), ``True`` also
             without a logger (in ``default_root_dir``), ``False`` never.
         plots: draw the PNG plots (needs matplotlib: ``pip install 'lightning-boost[plots]'``):
-            ``None`` (default) when drawing takes at most 1 % of the fit's wall time (matplotlib's
-            import, once a process, and each plot: about 0.5 s and 0.15 s on a 2-CPU host), else
+            ``None`` (default) when drawing takes at most 1 % of the fit's wall time (about 0.15 s
+            a plot on a 2-CPU host, `lightning_boost.report.plots.drawing_s`), else
             the report says so and ``lightning-boost plots DIR`` draws them later; ``True`` on every
             fit; ``False`` never.
         log_hyperparams: log tuned values to the loggers.

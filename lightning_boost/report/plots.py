@@ -20,11 +20,12 @@ from lightning_boost.report import Finding, Report, Severity
 #: What the report says when matplotlib is missing.
 INSTALL_HINT = "pip install 'lightning-boost[plots]'  (or: pip install matplotlib)"
 
-#: Seconds drawing takes on the 2-CPU development host (by hand, 2026-11-28, the demo's plots):
-#: matplotlib's import, the first time in a process, and then each plot.
+#: Seconds drawing takes on the 2-CPU development host (``python -m benchmarks report_plots``):
+#: matplotlib's import, where it has not been imported (``import lightning`` imports it through
+#: torchmetrics when it is installed), and then each plot.
 IMPORT_S, PLOT_S = 0.5, 0.15
-#: The share of a fit's wall time the plots may take when nobody asked for them: a 1-minute fit
-#: that imports matplotlib for 2 plots pays 0.8 s, 1.3 %, and draws none.
+#: The share of a fit's wall time the plots may take when nobody asked for them: a 30 s fit pays
+#: 0.45 s, 1.5 %, for 3 plots and draws none; a 1-minute fit draws them.
 PLOT_BUDGET = 0.01
 
 
