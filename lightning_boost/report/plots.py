@@ -20,12 +20,12 @@ from lightning_boost.report import Finding, Report, Severity
 #: What the report says when matplotlib is missing.
 INSTALL_HINT = "pip install 'lightning-boost[plots]'  (or: pip install matplotlib)"
 
-#: Seconds drawing takes on the 2-CPU development host (``python -m benchmarks report_plots``):
-#: matplotlib's import, where it has not been imported (``import lightning`` imports it through
-#: torchmetrics when it is installed), and then each plot.
+#: Seconds drawing takes on the 2-CPU development host: matplotlib's import (by hand, in a process
+#: without Lightning: ``import lightning`` imports matplotlib through torchmetrics where it is
+#: installed, so a fit seldom pays it), and each plot (``python -m benchmarks report_plots``).
 IMPORT_S, PLOT_S = 0.5, 0.15
-#: The share of a fit's wall time the plots may take when nobody asked for them: a 30 s fit pays
-#: 0.45 s, 1.5 %, for 3 plots and draws none; a 1-minute fit draws them.
+#: The share of a fit's wall time the plots may take when nobody asked for them: 3 plots take
+#: 0.45 s, so a 30 s fit (1.5 %) draws none and a 1-minute fit (0.75 %) draws them.
 PLOT_BUDGET = 0.01
 
 
