@@ -27,22 +27,24 @@ from lightning_boost import AutoBatchSize, boost_callbacks, preset
 from lightning_boost.cache import CACHE_DIR_ENV
 from lightning_boost.demo import FakeCIFAR, fit_fake_cifar
 from lightning_boost.hardware import HardwareInfo
-from lightning_boost.report.plots import IMPORT_S, PLOT_S
+from lightning_boost.report import Report
+from lightning_boost.report.plots import IMPORT_S, PLOT_S, plot_specs
 
 COMMAND = "python -m benchmarks report_plots"
 
 #: Run in a fresh process: Lightning and the pack imported as in a fit, the estimate the report
-#: makes there, then its plots drawn twice, the first time as a fit's end draws them; prints JSON.
+#: makes there for its `count` plots, then the plots drawn twice, the first time as a fit's end
+#: draws them; prints JSON. Arguments: the report's directory, `count`.
 DRAW = """
 import json, sys, time
 import lightning, torch
-from lightning_boost.report import Report, plots
-count = len(plots.plot_specs(Report.read(sys.argv[1] + "/boost_report.json").findings))
+from lightning_boost.report import plots
+count = int(sys.argv[2])
 imported = "matplotlib.figure" in sys.modules
 estimate = plots.drawing_s(count)
 start = time.perf_counter(); plots.redraw(sys.argv[1]); first = time.perf_counter() - start
 start = time.perf_counter(); plots.redraw(sys.argv[1]); again = time.perf_counter() - start
-print(json.dumps(dict(count=count, imported=imported, estimate=estimate, first=first, again=again)))
+print(json.dumps(dict(imported=imported, estimate=estimate, first=first, again=again)))
 """
 
 
@@ -54,12 +56,13 @@ def run(samples: int = 8192, repeats: int = 5) -> list[Row]:
     """
     with tempfile.TemporaryDirectory() as root, mock.patch.dict(os.environ, {CACHE_DIR_ENV: f"{root}/cache"}):
         directory = _report_with_plots(root, samples)  # a cold cache: every tuner measures, and plots
-        times = [_draw_in_fresh_process(directory) for _ in range(repeats)]
-    count, estimate = int(times[0]["count"]), statistics.median(t["estimate"] for t in times)
-    if not count:
-        raise ValueError(
-            f"`samples` too few for the report to ask for a plot, got {samples}: try 1024 or more."
-        )
+        count = len(plot_specs(Report.read(directory / "boost_report.json").findings))
+        if not count:
+            raise ValueError(
+                f"`samples` too few for the report to ask for a plot, got {samples}: try 1024 or more."
+            )
+        times = [_draw_in_fresh_process(directory, count) for _ in range(repeats)]
+    estimate = statistics.median(t["estimate"] for t in times)
     first = statistics.median(t["first"] for t in times)
     again = statistics.median(t["again"] for t in times) / count
     imported = (
@@ -102,9 +105,9 @@ def _report_with_plots(root: str, samples: int) -> Path:
     return Path(trainer.log_dir or root)
 
 
-def _draw_in_fresh_process(directory: Path) -> dict[str, Any]:
+def _draw_in_fresh_process(directory: Path, count: int) -> dict[str, Any]:
     done = subprocess.run(
-        [sys.executable, "-c", DRAW, str(directory)], check=True, capture_output=True, text=True
+        [sys.executable, "-c", DRAW, str(directory), str(count)], check=True, capture_output=True, text=True
     )
     times: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
     return times

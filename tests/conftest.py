@@ -4,6 +4,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 
@@ -135,3 +136,8 @@ def minor_version(version: str) -> tuple[int, int]:
     """``(2, 14)`` of ``"2.14.1+cu130"``: to compare a package's release with a floor."""
     major, minor = version.split(".")[:2]
     return int(major), int(minor)
+
+
+#: Below torch 2.6 or Lightning 2.5 (the oldest set: torch 2.5.1, Lightning 2.4.0), where the
+#: libraries behave as some tests' expectations do not (each test says how).
+OLD_TORCH_OR_LIGHTNING = minor_version(torch.__version__) < (2, 6) or minor_version(L.__version__) < (2, 5)

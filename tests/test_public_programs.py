@@ -10,11 +10,10 @@ from typing import Any
 
 import lightning as L
 import pytest
-import torch
 
 from benchmarks.corpus.public import PROGRAMS, run
 from lightning_boost import BoostReport, Finding, Severity
-from tests.conftest import minor_version
+from tests.conftest import OLD_TORCH_OR_LIGHTNING
 
 # What Lightning and PyTorch themselves say about these programs as written (the GAN's datamodule
 # asks for 16 workers and has a val loader but no validation_step; the imagenet example pins memory
@@ -96,7 +95,7 @@ SYNC_LINES = {"generative_adversarial_net": 4, "transformer": 2}
 
 #: The transformer's syncs are torch's `nn.Transformer` and Lightning's demo model: at the oldest
 #: set (torch 2.5.1, Lightning 2.4.0) neither syncs there, and the guards rightly find none.
-if minor_version(torch.__version__) < (2, 6) or minor_version(L.__version__) < (2, 5):
+if OLD_TORCH_OR_LIGHTNING:
     EXPECTED["transformer"] = [
         e for e in EXPECTED["transformer"] if not re.search("forward|self.model", e[2])
     ]

@@ -35,7 +35,7 @@ from lightning_boost import (
 )
 from lightning_boost._lightning import pytorch_lightning_takes_our_callbacks
 from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
-from tests.conftest import minor_version
+from tests.conftest import OLD_TORCH_OR_LIGHTNING
 
 #: AutoBatchSize runs here are a few batches long; its run-length rules are tested in test_goodput.
 pytestmark = pytest.mark.usefixtures("long_planned_run")
@@ -920,10 +920,7 @@ class LoggedItem(BoringModel):
 #: Without the pack, a compiled module's `self.log` fails under torch 2.5.1 with Lightning 2.4.0
 #: (dynamo: "'_ResultMetric' object has no attribute '_defaults'"); it trains under torch 2.14.1
 #: with Lightning 2.6.6. The sets between are not checked.
-OLD_COMPILE = minor_version(torch.__version__) < (2, 6) or minor_version(L.__version__) < (2, 5)
-
-
-@pytest.mark.skipif(OLD_COMPILE, reason="a compiled module's self.log fails without the pack here")
+@pytest.mark.skipif(OLD_TORCH_OR_LIGHTNING, reason="a compiled module's self.log fails without the pack here")
 @pytest.mark.parametrize(("model", "found"), [(BoringModel, 0), (LoggedItem, 1)])
 @pytest.mark.filterwarnings(
     "ignore:The .grad attribute of a Tensor that is not a leaf"
