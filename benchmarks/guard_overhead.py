@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import gc
 import statistics
-import tempfile
 import time
 import timeit
-from collections.abc import Callable
 from typing import Any
 
 import lightning as L
 
 from benchmarks.common import Row
-from benchmarks.monitor_overhead import fit_per_step
+from benchmarks.monitor_overhead import paired_fits
 from lightning_boost import BoostReport, LossLoggingGuard, SyncGuard
 from lightning_boost.guards.graphs import census
 
@@ -31,21 +29,6 @@ COMMAND = "python -m benchmarks guard_overhead"
 
 def _silent_report() -> BoostReport:
     return BoostReport(console=False, files=False, log_hyperparams=False)
-
-
-def _paired(
-    variants: dict[str, Callable[[], list[L.Callback]]], steps: int, repeats: int
-) -> dict[str, list[float]]:
-    """Seconds per step of each variant, fitted in rotating order within each repeat."""
-    per_step: dict[str, list[float]] = {name: [] for name in variants}
-    names = list(variants)
-    with tempfile.TemporaryDirectory() as root:
-        fit_per_step(root, 50, [])  # warm-up: imports, allocator, first-fit costs
-        for repeat in range(repeats):
-            shift = repeat % len(names)
-            for name in names[shift:] + names[:shift]:
-                per_step[name].append(fit_per_step(root, steps, variants[name]()))
-    return per_step
 
 
 def _census_seconds(repeats: int = 5) -> float:
@@ -87,7 +70,7 @@ def run(
         guards.append(guard)
         return [guard, _silent_report()]
 
-    default = _paired(
+    default = paired_fits(
         {
             "plain": list,
             "two no-op callbacks": lambda: [L.Callback(), L.Callback()],
@@ -97,7 +80,7 @@ def run(
         steps,
         repeats,
     )
-    every = _paired(
+    every = paired_fits(
         {
             "plain": list,
             "LossLoggingGuard": lambda: [LossLoggingGuard(every_n_steps=1), _silent_report()],

@@ -73,7 +73,9 @@ def test_monitor_overhead_runs_at_tiny_size() -> None:
     names = [row.benchmark.split(":")[0] for row in rows]
     assert names == ["StepTimeMonitor (+ the BoostReport it attaches)", "StepTimeMonitor (+ BoostReport)"]
     assert all(row.ratio > 0 and row.command == monitor_overhead.COMMAND for row in rows)
-    assert "end-of-fit work" in rows[0].detail
+    assert re.search(r"end-of-fit work .* [0-9]+ ms once per fit", rows[0].detail)
+    hook_us = re.search(r"per-step hooks took ([0-9.]+) µs a step", rows[1].detail)
+    assert hook_us and float(hook_us.group(1)) > 0  # the hooks were timed, not skipped
 
 
 def test_report_plots_times_the_plots_of_a_real_report_at_tiny_size() -> None:
