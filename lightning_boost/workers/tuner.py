@@ -65,6 +65,31 @@ CACHE_FILE = "workers.json"
 MEASURE_BATCH_CAP = 1024
 
 
+@dataclasses.dataclass(frozen=True)
+class LoaderAsk:
+    """One loader's worker question as `LoaderTuner.decide` gathered it: what rank zero decides on.
+
+    Args:
+        tuning: how to measure, bounded by the loader's batches (`bounded`).
+        hardware: as the trainer runs it.
+        dataset: the loader's dataset.
+        batch_size: the loader's batch size.
+        settings: the real loader's other arguments (collate function, pinning, ...).
+        trainer: the run's trainer, or ``None`` outside a fit.
+        workload_samples: what the run will load from it, when known.
+        hook: the step the loader feeds, whose rate a measurement before the loop weighs.
+    """
+
+    tuning: WorkerTuning
+    hardware: HardwareInfo
+    dataset: Dataset[Any]
+    batch_size: int
+    settings: Mapping[str, Any]
+    trainer: L.Trainer | None
+    workload_samples: int | None
+    hook: str = "training_step"
+
+
 class LoaderTuner:
     """Chooses `num_workers`/`prefetch_factor` per dataset and batch size, once per fingerprint.
 
@@ -141,19 +166,10 @@ class LoaderTuner:
         if choice is None:
             online = (epoch_batches, workload_samples, unit) if self.tuning.online else None
 
+            ask = LoaderAsk(tuning, hardware, dataset, batch_size, settings, trainer, workload_samples, hook)
+
             def decide() -> dict[str, Any]:
-                return self._decide(
-                    tuning,
-                    hardware,
-                    key,
-                    dataset,
-                    batch_size,
-                    settings,
-                    trainer,
-                    workload_samples,
-                    online,
-                    hook,
-                )
+                return self._decide(ask, key, online)
 
             result = decided_on_rank_zero(
                 trainer.strategy if trainer is not None else None,
@@ -221,28 +237,19 @@ class LoaderTuner:
         )
 
     def _decide(
-        self,
-        tuning: WorkerTuning,
-        hardware: HardwareInfo,
-        key: str,
-        dataset: Dataset[Any],
-        batch_size: int,
-        settings: Mapping[str, Any],
-        trainer: L.Trainer | None,
-        workload_samples: int | None,
-        online: tuple[int | None, int | None, str] | None = None,
-        hook: str = "training_step",
+        self, ask: LoaderAsk, key: str, online: tuple[int | None, int | None, str] | None = None
     ) -> dict[str, Any]:
-        """Rank zero: the cached choice, else the plan of a search on the run's own batches
+        """Rank zero: the cached choice for `key`, else the plan of a search on the run's own batches
         (`online`: the epoch's or pass's batches, the run's samples, `SegmentPlan.unit`), else a
         measured one; never raises (the others are waiting)."""
+        tuning, hardware, trainer = ask.tuning, ask.hardware, ask.trainer
         try:
             checking = debugging_mode(trainer) if trainer is not None else ""
             if checking:  # nothing a check of a few batches could repay
                 return WorkerChoice(
                     0, None, f"no workers: `{checking}` runs the fit as a check", source="short run"
                 ).to_dict()
-            why_not = cannot_measure(dataset)
+            why_not = cannot_measure(ask.dataset)
             if why_not is not None:
                 return WorkerChoice(0, None, f"not measured: {why_not}", source="unmeasurable").to_dict()
             path = Path(self.cache_dir or cache.default_cache_dir()) / CACHE_FILE
@@ -252,7 +259,7 @@ class LoaderTuner:
                     return cached.to_dict()
             if online is not None and online[0] is not None:
                 epoch_batches, samples, unit = online
-                run_batches = None if samples is None else -(-samples // batch_size)
+                run_batches = None if samples is None else -(-samples // ask.batch_size)
                 # the counts a search may try split its segments
                 most = workers_allowed(hardware.cpus_per_process, tuning)
                 plan = plan_segments(epoch_batches, run_batches, most, unit)
@@ -262,9 +269,7 @@ class LoaderTuner:
                 why = plan.why_not or untimeable_reason(hardware, tuning, plan)
                 reason = f"{workers} workers, not searched: {why}"
                 return WorkerChoice(workers, factor, reason, source="short run").to_dict()
-            choice = self._measure(
-                tuning, hardware, dataset, batch_size, settings, trainer, workload_samples, hook
-            )
+            choice = self._measure(ask)
             if choice.source == "measured":  # a short run's shortcut would shortchange a long one
                 cache.store_entry(path, key, {"choice": choice.to_dict()})
             return choice.to_dict()
@@ -285,29 +290,20 @@ class LoaderTuner:
             rank_zero_warn(message, category=BoostWarning)
             return None
 
-    def _measure(
-        self,
-        tuning: WorkerTuning,
-        hardware: HardwareInfo,
-        dataset: Dataset[Any],
-        batch_size: int,
-        settings: Mapping[str, Any],
-        trainer: L.Trainer | None,
-        workload_samples: int | None = None,
-        hook: str = "training_step",
-    ) -> WorkerChoice:
+    def _measure(self, ask: LoaderAsk) -> WorkerChoice:
         """The measurements `decide_workers` asks for, built on this run, the model's rates those of
-        `hook`, the step the loader feeds; its choice."""
+        ``ask.hook``, the step the loader feeds; its choice."""
+        tuning, trainer, batch_size = ask.tuning, ask.trainer, ask.batch_size
         # loader trials time samples per second, which the batch size barely changes: a batch tuned
         # to the whole dataset is timed at `MEASURE_BATCH_CAP` samples a batch, not loaded whole
         # by every trial; the model's step is still timed on one batch of the real size
         size = min(batch_size, MEASURE_BATCH_CAP)
-        make = measurement_loaders(dataset, size, settings, tuning.timeout_s)
-        make_full = measurement_loaders(dataset, batch_size, settings, tuning.timeout_s)
+        make = measurement_loaders(ask.dataset, size, ask.settings, tuning.timeout_s)
+        make_full = measurement_loaders(ask.dataset, batch_size, ask.settings, tuning.timeout_s)
         module = trainer.lightning_module if trainer is not None else None
         window, consume = tuning.window_s, None
-        short = workload_samples if tuning.skip_short_runs else None
-        if trainer is not None and hardware.accelerator != "cpu":
+        short = ask.workload_samples if tuning.skip_short_runs else None
+        if trainer is not None and ask.hardware.accelerator != "cpu":
             consume = device_transfer(trainer)
         times_model = module is not None and consume is None  # a CPU run: the model's step timed too
         rest_s = rest_of_measuring(tuning, times_model)
@@ -328,16 +324,16 @@ class LoaderTuner:
         def step_rate() -> float | None:
             assert trainer is not None and module is not None and consume is not None
             batch = consume(next(iter(make_full(0, None))))
-            return consumer_rate(trainer, module, batch, batch_size, hook)
+            return consumer_rate(trainer, module, batch, batch_size, ask.hook)
 
         probes = WorkerProbes(
             loader, consumer_rate=step_rate if module is not None and consume is not None else None
         )
         if times_model:
             assert module is not None
-            probes = cpu_probes(probes, module, make_full, batch_size, hook, tuning.budget_s / 2)
+            probes = cpu_probes(probes, module, make_full, batch_size, ask.hook, tuning.budget_s / 2)
         with preserved_rng():  # the measurement loaders draw their seeds from the run's generator
-            return decide_workers(probes, hardware, tuning, workload_samples)
+            return decide_workers(probes, ask.hardware, tuning, ask.workload_samples)
 
     def configure_segment(
         self, hardware: HardwareInfo, num_workers: int, threads: int | None = None, split: str = ""
