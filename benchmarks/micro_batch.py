@@ -30,7 +30,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
 
 from benchmarks.common import Row
-from benchmarks.guard_overhead import _fastest, _paired, _ratio, _silent_report
+from benchmarks.guard_overhead import _fastest, _ratio, _silent_report
+from benchmarks.monitor_overhead import paired_fits
 from lightning_boost import AutoMicroBatch
 
 COMMAND = "python -m benchmarks micro_batch"
@@ -138,7 +139,7 @@ def _retry(repeats: int, steps: int) -> Row:
 
 
 def run(steps: int = 1000, repeats: int = 11, retry_repeats: int = 5, retry_steps: int = 24) -> list[Row]:
-    per_step = _paired(
+    per_step = paired_fits(
         {
             "two no-op callbacks": lambda: [L.Callback(), L.Callback()],
             "AutoMicroBatch": lambda: [AutoMicroBatch(), _silent_report()],
