@@ -156,22 +156,24 @@ def run(steps: int = 1000, repeats: int = 11) -> list[Row]:
     ]
 
 
+def _clocked(hook: Callable[..., None], spent: list[float]) -> Callable[..., None]:
+    """`hook`, adding the seconds each call takes to ``spent[0]``."""
+
+    def run_hook(*args: Any) -> None:
+        start = time.perf_counter()
+        hook(*args)
+        spent[0] += time.perf_counter() - start
+
+    return run_hook
+
+
 def _time_hooks(root: str, steps: int) -> tuple[float, float]:
     """Microseconds per step in `StepTimeMonitor`'s two per-step hooks during one fit, and their share
     of that fit's training time (the wrappers' own clock reads are in it: an overestimate)."""
     monitor = StepTimeMonitor()
     spent = [0.0]
-
-    def timed(hook: Callable[..., None]) -> Callable[..., None]:
-        def run_hook(*args: Any) -> None:
-            start = time.perf_counter()
-            hook(*args)
-            spent[0] += time.perf_counter() - start
-
-        return run_hook
-
-    monitor.on_train_batch_start = timed(monitor.on_train_batch_start)  # type: ignore[method-assign]
-    monitor.on_train_batch_end = timed(monitor.on_train_batch_end)  # type: ignore[method-assign]
+    monitor.on_train_batch_start = _clocked(monitor.on_train_batch_start, spent)  # type: ignore[method-assign]
+    monitor.on_train_batch_end = _clocked(monitor.on_train_batch_end, spent)  # type: ignore[method-assign]
     step_s = fit_per_step(root, steps, [monitor])
     return 1e6 * spent[0] / steps, spent[0] / (step_s * steps)
 
@@ -179,15 +181,7 @@ def _time_hooks(root: str, steps: int) -> tuple[float, float]:
 def _time_report(root: Path, steps: int) -> float:
     """Seconds BoostReport spends at the end of a fit (the table is not printed here)."""
     report = BoostReport(console=False)
-    monitor = StepTimeMonitor()
-    original = report.on_fit_end
-    spent: list[float] = []
-
-    def timed(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        start = time.perf_counter()
-        original(trainer, pl_module)
-        spent.append(time.perf_counter() - start)
-
-    report.on_fit_end = timed  # type: ignore[method-assign]
-    fit_per_step(str(root), steps, [monitor, report])
+    spent = [0.0]
+    report.on_fit_end = _clocked(report.on_fit_end, spent)  # type: ignore[method-assign]
+    fit_per_step(str(root), steps, [StepTimeMonitor(), report])
     return spent[0]
