@@ -937,9 +937,9 @@ def scripted_validation(monkeypatch: pytest.MonkeyPatch) -> None:
     does, at a second a sample at batch 1: the run's validation is always worth more than a trial's
     real seconds (at 1000 samples/s a sample, a pass of 32 took 8 ms, and a trial that took longer
     on a busy machine was judged not to repay itself); OOMs stay real."""
-    from lightning_boost.batch_size import callback as module
+    from lightning_boost.batch_size import measure
 
-    monkeypatch.setattr(module, "_measures_eval_sizes", lambda device: True)
+    monkeypatch.setattr(measure, "_measures_eval_sizes", lambda device: True)
     real = StepProbe.validate
 
     def validate(self: StepProbe, batch: Any, size: int) -> Any:
@@ -998,9 +998,9 @@ def test_evaluation_sizes_are_measured_only_while_the_runs_validation_can_repay_
     time at the training size, a larger evaluation batch cannot save what its trial costs: the
     training size is kept after its own step. At 1 s a sample, the doublings go on as before
     (to 16: the OOM above it). Evaluation rates are scripted like the other tests' (real steps)."""
-    from lightning_boost.batch_size import callback as module
+    from lightning_boost.batch_size import measure
 
-    monkeypatch.setattr(module, "_measures_eval_sizes", lambda device: True)
+    monkeypatch.setattr(measure, "_measures_eval_sizes", lambda device: True)
     real = StepProbe.validate
 
     def validate(self: StepProbe, batch: Any, size: int) -> Any:

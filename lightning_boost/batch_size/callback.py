@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
-import warnings
-from collections.abc import Callable, Iterator, Sized
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -15,9 +12,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.data import extract_batch_size
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 from torch.utils.data import DataLoader
 from typing_extensions import override
 
@@ -25,16 +20,13 @@ from lightning_boost import cache
 from lightning_boost._lightning import (
     callbacks_of,
     datamodule_of,
-    debugging_mode,
     forget_train_loader,
     hardware_for,
-    moved_as_the_run_moves,
     overrides,
     preserved_rng,
     redo_optimizers,
     train_loader_built,
     train_loaders,
-    user_dataloaders,
 )
 from lightning_boost._validation import (
     Directory,
@@ -45,6 +37,7 @@ from lightning_boost._validation import (
     Seconds,
     validated,
 )
+from lightning_boost.batch_size.attribute import adopted_finding, attribute_the_loader_reads, not_tunable
 from lightning_boost.batch_size.decision import (
     BatchSizeDecision,
     decide,
@@ -55,9 +48,20 @@ from lightning_boost.batch_size.decision import (
     optimizers_finding,
     restored_finding,
 )
-from lightning_boost.batch_size.evaluation import eval_batch_size
 from lightning_boost.batch_size.goodput import NoiseScale, lr_rule
-from lightning_boost.batch_size.plan import AUTOTUNE_MIN_RUN_S, RunPlan
+from lightning_boost.batch_size.measure import (
+    autocast_trial,
+    evaluated_samples,
+    measured,
+    run_plan,
+    split_data,
+    train_trial,
+    val_trial,
+    wants_eval_size,
+    with_eval_size,
+    without_autotuning,
+)
+from lightning_boost.batch_size.plan import AUTOTUNE_MIN_RUN_S
 from lightning_boost.batch_size.regrow import (
     GROW_AFTER_STEPS,
     Growth,
@@ -69,14 +73,13 @@ from lightning_boost.batch_size.regrow import (
 from lightning_boost.batch_size.search import Limits, lr_capped
 from lightning_boost.batch_size.watch import LossWatch, reference_of
 from lightning_boost.callbacks.base import BoostCallback
-from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.fingerprints import describe_dataset, describe_model, hardware_parts
-from lightning_boost.presets.autocast import AutocastTrial, MeasuredAutocastMixin
+from lightning_boost.presets.autocast import MeasuredAutocastMixin
 from lightning_boost.presets.plans import PresetPlan
 from lightning_boost.ranks import decided_on_rank_zero
 from lightning_boost.report import BoostWarning, Finding, Severity
-from lightning_boost.step_probe import StepProbe, first_batch, is_oom, remembered, sample_batches
-from lightning_boost.trials import StepFailed, Trial, merge
+from lightning_boost.step_probe import StepProbe, remembered
+from lightning_boost.trials import Trial
 from lightning_boost.workers.loaders import loader_batch_size, start_deferred_workers
 
 #: Keys of an optimizer's param group that hold learning rates (schedulers such as OneCycleLR add some).
@@ -267,7 +270,7 @@ class AutoBatchSize(BoostCallback):
                 "`target_global_batch_size` sets `accumulate_grad_batches`, which the"
                 " GradientAccumulationScheduler callback also sets: remove one of them."
             )
-        self._not_tuned = _not_tunable(pl_module, self.attr_name, explicit=self._explicit_attr)
+        self._not_tuned = not_tunable(pl_module, self.attr_name, explicit=self._explicit_attr)
         self.batch_size_pending = self._not_tuned is None  # until `on_fit_start` decides
 
     @override
@@ -292,7 +295,7 @@ class AutoBatchSize(BoostCallback):
             self.findings.append(autotuning)
         lightning_setattr(pl_module, self.attr_name, decision.batch_size)
         datamodule = datamodule_of(trainer)
-        if decision.eval_batch_size is not None and _wants_eval_size(trainer):
+        if decision.eval_batch_size is not None and wants_eval_size(trainer):
             datamodule.tuned_eval_batch_size = decision.eval_batch_size  # type: ignore[union-attr]
         trainer.accumulate_grad_batches = decision.accumulate_grad_batches
         if train_loader_built(trainer):  # asked for early, as `estimated_stepping_batches` does
@@ -403,10 +406,10 @@ class AutoBatchSize(BoostCallback):
         could pay, and nothing in the run stops the batch from growing (else a finding says what)."""
         if not self.grow or decision.kept:
             return None
-        data = _split_data(trainer, "train")
+        data = split_data(trainer, "train")
         if data is None:
             return None
-        plan = _plan(trainer, data[0], trainer.world_size)
+        plan = run_plan(trainer, data[0], trainer.world_size)
         steps, epoch = plan.optimizer_steps(decision.batch_size), plan.batches_per_epoch(decision.batch_size)
         if (
             steps is None
@@ -435,7 +438,7 @@ class AutoBatchSize(BoostCallback):
 
         def measure(size: int) -> Trial:
             with preserved_rng():
-                return _measured(trainer, size, _train_trial(trainer, probe, data, size, split=False))
+                return measured(trainer, size, train_trial(trainer, probe, data, size, split=False))
 
         def share(noise: NoiseScale | None) -> NoiseScale | None:
             return trainer.strategy.broadcast(noise, src=0) if trainer.world_size > 1 else noise
@@ -462,17 +465,17 @@ class AutoBatchSize(BoostCallback):
     def _tune(self, trainer: L.Trainer, pl_module: L.LightningModule, configured: int) -> BatchSizeDecision:
         started = time.perf_counter()
         world = trainer.world_size
-        train_data = _split_data(trainer, "train")
+        train_data = split_data(trainer, "train")
         if train_data is None:
             raise RuntimeError("AutoBatchSize needs a training DataLoader to take batches from.")
         limits = self._limits(trainer, pl_module, train_data[0], world, configured)
-        plan = _plan(trainer, train_data[0], world)
+        plan = run_plan(trainer, train_data[0], world)
         why = plan.keep_reason(configured, target=self.target_global_batch_size is not None)
         if why:
             return kept(configured, trainer.accumulate_grad_batches, limits, why)
-        read = _attribute_the_loader_reads(trainer, pl_module, self.attr_name, configured)
+        read = attribute_the_loader_reads(trainer, pl_module, self.attr_name, configured)
         if read != self.attr_name:  # a template's per-device size, derived from ours in `setup()`
-            self.findings.append(_adopted_finding(self.attr_name, read))
+            self.findings.append(adopted_finding(self.attr_name, read))
             self.attr_name = read
             self._configured = configured = int(lightning_getattr(pl_module, read))  # type: ignore[arg-type]
             return self._tune(trainer, pl_module, configured)
@@ -484,7 +487,7 @@ class AutoBatchSize(BoostCallback):
         limits = dataclasses.replace(limits, planned_samples=plan.samples_planned(configured))
         probe = self._probe(trainer, pl_module)
         validates = self.check_validation and overrides(pl_module, "validation_step")
-        val_data = _split_data(trainer, "val") if validates else None
+        val_data = split_data(trainer, "val") if validates else None
         train_data = (remembered(train_data[0]), train_data[1])  # each trial loads only what is new
         val_data = None if val_data is None else (remembered(val_data[0]), val_data[1])
         rule = lr_rule(self.lr_scaling)
@@ -492,15 +495,15 @@ class AutoBatchSize(BoostCallback):
         start = self.init_batch_size or configured
         parameter_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())
         crossed = _reads_cross_products(pl_module.device, parameter_bytes, limits.budget_bytes)
-        autocast = _autocast_trial(trainer, train_data, start, plan.optimizer_steps(configured))
+        autocast = autocast_trial(trainer, train_data, start, plan.optimizer_steps(configured))
 
         def train(size: int) -> Trial:  # the first trial also times the autocast trial's steps
             nonlocal autocast
             alternate = autocast
             split = size == start
             cross = CROSS_BATCHES if split and crossed else 0
-            measure = _train_trial(trainer, probe, train_data, size, split, alternate, cross)
-            trial = _measured(trainer, size, measure)
+            measure = train_trial(trainer, probe, train_data, size, split, alternate, cross)
+            trial = measured(trainer, size, measure)
             if alternate is not None:  # every rank, after the trial's all-gather
                 plugin = trainer.precision_plugin
                 assert isinstance(plugin, MeasuredAutocastMixin)  # whose trial `alternate` is
@@ -508,20 +511,20 @@ class AutoBatchSize(BoostCallback):
                 autocast = None if plugin.choice is not None else alternate.again()  # out of memory
             return trial
 
-        with preserved_rng(), _without_autotuning():
+        with preserved_rng(), without_autotuning():
             decision = decide(
                 train,
                 None
                 if val_data is None
-                else lambda size: _measured(trainer, size, _val_trial(trainer, probe, val_data, size)),
+                else lambda size: measured(trainer, size, val_trial(trainer, probe, val_data, size)),
                 start,
                 configured,
                 limits,
                 rule,
             )
-            if val_data is not None and _wants_eval_size(trainer):
-                evaluated = _evaluated(trainer, val_data[0], plan.validations(decision.batch_size))
-                decision = _with_eval_size(trainer, probe, val_data, decision, limits.budget_bytes, evaluated)
+            if val_data is not None and wants_eval_size(trainer):
+                evaluated = evaluated_samples(trainer, val_data[0], plan.validations(decision.batch_size))
+                decision = with_eval_size(trainer, probe, val_data, decision, limits.budget_bytes, evaluated)
         steps = plan.optimizer_steps(decision.batch_size)
         warmup = self.lr_warmup_steps if self.lr_warmup_steps is not None else max(1, (steps or 1000) // 10)
         decision = decision.replace(
@@ -577,7 +580,7 @@ class AutoBatchSize(BoostCallback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, dataset: Any, world: int, configured: int
     ) -> Limits:
         bounds = [self.max_batch_size or math.inf]
-        largest_for_run = _plan(trainer, dataset, world).largest_size()
+        largest_for_run = run_plan(trainer, dataset, world).largest_size()
         if largest_for_run is not None:
             bounds.append(largest_for_run)
         if self.target_global_batch_size is not None:
@@ -619,214 +622,6 @@ class AutoBatchSize(BoostCallback):
         self._restored = self.decision is not None
 
 
-def _not_tunable(pl_module: L.LightningModule, name: str, explicit: bool) -> Finding | None:
-    """Why this module's batch size cannot be tuned without changing the program, as the finding of
-    a run that then trains as written; ``None`` when it can. An `attr_name` the user named that
-    does not exist is an error instead."""
-    if not pl_module.automatic_optimization:
-        return Finding(
-            "AutoBatchSize",
-            "batch size",
-            Severity.INFO,
-            "Batch size kept as written: manual optimization",
-            "`training_step` steps its own optimizers through the trainer (`self.optimizers()`,"
-            " `self.manual_backward`), so it cannot be timed on a copy of the model outside the fit."
-            " The batch size and the learning rates stay as written.",
-            "Set the batch size by hand for this module (AutoBatchSize can be left out).",
-        )
-    if lightning_hasattr(pl_module, name):
-        return None
-    where = f"AutoBatchSize found no `{name}` to tune on the model, its `hparams` or the datamodule."
-    fix = (
-        f"Give the datamodule a `{name}` attribute that `train_dataloader()` reads"
-        f" (`BoostedDataModule(batch_size=...)` has one), or take `{name}` in the model's `__init__`"
-        " with `self.save_hyperparameters()`. Loaders passed to `trainer.fit(train_dataloaders=...)`"
-        " cannot be re-batched: pass a datamodule instead."
-    )
-    if explicit:
-        raise AttributeError(f"{where} {fix}")
-    return Finding(
-        "AutoBatchSize",
-        "batch size",
-        Severity.WARN,
-        f"Batch size not tuned: no `{name}` to set",
-        f"{where} The run trains with the loaders' own batch sizes, as written.",
-        fix,
-    )
-
-
-def _attribute_the_loader_reads(
-    trainer: L.Trainer, pl_module: L.LightningModule, name: str, configured: int
-) -> str:
-    """`name` when the training loader takes its batch size from it; else the datamodule's one int
-    attribute it does read (a template's ``batch_size_per_device``, which ``setup()`` derives from
-    ``batch_size``), found by setting each candidate and rebuilding the loader. Raises before any
-    measurement when there is none."""
-    datamodule = datamodule_of(trainer)
-    if isinstance(datamodule, BoostedDataMixin) and (
-        type(datamodule).train_dataloader is BoostedDataMixin.train_dataloader
-    ):
-        if name == "batch_size":
-            return name
-        built: int | None = datamodule.batch_size
-    else:
-        built = _built_with(trainer, pl_module, name, configured + 1)
-        if built in (configured + 1, None):
-            return name  # read; or not a DataLoader, which `_split_data` explains
-        derived = _derived_attribute(trainer, datamodule, name, built)
-        if derived is not None:
-            return derived
-    raise ValueError(
-        f"`attr_name` is {name!r}, but the training DataLoader does not read it: with `{name}` set to"
-        f" {configured + 1} it was built with batch_size={built}, so a tuned size would never reach"
-        f" training. Build the loader with `batch_size=self.{name}` in `train_dataloader()`, or pass"
-        " `attr_name=` the attribute it reads."
-    )
-
-
-def _built_with(trainer: L.Trainer, owner: Any, name: str, value: int) -> int | None:
-    """The training loader's batch size when built with `owner`'s `name` set to `value` (put back)."""
-    before = lightning_getattr(owner, name) if isinstance(owner, L.LightningModule) else getattr(owner, name)
-    setter = lightning_setattr if isinstance(owner, L.LightningModule) else setattr
-    setter(owner, name, value)
-    try:
-        loader = user_dataloaders(trainer, "train")
-    finally:
-        setter(owner, name, before)
-    if isinstance(loader, (list, tuple)) and loader:
-        loader = loader[0]
-    return loader_batch_size(loader) if isinstance(loader, DataLoader) else None
-
-
-def _derived_attribute(trainer: L.Trainer, datamodule: Any, name: str, built: int | None) -> str | None:
-    """The one public int attribute of `datamodule` equal to the loader's batch size that the
-    rebuilt loader follows when it changes, else ``None``."""
-    if datamodule is None or built is None:
-        return None
-    candidates = [
-        key
-        for key, value in vars(datamodule).items()
-        if type(value) is int and value == built and key != name and not key.startswith("_")
-    ]
-    read = [key for key in candidates if _built_with(trainer, datamodule, key, built + 1) == built + 1]
-    return read[0] if len(read) == 1 else None
-
-
-def _adopted_finding(name: str, read: str) -> Finding:
-    return Finding(
-        "AutoBatchSize",
-        "batch size",
-        Severity.INFO,
-        f"Tuned `{read}`, the attribute the training DataLoader reads",
-        f"The loader does not read `{name}`: `setup()` derives `{read}` from it (a per-device size,"
-        f" as project templates do), so the tuned size is set on `{read}`; `{name}` keeps the"
-        " configured value.",
-        f"AutoBatchSize(attr_name={read!r}) says so up front.",
-        data={"attr_name": read, "configured_attr": name},
-    )
-
-
-def _split_data(trainer: L.Trainer, split: str) -> tuple[Any, Any] | None:
-    """The dataset and collate function of the run's `split` loader (the first one if several)."""
-    datamodule = datamodule_of(trainer)
-    if isinstance(
-        datamodule, BoostedDataMixin
-    ):  # its datasets are at hand; building a loader would tune workers
-        dataset = getattr(datamodule, f"{split}_dataset")
-        return None if dataset is None else (dataset, datamodule.collate_fn)
-    loaders = user_dataloaders(trainer, split)
-    if isinstance(loaders, (list, tuple)) and loaders:
-        loaders = loaders[0]
-    if loaders is None:
-        return None
-    if not isinstance(loaders, DataLoader):
-        raise TypeError(
-            f"AutoBatchSize takes batches from one DataLoader per split, but the {split} loader is a"
-            f" {type(loaders).__name__}: return a DataLoader, or set the batch size by hand."
-        )
-    return loaders.dataset, loaders.collate_fn
-
-
-def _plan(trainer: L.Trainer, dataset: Any, world: int) -> RunPlan:
-    """What the run will train: the Trainer's limits over the training data, per rank."""
-    datamodule = datamodule_of(trainer)
-    drop_last = (
-        bool(getattr(datamodule, "drop_last", False)) if isinstance(datamodule, BoostedDataMixin) else False
-    )
-    max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else None
-    return RunPlan(
-        samples=len(dataset) // world if isinstance(dataset, Sized) else None,
-        max_epochs=max_epochs,
-        max_steps=trainer.max_steps,
-        limit_batches=trainer.limit_train_batches,
-        val_check_interval=trainer.val_check_interval,
-        check_every=trainer.check_val_every_n_epoch,
-        accumulate=trainer.accumulate_grad_batches,
-        drop_last=drop_last,
-        debugging=debugging_mode(trainer),
-    )
-
-
-def _autocast_trial(
-    trainer: L.Trainer, data: tuple[Any, Any], size: int, run_steps: int | None
-) -> AutocastTrial | None:
-    """A CPU's measured bf16 autocast (`MeasuredAutocast`) decides before the batch-size trials
-    time other sizes, so they time the step at the precision the run trains at (it would decide
-    at the run's first step otherwise, after them): from the cache, else in the timed steps of
-    the first batch-size trial (this trial, handed to it; to the next when that one runs out of
-    memory before deciding)."""
-    plugin = trainer.precision_plugin
-    if not isinstance(plugin, MeasuredAutocastMixin) or plugin.choice is not None:
-        return None
-    with preserved_rng():  # a DataLoader's iterator draws its seed from the run's generator
-        batch = first_batch(data[0], data[1], size)
-    batch = moved_as_the_run_moves(trainer.lightning_module, batch)  # the cache key: its shapes
-    return plugin.begin_trial(trainer, batch, float("inf") if run_steps is None else run_steps)
-
-
-def _train_trial(
-    trainer: L.Trainer,
-    probe: StepProbe,
-    data: tuple[Any, Any],
-    size: int,
-    split: bool,
-    alternate: AutocastTrial | None = None,
-    cross: int = 0,
-) -> Callable[[], Trial]:
-    """Training steps at `size`, each on other samples drawn at random from the training set;
-    with `split`, the first batch's halves too (the noise scale from this one trial); with
-    `alternate`, its steps alternate fp32 and bf16 autocast until that trial decides; with
-    `cross`, that many other batches' gradients first (`StepProbe.train`)."""
-
-    def trial() -> Trial:
-        batches = sample_batches(data[0], data[1], size)  # the probe moves them as each step takes one
-        first = trainer.strategy.batch_to_device(next(batches))
-        held = min(size, _samples_in(first) or size)  # an iterable dataset may hold fewer samples
-        return probe.train(first, held, batches, split=split, alternate=alternate, cross=cross)
-
-    return trial
-
-
-def _samples_in(batch: Any) -> int | None:
-    """The samples in `batch` as Lightning counts them (the first dimension of its first tensor)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Lightning warns when the count is ambiguous
-            return extract_batch_size(batch)
-    except (MisconfigurationException, RecursionError, TypeError):
-        return None
-
-
-def _val_trial(trainer: L.Trainer, probe: StepProbe, data: tuple[Any, Any], size: int) -> Callable[[], Trial]:
-    return lambda: probe.validate(trainer.strategy.batch_to_device(first_batch(data[0], data[1], size)), size)
-
-
-def _wants_eval_size(trainer: L.Trainer) -> bool:
-    """A `BoostedDataModule` whose evaluation batch size the user did not fix."""
-    datamodule = datamodule_of(trainer)
-    return isinstance(datamodule, BoostedDataMixin) and datamodule.eval_batch_size is None
-
-
 def _reads_cross_products(device: torch.device, parameter_bytes: int, budget_bytes: int) -> bool:
     """The first trial reads `CROSS_BATCHES` independent batches' gradients on an accelerator,
     where they cost little next to the run (at most 8 x 24 ms, the H100 demo's whole step at 64 in
@@ -844,21 +639,6 @@ def _reads_cross_products(device: torch.device, parameter_bytes: int, budget_byt
         False
     """
     return device.type != "cpu" and 2 * parameter_bytes <= budget_bytes // 10
-
-
-@contextlib.contextmanager
-def _without_autotuning() -> Iterator[None]:
-    """The trials run with cudnn.benchmark off, as it was before. Autotuning each trial's new
-    shape cost 0.9-1.7 s on an H200 (7.3-7.5 s at a machine's first autotuned shape) where a step took
-    7-11 ms (`AUTOTUNE_MIN_RUN_S`): the H200 demo's search stopped at 64 because its first trial,
-    1.9 s, said the next would cost more than it could save. Off, a new shape cost 0.06-0.1 s, and
-    the same search measured 64, 128 and 256 in 1.2 s."""
-    saved = torch.backends.cudnn.benchmark
-    torch.backends.cudnn.benchmark = False
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.benchmark = saved
 
 
 def _other_size(loader: Any, decision: BatchSizeDecision) -> bool:
@@ -884,10 +664,10 @@ def _short_run_autotuning(trainer: L.Trainer, decision: BatchSizeDecision) -> Fi
     ):
         return None
     rate = decision.rate_at(decision.batch_size)
-    data = _split_data(trainer, "train")
+    data = split_data(trainer, "train")
     if rate is None or data is None:
         return None
-    run = _plan(trainer, data[0], trainer.world_size)
+    run = run_plan(trainer, data[0], trainer.world_size)
     if run.repays_autotuning(decision.batch_size, rate):
         return None
     torch.backends.cudnn.benchmark = False
@@ -902,122 +682,6 @@ def _short_run_autotuning(trainer: L.Trainer, decision: BatchSizeDecision) -> Fi
         "preset(..., cudnn_benchmark=True) keeps it on.",
         data={"cudnn_benchmark": False, "run_seconds": seconds},
     )
-
-
-def _measures_eval_sizes(device: torch.device) -> bool:
-    """Evaluation sizes are measured on an accelerator. On a CPU a larger evaluation batch is not
-    faster per sample and host memory is not what limits it: the trials would only cost time."""
-    return device.type != "cpu"
-
-
-def _evaluated(trainer: L.Trainer, dataset: Any, runs: int | None) -> float | None:
-    """The samples the fit validates on each rank over its `runs` validations; ``None`` when
-    unknown (no length, a count of batches). A later ``trainer.test`` is not counted."""
-    limit = trainer.limit_val_batches
-    if runs is None or not isinstance(dataset, Sized) or isinstance(limit, int):
-        return None
-    return runs * len(dataset) / trainer.world_size * limit
-
-
-def _with_eval_size(
-    trainer: L.Trainer,
-    probe: StepProbe,
-    val_data: tuple[Any, Any],
-    decision: BatchSizeDecision,
-    budget: int,
-    evaluated: float | None = None,
-) -> BatchSizeDecision:
-    """`decision` with the evaluation batch size measured on the run's validation data, for as
-    long as the `evaluated` samples of the fit can repay the trials."""
-    if not _measures_eval_sizes(trainer.lightning_module.device):
-        return decision.replace(eval_stopped="not measured on a CPU, where a larger batch is not faster")
-
-    # the validation step the search already ran at the chosen size is the first of that size's two
-    checked = [t for t in decision.validation if t.size == decision.batch_size and not t.oom]
-
-    def measure(size: int) -> Trial:  # the faster of two steps: the first at a size warms it up
-        first = checked[-1] if checked and size == decision.batch_size else None
-        first = first or _measured(trainer, size, _val_trial(trainer, probe, val_data, size))
-        if first.oom:
-            return first
-        again = _measured(trainer, size, _val_trial(trainer, probe, val_data, size))
-        return max(first, again, key=lambda t: t.samples_per_s)
-
-    dataset = val_data[0]
-    limit = len(dataset) if hasattr(dataset, "__len__") else None
-    per_pass = _evaluated(trainer, dataset, 1)
-    spread = None if per_pass is None else (math.ceil(per_pass), _eval_workers(trainer))
-    result = eval_batch_size(measure, decision.batch_size, budget, limit, evaluated, spread=spread)
-    return decision.replace(
-        eval_batch_size=result.size, eval_trials=result.trials, eval_stopped=result.stopped
-    )
-
-
-def _eval_workers(trainer: L.Trainer) -> int:
-    """The workers of the `BoostedDataModule`'s evaluation loaders: its own fixed count, else the
-    training loader's if built (they share the tuned count), else the most this process's CPUs
-    allow (the tuner's bound: a tighter spread, so a smaller size, when it chooses fewer)."""
-    fixed = getattr(datamodule_of(trainer), "num_workers", None)
-    if fixed is not None:
-        return int(fixed)
-    loader = trainer.train_dataloader if train_loader_built(trainer) else None
-    if isinstance(loader, DataLoader):
-        return loader.num_workers
-    return hardware_for(trainer).max_workers_per_process
-
-
-def _measured(trainer: L.Trainer, size: int, run: Callable[[], Trial]) -> Trial:
-    """One trial at `size` on every rank, merged; a failure other than OOM on any rank stops all ranks."""
-    started = time.perf_counter()
-    error: BaseException | None = None
-    trial = Trial(size, oom=True)
-    try:
-        trial = run()
-    except Exception as caught:  # told to every rank first, so none waits for the others forever
-        if not is_oom(caught):  # an OOM loading the batch onto the device is a trial that did not fit
-            error = caught
-    trial = dataclasses.replace(trial, seconds=time.perf_counter() - started)
-    per_rank, failed = _gather(trainer, trial, error is not None)
-    if failed:
-        cause = repr(error) if error else "on another rank"
-        raise StepFailed(
-            f"AutoBatchSize: the step failed at batch size {size} on a copy of the model, outside the fit"
-            f"{': ' if error else ' '}{cause}. If `training_step` needs the trainer"
-            " (`self.trainer`, `self.optimizers()`), set the batch size by hand instead.",
-            cause,
-        ) from error
-    return dataclasses.replace(merge(size, per_rank), losses=trial.losses)  # this rank's own
-
-
-def _gather(trainer: L.Trainer, trial: Trial, failed: bool) -> tuple[list[Trial], bool]:
-    """Every rank's trial and whether any rank failed (one all-gather; none when single-process)."""
-    if trainer.world_size == 1:
-        return [trial], failed
-
-    def nan_for_none(value: float | None) -> float:
-        return value if value is not None else math.nan
-
-    def none_for_nan(value: float) -> float | None:
-        return None if math.isnan(value) else value
-
-    values = torch.tensor(
-        [trial.samples_per_s, float(trial.peak_bytes or -1), float(trial.oom), trial.seconds, float(failed),
-         nan_for_none(trial.grad_sq), trial.spread, nan_for_none(trial.half_grad_sq),
-         nan_for_none(trial.double_grad_sq), nan_for_none(trial.batch_grad_sq),
-         nan_for_none(trial.cross_grad_sq), nan_for_none(trial.cross_se)],
-        dtype=torch.float64,
-        device=trainer.strategy.root_device,
-    )  # fmt: skip
-    rows = trainer.strategy.all_gather(values).reshape(-1, 12).tolist()
-    trials = [
-        Trial(
-            trial.size, tp, int(peak) if peak >= 0 else None, bool(oom), s, none_for_nan(g), sp,
-            none_for_nan(half), none_for_nan(double), batch_grad_sq=none_for_nan(batch),
-            cross_grad_sq=none_for_nan(cross), cross_se=none_for_nan(se),
-        )
-        for tp, peak, oom, s, _, g, sp, half, double, batch, cross, se in rows
-    ]  # fmt: skip
-    return trials, any(row[4] for row in rows)
 
 
 def _budget_text(pl_module: L.LightningModule, callback: AutoBatchSize) -> str:

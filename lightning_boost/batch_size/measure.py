@@ -1,0 +1,266 @@
+"""The trials `AutoBatchSize` runs, on every rank, and the run's data and plan they read: training
+steps at a size (with the autocast trial's alternation and the noise scale's reads), validation
+steps, and the evaluation batch size measured on the run's validation data."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sized
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities.data import extract_batch_size
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from torch.utils.data import DataLoader
+
+from lightning_boost._lightning import (
+    datamodule_of,
+    debugging_mode,
+    hardware_for,
+    moved_as_the_run_moves,
+    preserved_rng,
+    train_loader_built,
+    user_dataloaders,
+)
+from lightning_boost.batch_size.decision import BatchSizeDecision
+from lightning_boost.batch_size.evaluation import eval_batch_size
+from lightning_boost.batch_size.plan import RunPlan
+from lightning_boost.data.datamodule import BoostedDataMixin
+from lightning_boost.presets.autocast import AutocastTrial, MeasuredAutocastMixin
+from lightning_boost.step_probe import StepProbe, first_batch, is_oom, sample_batches
+from lightning_boost.trials import StepFailed, Trial, merge
+
+
+def split_data(trainer: L.Trainer, split: str) -> tuple[Any, Any] | None:
+    """The dataset and collate function of the run's `split` loader (the first one if several)."""
+    datamodule = datamodule_of(trainer)
+    if isinstance(datamodule, BoostedDataMixin):  # its datasets at hand: a loader would tune workers
+        dataset = getattr(datamodule, f"{split}_dataset")
+        return None if dataset is None else (dataset, datamodule.collate_fn)
+    loaders = user_dataloaders(trainer, split)
+    if isinstance(loaders, (list, tuple)) and loaders:
+        loaders = loaders[0]
+    if loaders is None:
+        return None
+    if not isinstance(loaders, DataLoader):
+        raise TypeError(
+            f"AutoBatchSize takes batches from one DataLoader per split, but the {split} loader is a"
+            f" {type(loaders).__name__}: return a DataLoader, or set the batch size by hand."
+        )
+    return loaders.dataset, loaders.collate_fn
+
+
+def run_plan(trainer: L.Trainer, dataset: Any, world: int) -> RunPlan:
+    """What the run will train: the Trainer's limits over the training data, per rank."""
+    datamodule = datamodule_of(trainer)
+    drop_last = (
+        bool(getattr(datamodule, "drop_last", False)) if isinstance(datamodule, BoostedDataMixin) else False
+    )
+    max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else None
+    return RunPlan(
+        samples=len(dataset) // world if isinstance(dataset, Sized) else None,
+        max_epochs=max_epochs,
+        max_steps=trainer.max_steps,
+        limit_batches=trainer.limit_train_batches,
+        val_check_interval=trainer.val_check_interval,
+        check_every=trainer.check_val_every_n_epoch,
+        accumulate=trainer.accumulate_grad_batches,
+        drop_last=drop_last,
+        debugging=debugging_mode(trainer),
+    )
+
+
+def autocast_trial(
+    trainer: L.Trainer, data: tuple[Any, Any], size: int, run_steps: int | None
+) -> AutocastTrial | None:
+    """A CPU's measured bf16 autocast (`MeasuredAutocast`) decides before the batch-size trials
+    time other sizes, so they time the step at the precision the run trains at (it would decide
+    at the run's first step otherwise, after them): from the cache, else in the timed steps of
+    the first batch-size trial (this trial, handed to it; to the next when that one runs out of
+    memory before deciding)."""
+    plugin = trainer.precision_plugin
+    if not isinstance(plugin, MeasuredAutocastMixin) or plugin.choice is not None:
+        return None
+    with preserved_rng():  # a DataLoader's iterator draws its seed from the run's generator
+        batch = first_batch(data[0], data[1], size)
+    batch = moved_as_the_run_moves(trainer.lightning_module, batch)  # the cache key: its shapes
+    return plugin.begin_trial(trainer, batch, float("inf") if run_steps is None else run_steps)
+
+
+def train_trial(
+    trainer: L.Trainer,
+    probe: StepProbe,
+    data: tuple[Any, Any],
+    size: int,
+    split: bool,
+    alternate: AutocastTrial | None = None,
+    cross: int = 0,
+) -> Callable[[], Trial]:
+    """Training steps at `size`, each on other samples drawn at random from the training set;
+    with `split`, the first batch's halves too (the noise scale from this one trial); with
+    `alternate`, its steps alternate fp32 and bf16 autocast until that trial decides; with
+    `cross`, that many other batches' gradients first (`StepProbe.train`)."""
+
+    def trial() -> Trial:
+        batches = sample_batches(data[0], data[1], size)  # the probe moves them as each step takes one
+        first = trainer.strategy.batch_to_device(next(batches))
+        held = min(size, _samples_in(first) or size)  # an iterable dataset may hold fewer samples
+        return probe.train(first, held, batches, split=split, alternate=alternate, cross=cross)
+
+    return trial
+
+
+def _samples_in(batch: Any) -> int | None:
+    """The samples in `batch` as Lightning counts them (the first dimension of its first tensor)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Lightning warns when the count is ambiguous
+            return extract_batch_size(batch)
+    except (MisconfigurationException, RecursionError, TypeError):
+        return None
+
+
+def val_trial(trainer: L.Trainer, probe: StepProbe, data: tuple[Any, Any], size: int) -> Callable[[], Trial]:
+    return lambda: probe.validate(trainer.strategy.batch_to_device(first_batch(data[0], data[1], size)), size)
+
+
+def wants_eval_size(trainer: L.Trainer) -> bool:
+    """A `BoostedDataModule` whose evaluation batch size the user did not fix."""
+    datamodule = datamodule_of(trainer)
+    return isinstance(datamodule, BoostedDataMixin) and datamodule.eval_batch_size is None
+
+
+@contextlib.contextmanager
+def without_autotuning() -> Iterator[None]:
+    """The trials run with cudnn.benchmark off, as it was before. Autotuning each trial's new
+    shape cost 0.9-1.7 s on an H200 (7.3-7.5 s at a machine's first autotuned shape) where a step took
+    7-11 ms (`AUTOTUNE_MIN_RUN_S`): the H200 demo's search stopped at 64 because its first trial,
+    1.9 s, said the next would cost more than it could save. Off, a new shape cost 0.06-0.1 s, and
+    the same search measured 64, 128 and 256 in 1.2 s."""
+    saved = torch.backends.cudnn.benchmark
+    torch.backends.cudnn.benchmark = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.benchmark = saved
+
+
+def _measures_eval_sizes(device: torch.device) -> bool:
+    """Evaluation sizes are measured on an accelerator. On a CPU a larger evaluation batch is not
+    faster per sample and host memory is not what limits it: the trials would only cost time."""
+    return device.type != "cpu"
+
+
+def evaluated_samples(trainer: L.Trainer, dataset: Any, runs: int | None) -> float | None:
+    """The samples the fit validates on each rank over its `runs` validations; ``None`` when
+    unknown (no length, a count of batches). A later ``trainer.test`` is not counted."""
+    limit = trainer.limit_val_batches
+    if runs is None or not isinstance(dataset, Sized) or isinstance(limit, int):
+        return None
+    return runs * len(dataset) / trainer.world_size * limit
+
+
+def with_eval_size(
+    trainer: L.Trainer,
+    probe: StepProbe,
+    val_data: tuple[Any, Any],
+    decision: BatchSizeDecision,
+    budget: int,
+    evaluated: float | None = None,
+) -> BatchSizeDecision:
+    """`decision` with the evaluation batch size measured on the run's validation data, for as
+    long as the `evaluated` samples of the fit can repay the trials."""
+    if not _measures_eval_sizes(trainer.lightning_module.device):
+        return decision.replace(eval_stopped="not measured on a CPU, where a larger batch is not faster")
+
+    # the validation step the search already ran at the chosen size is the first of that size's two
+    checked = [t for t in decision.validation if t.size == decision.batch_size and not t.oom]
+
+    def measure(size: int) -> Trial:  # the faster of two steps: the first at a size warms it up
+        first = checked[-1] if checked and size == decision.batch_size else None
+        first = first or measured(trainer, size, val_trial(trainer, probe, val_data, size))
+        if first.oom:
+            return first
+        again = measured(trainer, size, val_trial(trainer, probe, val_data, size))
+        return max(first, again, key=lambda t: t.samples_per_s)
+
+    dataset = val_data[0]
+    limit = len(dataset) if hasattr(dataset, "__len__") else None
+    per_pass = evaluated_samples(trainer, dataset, 1)
+    spread = None if per_pass is None else (math.ceil(per_pass), _eval_workers(trainer))
+    result = eval_batch_size(measure, decision.batch_size, budget, limit, evaluated, spread=spread)
+    return decision.replace(
+        eval_batch_size=result.size, eval_trials=result.trials, eval_stopped=result.stopped
+    )
+
+
+def _eval_workers(trainer: L.Trainer) -> int:
+    """The workers of the `BoostedDataModule`'s evaluation loaders: its own fixed count, else the
+    training loader's if built (they share the tuned count), else the most this process's CPUs
+    allow (the tuner's bound: a tighter spread, so a smaller size, when it chooses fewer)."""
+    fixed = getattr(datamodule_of(trainer), "num_workers", None)
+    if fixed is not None:
+        return int(fixed)
+    loader = trainer.train_dataloader if train_loader_built(trainer) else None
+    if isinstance(loader, DataLoader):
+        return loader.num_workers
+    return hardware_for(trainer).max_workers_per_process
+
+
+def measured(trainer: L.Trainer, size: int, run: Callable[[], Trial]) -> Trial:
+    """One trial at `size` on every rank, merged; a failure other than OOM on any rank stops all ranks."""
+    started = time.perf_counter()
+    error: BaseException | None = None
+    trial = Trial(size, oom=True)
+    try:
+        trial = run()
+    except Exception as caught:  # told to every rank first, so none waits for the others forever
+        if not is_oom(caught):  # an OOM loading the batch onto the device is a trial that did not fit
+            error = caught
+    trial = dataclasses.replace(trial, seconds=time.perf_counter() - started)
+    per_rank, failed = _gather(trainer, trial, error is not None)
+    if failed:
+        cause = repr(error) if error else "on another rank"
+        raise StepFailed(
+            f"AutoBatchSize: the step failed at batch size {size} on a copy of the model, outside the fit"
+            f"{': ' if error else ' '}{cause}. If `training_step` needs the trainer"
+            " (`self.trainer`, `self.optimizers()`), set the batch size by hand instead.",
+            cause,
+        ) from error
+    return dataclasses.replace(merge(size, per_rank), losses=trial.losses)  # this rank's own
+
+
+def _gather(trainer: L.Trainer, trial: Trial, failed: bool) -> tuple[list[Trial], bool]:
+    """Every rank's trial and whether any rank failed (one all-gather; none when single-process)."""
+    if trainer.world_size == 1:
+        return [trial], failed
+
+    def nan_for_none(value: float | None) -> float:
+        return value if value is not None else math.nan
+
+    def none_for_nan(value: float) -> float | None:
+        return None if math.isnan(value) else value
+
+    values = torch.tensor(
+        [trial.samples_per_s, float(trial.peak_bytes or -1), float(trial.oom), trial.seconds, float(failed),
+         nan_for_none(trial.grad_sq), trial.spread, nan_for_none(trial.half_grad_sq),
+         nan_for_none(trial.double_grad_sq), nan_for_none(trial.batch_grad_sq),
+         nan_for_none(trial.cross_grad_sq), nan_for_none(trial.cross_se)],
+        dtype=torch.float64,
+        device=trainer.strategy.root_device,
+    )  # fmt: skip
+    rows = trainer.strategy.all_gather(values).reshape(-1, 12).tolist()
+    trials = [
+        Trial(
+            trial.size, tp, int(peak) if peak >= 0 else None, bool(oom), s, none_for_nan(g), sp,
+            none_for_nan(half), none_for_nan(double), batch_grad_sq=none_for_nan(batch),
+            cross_grad_sq=none_for_nan(cross), cross_se=none_for_nan(se),
+        )
+        for tp, peak, oom, s, _, g, sp, half, double, batch, cross, se in rows
+    ]  # fmt: skip
+    return trials, any(row[4] for row in rows)
