@@ -91,7 +91,9 @@ def test_report_plots_times_the_plots_of_a_real_report_at_tiny_size() -> None:
 def test_guard_overhead_runs_at_tiny_size() -> None:
     from benchmarks import guard_overhead
 
-    rows = guard_overhead.run(steps=20, repeats=1, every_step_steps=5, every_step_repeats=1)
+    rows = guard_overhead.run(
+        steps=20, repeats=1, every_step_steps=5, every_step_repeats=1, loading_steps=3, loading_repeats=1
+    )
     assert [row.benchmark.split(":")[0] for row in rows] == [
         "LossLoggingGuard default (first 3 steps, then 0.5 % budget)",
         "LossLoggingGuard default",
@@ -99,6 +101,7 @@ def test_guard_overhead_runs_at_tiny_size() -> None:
         "SyncGuard default (first 3 steps, then 0.5 % budget)",
         "SyncGuard default",
         "SyncGuard every step (every_n_steps=1)",
+        "SyncGuard every step, images loaded in the run's process",
     ]
     assert all(row.ratio > 0 and row.command == guard_overhead.COMMAND for row in rows)
 

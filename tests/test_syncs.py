@@ -4,6 +4,7 @@ what the report says (`SyncGroup`), and the recorder (`SyncWatch`)."""
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 import pytest
@@ -237,6 +238,62 @@ def test_the_watch_records_while_active_and_restores_everything() -> None:
     assert seen == ["item", "cpu", "empty_cache"]
     assert torch.cuda.synchronize is synchronize
     assert not torch.overrides._get_current_function_mode_stack()
+
+
+class Reads(torch.utils.data.Dataset[torch.Tensor]):
+    """Each sample reads a tensor made before the watch (a sync, were it in the step); `wait`, when
+    set, holds the first sample until it is set from the test (`entered` says it got there)."""
+
+    def __init__(self, wait: threading.Event | None = None) -> None:
+        self.values = torch.arange(4.0)
+        self.wait, self.entered = wait, threading.Event()
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        self.entered.set()
+        if self.wait is not None:
+            self.wait.wait(timeout=10)
+        return self.values[index] * float(self.values[index].item())
+
+
+def test_a_dataloader_making_a_batch_on_the_watched_thread_is_not_watched() -> None:
+    """Loading runs on the host by design: its reads are neither reported nor classified, and the
+    step after it is watched as before; stopping puts the loader's ``__next__`` back."""
+    seen: list[str] = []
+    watch = SyncWatch(lambda pattern, frame: seen.append(pattern), cuda=False)
+    iterator = torch.utils.data.dataloader._BaseDataLoaderIter
+    original = iterator.__next__
+    data = Reads()  # made before the watch: a GPU run's device tensor
+    watch.start()
+    try:
+        batch = next(iter(torch.utils.data.DataLoader(data, batch_size=4)))
+        data.values.sum().item()  # a read in the step: seen
+    finally:
+        watch.stop()
+    assert batch.shape == (4,) and seen == ["item"]
+    assert iterator.__next__ is original and watch.loading == 0
+
+
+def test_another_threads_loading_leaves_the_watched_thread_watched() -> None:
+    """A tuner's loader on another thread, mid-batch, does not blind the watch to the step's
+    syncs (the mode sees only its own thread; the pause is its thread's too)."""
+    seen: list[str] = []
+    release = threading.Event()
+    data = Reads(wait=release)
+    loader = threading.Thread(target=lambda: next(iter(torch.utils.data.DataLoader(data, batch_size=4))))
+    watch = SyncWatch(lambda pattern, frame: seen.append(pattern), cuda=False)
+    watch.start()
+    try:
+        loader.start()
+        assert data.entered.wait(timeout=10)  # the other thread is inside `__next__` now
+        data.values.sum().item()
+    finally:
+        release.set()
+        loader.join(timeout=10)
+        watch.stop()
+    assert seen == ["item"]
 
 
 def test_a_raising_callback_stops_the_call_before_it_runs() -> None:
