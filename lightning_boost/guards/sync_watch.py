@@ -11,8 +11,9 @@ Three sources, each switched on by `start` and off by `stop`:
 - on CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` for syncs inside kernels the API does not
   show, and the caching allocator's retry and stream-sync counters.
 
-A sync the mode or a wrapper already reported is not reported again by the debug mode. No
-Lightning here.
+A sync the mode or a wrapper already reported is not reported again by the debug mode. While a
+DataLoader makes a batch on the watched thread nothing is watched: loading runs on the host by
+design. No Lightning here.
 """
 
 from __future__ import annotations
@@ -236,8 +237,10 @@ class SyncWatch:
         window takes in the next batch's loading: with ``num_workers=0``, each sample's transforms
         ran through the mode, and their reads were attributed one by one, 0.27 s of a 12 s demo fit
         on 2 CPUs (by hand). Another thread's loading (a tuner's) leaves the watch as it is."""
-        iterator = torch.utils.data.dataloader._BaseDataLoaderIter
-        original = iterator.__dict__["__next__"]
+        iterator = getattr(torch.utils.data.dataloader, "_BaseDataLoaderIter", None)  # torch's, private
+        original = vars(iterator).get("__next__") if isinstance(iterator, type) else None
+        if original is None:  # another torch: loading is watched, and `attribute` drops it as before
+            return
         watched = threading.get_ident()
         watch = self
 
