@@ -24,6 +24,11 @@ from lightning_boost._lightning import (
     trainer_precision_flag,
 )
 from lightning_boost.presets.autocast import MeasuredAutocast, MeasuredAutocastMixin
+from lightning_boost.presets.data_parallel import (
+    data_parallel_error,
+    data_parallel_finding,
+    data_parallel_wrappers,
+)
 from lightning_boost.presets.memory_format import (
     MemoryFormatChoice,
     choose_memory_format,
@@ -158,6 +163,7 @@ class PresetStrategy(_Strategy):
         module = self.lightning_module
         if module is not None:
             check_precision(trainer_precision_flag(module.trainer), self.plan)
+            self._check_data_parallel(module)
         if self._saved_flags is None:
             self._saved_flags = apply_speed_flags(self.plan.tf32, self.plan.cudnn_benchmark)
         super().setup_environment()
@@ -166,6 +172,18 @@ class PresetStrategy(_Strategy):
         if isinstance(plugin, MeasuredAutocastMixin):  # every rank keeps rank zero's choice
             plugin.owner = self
         self._start_background_saves()
+
+    def _check_data_parallel(self, module: Any) -> None:
+        """Raise for an ``nn.DataParallel`` in the model that cannot run in this run's processes;
+        else name any there is (`presets.data_parallel`)."""
+        wrappers = data_parallel_wrappers(module)
+        error = data_parallel_error(wrappers, module.trainer.world_size, self.plan.name)
+        if error is not None:
+            raise ValueError(error)
+        self.findings = [f for f in self.findings if "data_parallel" not in f.data]
+        finding = data_parallel_finding(wrappers)
+        if finding is not None:
+            self.findings.append(finding)
 
     def _start_background_saves(self) -> None:
         """Hand checkpoint saves to a worker thread (`presets.saves`) when the plan asks for it, the
