@@ -72,18 +72,19 @@ def test_only_the_outermost_wrapper_is_named() -> None:
     [
         ((0, 1, 2, 3), 4, True),  # DDP over 4 GPUs, the wrapper over all 4: rank 1 cannot run it
         ((0, 1), 2, True),
-        ((0,), 2, False),  # over one GPU each: it only scatters to itself
+        ((0,), 2, True),  # over GPU 0 alone: rank 1's module is on cuda:1
         ((), 2, False),  # no GPU: it passes calls through
         ((0, 1, 2, 3), 1, False),  # one process: slow, but it runs
     ],
 )
-def test_a_wrapper_over_several_gpus_stops_a_run_of_several_processes(
+def test_a_wrapper_over_gpus_stops_a_run_of_several_processes(
     gpus: tuple[int, ...], processes: int, fails: bool
 ) -> None:
     error = data_parallel_error([Wrapper("net", gpus)], processes, "fast-ddp")
     assert (error is not None) is fails
     if error is not None:
-        assert f"trains in {processes} processes" in error and "`self.net = net`" in error
+        assert f"trains in {processes} processes" in error and f"cuda:{gpus[0]}" in error
+        assert "`self.net = net`" in error
         assert "`net.module.`" in error
 
 

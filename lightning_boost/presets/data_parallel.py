@@ -5,8 +5,8 @@ copies the module onto every GPU it spans and splits the batch from one Python p
 gathers the outputs on the first GPU; PyTorch's documentation recommends DistributedDataParallel
 instead, "even if there is only a single node". Under Lightning the strategy already places the
 model and, with several devices, runs one process per GPU: there a DataParallel over the
-machine's GPUs fails at the first forward on every rank but the first ("module must have its
-parameters and buffers on device cuda:0"), after replicating rank zero's copy onto the others'.
+machine's GPUs (or one: it needs the module on its first) fails at the first forward on every rank
+whose device is another ("module must have its parameters and buffers on device cuda:0").
 The preset names the wrapper with the fix (a `Finding`), and raises before the fit starts in
 the case that cannot run. Nothing is unwrapped: that would change the model's state-dict keys,
 so its checkpoints. No Lightning here.
@@ -49,24 +49,26 @@ def data_parallel_wrappers(module: torch.nn.Module) -> list[Wrapper]:
 
 
 def data_parallel_error(wrappers: Sequence[Wrapper], processes: int, preset: str) -> str | None:
-    """Why the run cannot train (a DataParallel over several GPUs in a run of several processes),
-    else ``None``.
+    """Why the run cannot train, else ``None``: in a run of several processes, each on its own
+    device, a DataParallel over any GPU needs the module on its first one, so it fails on every
+    rank but one.
 
     Example:
         >>> print(data_parallel_error([Wrapper("net", (0, 1, 2, 3))], 4, "fast-ddp"))  # doctest: +ELLIPSIS
-        preset('fast-ddp') trains in 4 processes, one GPU each, but `self.net` is a torch.nn.DataParallel ...
+        preset('fast-ddp') trains in 4 processes, each on its own device, but `self.net` is a ...
         >>> data_parallel_error([Wrapper("net", (0, 1, 2, 3))], 1, "auto") is None
         True
     """
-    spanning = [w for w in wrappers if len(w.device_ids) > 1]
-    if processes <= 1 or not spanning:
+    on_gpus = [w for w in wrappers if w.device_ids]
+    if processes <= 1 or not on_gpus:
         return None
-    wrapper = spanning[0]
+    wrapper = on_gpus[0]
     return (
-        f"preset({preset!r}) trains in {processes} processes, one GPU each, but `self.{wrapper.name}` is a"
-        f" torch.nn.DataParallel over GPUs {list(wrapper.device_ids)}: on every rank but the first its"
-        f" forward fails (its parameters must sit on cuda:{wrapper.device_ids[0]}). The strategy already"
-        f" splits each batch across the GPUs: hold the module itself (`self.{wrapper.name} = net`, not"
+        f"preset({preset!r}) trains in {processes} processes, each on its own device, but"
+        f" `self.{wrapper.name}` is a torch.nn.DataParallel over GPUs {list(wrapper.device_ids)}: its"
+        f" forward needs the module on cuda:{wrapper.device_ids[0]}, so it fails on every rank whose"
+        " device is another. The strategy already splits each batch across the devices: hold the"
+        f" module itself (`self.{wrapper.name} = net`, not"
         " `nn.DataParallel(net)`); a checkpoint saved with the wrapper loads after removing"
         f" `{wrapper.name}.module.` from its keys."
     )
