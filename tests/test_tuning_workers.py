@@ -100,6 +100,9 @@ def test_worker_limit_respects_max_workers() -> None:
         ({0: 100, 2: 250, 4: 305}, WorkerTuning(target_samples_per_s=210), 4, "feeds the step"),  # margin
         ({0: 100, 2: 250, 4: 305}, WorkerTuning(target_samples_per_s=250), 4, "cannot feed the step"),
         ({0: 4000, 2: 250, 4: 305}, WorkerTuning(target_samples_per_s=150), 0, "under 5% of the step"),
+        # the main process reads faster than a worker, but takes turns with the step: 104 against 180
+        ({0: 197, 1: 180}, WorkerTuning(target_samples_per_s=220), 1, "takes turns with the step: 104"),
+        ({0: 197, 1: 180}, WorkerTuning(), 0, "fastest measured"),  # the step's rate unknown
     ],
 )
 def test_choice_is_the_smallest_good_enough_setting(

@@ -52,6 +52,18 @@ def test_a_step_slower_than_the_loader_gets_the_fewest_workers_that_feed_it() ->
     assert all(choice.consumer_samples_per_s == 4402 for choice in demo64.choices)
 
 
+def test_loading_in_the_main_process_is_weighed_as_taking_turns_with_a_known_step() -> None:
+    # 2 CPUs beside a GPU: the main process loads at 180 samples/s, one worker at 200, the step takes
+    # 220. Ranked by the loader alone, 2 of 30 cold runs read the main process faster (197 against
+    # 180) and kept it, training at 0.49x one worker's pace: loading and the step take turns there.
+    scenario = next(
+        s for s in made_up_scenarios() if s.name == "2 CPUs, loader to 1 workers, step at 1.1x the loader"
+    )
+    choices = [replay(scenario, seed) for seed in range(30)]
+    assert {choice.num_workers for choice in choices} == {1}
+    assert any("takes turns with the step" in choice.reason for choice in choices)
+
+
 def test_measurements_grow_with_the_log_of_the_cpus() -> None:
     for outcome in MADE_UP:
         budget = outcome.scenario.hardware.cpus_per_process - 1
