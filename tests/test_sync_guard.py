@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor
 from torchmetrics import MeanMetric
-from torchmetrics.classification import BinaryAccuracy
+from torchmetrics.classification import BinaryAccuracy, MulticlassAccuracy
 
 from lightning_boost import (
     AutoBatchSize,
@@ -361,6 +361,48 @@ def test_a_sync_inside_a_library_is_reported_at_the_calling_line_with_its_settin
     assert finding.data["cause"] == "metric_nan_check"
     assert finding.data["library"] == "torchmetrics._cast_and_nan_check_input"
     assert 'nan_strategy="disable"' in finding.fix and "Inside torchmetrics" in finding.detail
+
+
+class ClassAccuracy(BoringModel):
+    """A 2-class accuracy over the outputs' signs, built with `options` and fed as `call` says."""
+
+    def __init__(self, call: str = "update", **options: Any) -> None:
+        super().__init__()
+        self.call = call
+        self.accuracy = MulticlassAccuracy(2, **options)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        inputs, targets = batch
+        outputs = self(inputs.to(self.device))
+        logits, classes = outputs[:, :2], (targets[:, 0] > 0).long()
+        if self.call == "update":
+            self.accuracy.update(logits, classes)  # syncs: metric_update
+        else:
+            self.accuracy(logits, classes)  # syncs: metric_forward
+        return F.mse_loss(outputs, targets)
+
+
+@pytest.mark.parametrize(
+    ("call", "options", "found"),
+    [
+        # torchmetrics' defaults: a macro average counts per class with `torch.bincount`
+        ("update", {}, {"metric_bincount": 'average="micro"'}),
+        # what the guard said before (the input checks' fix) left that count, and its finding, in place
+        ("update", {"validate_args": False}, {"metric_bincount": 'average="micro"'}),
+        ("update", {"average": "micro", "validate_args": False}, {}),
+        # called, a metric also computes the batch's macro value, whose weights are set through a mask
+        ("forward", {"validate_args": False}, {"metric_bincount": "micro", "metric_forward": ".update("}),
+        ("forward", {"average": "micro", "validate_args": False}, {}),
+    ],
+)
+def test_each_torchmetrics_sync_gets_the_fix_that_removes_it(
+    tmp_path: Path, call: str, options: dict[str, Any], found: dict[str, str]
+) -> None:
+    findings = [f for f in fit(ClassAccuracy(call, **options), tmp_path).findings if f.source == "SyncGuard"]
+    assert {f.data["cause"]: f for f in findings}.keys() == found.keys()
+    for finding in findings:
+        assert found[finding.data["cause"]] in finding.fix
+        assert finding.location == marked_line(f"metric_{call}")
 
 
 class Clean(BoringModel):

@@ -90,6 +90,10 @@ def test_on_a_gpu_run_only_calls_on_gpu_tensors_sync() -> None:
 VENV = os.sep.join(["", "venv", "site-packages"])
 PACKAGES = {
     f"{VENV}/torchmetrics/aggregation.py": "torchmetrics",
+    f"{VENV}/torchmetrics/functional/classification/stat_scores.py": "torchmetrics",
+    f"{VENV}/torchmetrics/functional/classification/accuracy.py": "torchmetrics",
+    f"{VENV}/torchmetrics/utilities/compute.py": "torchmetrics",
+    f"{VENV}/torchmetrics/metric.py": "torchmetrics",
     f"{VENV}/torch/_tensor.py": "torch",
     f"{VENV}/torch/nn/modules/module.py": "torch",
     f"{VENV}/torch/utils/data/dataloader.py": "torch",
@@ -162,6 +166,24 @@ def test_the_most_specific_cause_wins() -> None:
     )
     assert a is not None and a.cause is not None and a.cause.key == "sigterm"
     assert [c.key for c in CAUSES][-1] == "logging"  # the generic one is tried last
+
+
+def test_torchmetrics_input_checks_are_one_cause_and_its_computations_are_others() -> None:
+    user = frame("/home/me/model.py", 41, "training_step")
+    forward = frame("torchmetrics/metric.py", 1, "_forward_reduce_state_update")
+    check = frame(
+        "torchmetrics/functional/classification/stat_scores.py",
+        71,
+        "_multiclass_stat_scores_tensor_validation",
+    )
+    reduce = frame("torchmetrics/functional/classification/accuracy.py", 9, "_accuracy_reduce")
+    weights = frame("torchmetrics/utilities/compute.py", 92, "_adjust_weights_safe_divide")
+    # the checks `validate_args=False` turns off, even inside a call of the metric
+    a = attribute([check, forward, user, LOOP], PACKAGES)
+    assert a is not None and a.cause is not None and a.cause.key == "metric_validation"
+    # the batch's value a call computes runs in `/functional/` too: not an input check
+    a = attribute([weights, reduce, forward, user, LOOP], PACKAGES)
+    assert a is not None and a.cause is not None and a.cause.key == "metric_forward"
 
 
 def test_a_library_between_the_user_and_the_sync_is_named() -> None:

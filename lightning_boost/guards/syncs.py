@@ -480,7 +480,8 @@ class Cause:
         key: short name (``"progress_bar"``).
         package: the top-level package whose frame shows it.
         file: a fragment of that frame's path (``"/"``-separated).
-        functions: the frame's function names; empty for any.
+        functions: the frame's function names (``"*_validation"``: any name that ends so); empty
+            for any.
         framework: whether it is the training framework's own sync (not the user's code).
         title: what it is.
         fix: the setting that removes it.
@@ -508,8 +509,13 @@ class Cause:
         return (
             package == self.package
             and self.file in frame.file.replace(os.sep, "/")
-            and (not self.functions or frame.function in self.functions)
+            and (not self.functions or any(_named(frame.function, name) for name in self.functions))
         )
+
+
+def _named(function: str, name: str) -> bool:
+    """Whether `function` is `name`, or ends with what follows a leading ``*`` in it."""
+    return function.endswith(name[1:]) if name.startswith("*") else function == name
 
 
 #: Known causes, most specific first: the first one any frame of the step matches is taken.
@@ -594,15 +600,6 @@ CAUSES: tuple[Cause, ...] = (
         'Build them with `nan_strategy="disable"`.',
     ),
     Cause(
-        "metric_validation",
-        "torchmetrics",
-        "/functional/",
-        (),
-        False,
-        "torchmetrics validates its inputs at every `update()` (`torch.unique`, range checks)",
-        "`validate_args=False` once the inputs are known to be right.",
-    ),
-    Cause(
         "metric_bincount",
         "torchmetrics",
         "/utilities/data.py",
@@ -612,6 +609,15 @@ CAUSES: tuple[Cause, ...] = (
         " matrices), which sizes its output from the GPU's values",
         '`average="micro"` needs no per-class counts; `torch.use_deterministic_algorithms(True)` makes'
         " torchmetrics count by comparison instead (it also changes other kernels).",
+    ),
+    Cause(  # the input checks only: a metric's update and compute run in `/functional/` too
+        "metric_validation",
+        "torchmetrics",
+        "/functional/",
+        ("*_validation",),
+        False,
+        "torchmetrics validates its inputs at every `update()` (`torch.unique`, range checks)",
+        "`validate_args=False` once the inputs are known to be right.",
     ),
     Cause(
         "metric_compute_groups",
