@@ -9,6 +9,7 @@ import json
 import math
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -20,6 +21,7 @@ from torch.utils.data import TensorDataset
 from typing_extensions import override
 
 from lightning_boost import AutoBatchSize, BoostedDataModule, boost_callbacks
+from lightning_boost.batch_size.callback import _scale_learning_rates
 from lightning_boost.batch_size.decision import BatchSizeDecision, decide
 from lightning_boost.batch_size.goodput import estimate_noise
 from lightning_boost.batch_size.plan import MIN_STEPS_PER_EPOCH, RunPlan
@@ -493,6 +495,82 @@ def test_a_schedule_sized_from_the_step_count_spans_the_tuned_run(tmp_path: Path
     assert schedule.optimizer is trainer.optimizers[0]
     assert trainer.optimizers[0].param_groups[0]["max_lr"] == pytest.approx(0.05 * decision.lr_factor)
     assert any("configure_optimizers ran again" in f.title for f in callback.findings)
+
+
+def warmup_then_cosine(optimizer: torch.optim.Optimizer, total: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """A linear warm-up over 10 steps, then a cosine decay: torch's `SequentialLR` of the two."""
+    schedules = torch.optim.lr_scheduler
+    warmup = schedules.LinearLR(optimizer, start_factor=0.1, total_iters=10)
+    cosine = schedules.CosineAnnealingLR(optimizer, T_max=total - 10)
+    return schedules.SequentialLR(optimizer, [warmup, cosine], milestones=[10])
+
+
+class WarmupCosineMLP(OneCycleMLP):
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams["lr"])
+        self.total_steps.append(total := int(self.trainer.estimated_stepping_batches))
+        schedule = warmup_then_cosine(optimizer, total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+@pytest.mark.usefixtures("fixed_cost_steps")
+def test_a_chained_schedule_runs_at_the_scaled_rates_past_its_milestone(tmp_path: Path) -> None:
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", min_efficiency=0.5, lr_warmup_steps=0)
+    rates, model = LearningRates(), WarmupCosineMLP()
+    quiet_trainer(tmp_path, [callback, rates], max_epochs=2).fit(
+        model, datamodule=Classes(16384, batch_size=32)
+    )
+    decision = callback.decision
+    assert decision is not None and decision.lr_factor > 1.0
+    # the same schedule written by hand at the scaled rate, stepped as often
+    parameter = nn.Parameter(torch.zeros(1))
+    by_hand = torch.optim.SGD([parameter], lr=0.05 * decision.lr_factor)
+    schedule = warmup_then_cosine(by_hand, model.total_steps[-1])
+    expected = []
+    for _ in rates.after:
+        by_hand.step()
+        schedule.step()
+        expected.append(by_hand.param_groups[0]["lr"])
+    assert len(rates.after) > 10  # past the milestone: the cosine started from the unscaled rate before
+    assert rates.after == pytest.approx(expected)
+
+
+SCHEDULES: dict[str, Callable[[torch.optim.Optimizer, float], Any]] = {
+    "SequentialLR": lambda optimizer, lr: warmup_then_cosine(optimizer, 40),
+    "ChainedScheduler": lambda optimizer, lr: torch.optim.lr_scheduler.ChainedScheduler(
+        [
+            torch.optim.lr_scheduler.LinearLR(optimizer, 0.1, total_iters=5),
+            torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.9),
+        ]
+    ),
+    "CyclicLR": lambda optimizer, lr: torch.optim.lr_scheduler.CyclicLR(
+        optimizer, lr / 10, lr, step_size_up=5
+    ),
+    "OneCycleLR": lambda optimizer, lr: torch.optim.lr_scheduler.OneCycleLR(optimizer, lr, total_steps=40),
+    "CosineAnnealingWarmRestarts": lambda optimizer, lr: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(
+        optimizer, 7
+    ),
+}
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_each_torch_schedule_scaled_runs_as_written_at_the_scaled_rate(name: str) -> None:
+    def run(lr: float, factor: float) -> list[float]:
+        optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr, momentum=0.9)
+        schedule = SCHEDULES[name](optimizer, lr)
+        trainer = SimpleNamespace(
+            optimizers=[optimizer], lr_scheduler_configs=[SimpleNamespace(scheduler=schedule)]
+        )
+        _scale_learning_rates(trainer, factor)  # type: ignore[arg-type]  # what it reads of a trainer
+        rates = []
+        for _ in range(30):
+            optimizer.step()
+            schedule.step()
+            rates.append(optimizer.param_groups[0]["lr"])
+        return rates
+
+    assert run(0.1, 2.0) == pytest.approx(run(0.2, 1.0))
 
 
 def test_a_kept_size_makes_the_optimizers_once(tmp_path: Path) -> None:

@@ -84,6 +84,8 @@ from lightning_boost.workers.loaders import loader_batch_size, start_deferred_wo
 
 #: Keys of an optimizer's param group that hold learning rates (schedulers such as OneCycleLR add some).
 LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+#: A scheduler's lists of learning rates it computes from (CyclicLR keeps its peaks as `max_lrs`).
+SCHEDULE_KEYS = ("base_lrs", "max_lrs")
 
 _GIB = 1024**3
 #: How learning rates follow the effective batch size: ``"auto"`` picks the optimizers' rule
@@ -721,7 +723,22 @@ def _scale_learning_rates(trainer: L.Trainer, factor: float) -> None:
             for key in LR_KEYS:
                 if isinstance(group.get(key), (int, float, torch.Tensor)):
                     group[key] = group[key] * factor
+    seen: set[int] = set()
     for config in trainer.lr_scheduler_configs:
-        base_lrs = getattr(config.scheduler, "base_lrs", None)
-        if isinstance(base_lrs, list):
-            config.scheduler.base_lrs = [lr * factor for lr in base_lrs]
+        _scale_schedule(config.scheduler, factor, seen)
+
+
+def _scale_schedule(scheduler: Any, factor: float, seen: set[int]) -> None:
+    """Multiply the learning rates `scheduler` computes from by `factor`, and those of the
+    schedulers it runs in turn (``SequentialLR``) or together (``ChainedScheduler``): at a
+    milestone ``SequentialLR`` starts the next one from its own ``base_lrs``, so a warm-up then
+    cosine schedule fell back to the unscaled rates after its warm-up."""
+    if id(scheduler) in seen:
+        return
+    seen.add(id(scheduler))
+    for key in SCHEDULE_KEYS:
+        rates = getattr(scheduler, key, None)
+        if isinstance(rates, list):
+            setattr(scheduler, key, [lr * factor for lr in rates])
+    for child in getattr(scheduler, "_schedulers", ()):  # torch's attribute for both, private
+        _scale_schedule(child, factor, seen)
