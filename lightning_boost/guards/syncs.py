@@ -92,8 +92,9 @@ PATTERNS: dict[str, Pattern] = {
         Pattern(
             "print",
             "`print()`/`str()`/`repr()` of a tensor copies it to the host",
-            "Drop the print from the step: `self.log(name, value, prog_bar=True)` shows it, or print"
-            " in an epoch-end hook.",
+            "Drop the print from the step: `self.log(name, value)` records it (read every"
+            " `log_every_n_steps`), with `on_step=False, on_epoch=True, prog_bar=True` the bar shows its"
+            " epoch mean (a step value there is read every step), or print in an epoch-end hook.",
         ),
         Pattern("cpu", "`.cpu()` copies device memory to the host and waits for it", _HOST_ONCE),
         Pattern("to_cpu", "`.to('cpu')` copies device memory to the host and waits for it", _HOST_ONCE),
