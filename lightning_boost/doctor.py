@@ -107,7 +107,9 @@ def check_devices(hw: HardwareInfo) -> list[Finding]:
             _finding(
                 "precision and strategy",
                 "info",
-                f"precision {precision!r} fits this machine",
+                "precision 'bf16-mixed' where it steps faster than fp32 on this CPU, timed on your model"
+                if precision == "bf16-mixed"
+                else f"precision {precision!r} fits this machine",
                 why,
                 data={"precision": precision},
             )

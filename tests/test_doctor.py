@@ -100,6 +100,12 @@ def test_cpu_precision_is_full() -> None:
     assert only(check_devices(CPU)).data["precision"] == "32-true"
 
 
+def test_a_bf16_cpu_is_not_promised_bf16_before_the_model_is_timed() -> None:
+    finding = only(check_devices(EXAMPLES["cpu-bf16"]))
+    assert finding.data["precision"] == "bf16-mixed"
+    assert "faster than fp32" in finding.title and "timed on your model" in finding.title
+
+
 @pytest.mark.parametrize(
     ("shm", "severity"),
     [
