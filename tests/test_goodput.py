@@ -497,6 +497,10 @@ def test_a_schedule_sized_from_the_step_count_spans_the_tuned_run(tmp_path: Path
     assert any("configure_optimizers ran again" in f.title for f in callback.findings)
 
 
+#: torch < 2.6's SequentialLR steps its next schedule with `step(0)` at a milestone and warns about it.
+SEQUENTIAL_STEP_WARNING = "ignore:The epoch parameter in `scheduler.step\\(\\)` was not necessary:UserWarning"
+
+
 def warmup_then_cosine(optimizer: torch.optim.Optimizer, total: int) -> torch.optim.lr_scheduler.LRScheduler:
     """A linear warm-up over 10 steps, then a cosine decay: torch's `SequentialLR` of the two."""
     schedules = torch.optim.lr_scheduler
@@ -514,6 +518,7 @@ class WarmupCosineMLP(OneCycleMLP):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
+@pytest.mark.filterwarnings(SEQUENTIAL_STEP_WARNING)
 @pytest.mark.usefixtures("fixed_cost_steps")
 def test_a_chained_schedule_runs_at_the_scaled_rates_past_its_milestone(tmp_path: Path) -> None:
     callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", min_efficiency=0.5, lr_warmup_steps=0)
@@ -554,6 +559,7 @@ SCHEDULES: dict[str, Callable[[torch.optim.Optimizer, float], Any]] = {
 }
 
 
+@pytest.mark.filterwarnings(SEQUENTIAL_STEP_WARNING)
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_each_torch_schedule_scaled_runs_as_written_at_the_scaled_rate(name: str) -> None:
     def run(lr: float, factor: float) -> list[float]:
