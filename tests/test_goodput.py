@@ -25,6 +25,7 @@ from lightning_boost.batch_size.callback import _scale_learning_rates
 from lightning_boost.batch_size.decision import BatchSizeDecision, decide
 from lightning_boost.batch_size.goodput import estimate_noise
 from lightning_boost.batch_size.plan import MIN_STEPS_PER_EPOCH, RunPlan
+from lightning_boost.batch_size.regrow import lr_ramp
 from lightning_boost.batch_size.search import Limits, choose, lr_capped, next_size, noise_of, search
 from lightning_boost.batch_size.watch import LossWatch, reference_of
 from lightning_boost.step_probe import StepProbe
@@ -557,6 +558,30 @@ SCHEDULES: dict[str, Callable[[torch.optim.Optimizer, float], Any]] = {
         optimizer, 7
     ),
 }
+
+
+class DecayingMLP(OneCycleMLP):
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams["lr"])
+        schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.99)  # from the lr it finds
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+@pytest.mark.usefixtures("fixed_cost_steps")
+def test_the_warm_up_lowers_each_step_and_leaves_the_schedule_as_it_runs(tmp_path: Path) -> None:
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", min_efficiency=0.5, lr_warmup_steps=8)
+    rates = LearningRates()
+    quiet_trainer(tmp_path, [callback, rates], max_epochs=1).fit(DecayingMLP(), Classes(16384, batch_size=32))
+    decision = callback.decision
+    assert decision is not None and decision.lr_factor > 1.0 and decision.lr_warmup_steps == 8
+    scheduled = [0.05 * decision.lr_factor * 0.99**step for step in range(len(rates.during) + 1)]
+    # Lightning steps a step-interval schedule before `on_train_batch_end`: the warm-up's lowered
+    # rate was in the group then, and was put back over the schedule's update after it
+    assert rates.after == pytest.approx(scheduled[1:])
+    assert rates.during == pytest.approx(
+        [lr * lr_ramp(decision, step) for step, lr in enumerate(scheduled[:-1])]
+    )
 
 
 @pytest.mark.filterwarnings(SEQUENTIAL_STEP_WARNING)

@@ -14,6 +14,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 from torch.utils.data import DataLoader
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_boost import cache
@@ -240,6 +241,7 @@ class AutoBatchSize(BoostCallback):
         self._restored = False
         self._configured: int | None = None  # the size the user wrote, put back at the end of fit
         self._ramped: list[tuple[dict[str, Any], float]] = []  # (param group, its lr) under warm-up
+        self._after_step: RemovableHandle | None = None  # puts them back once the optimizer stepped
         self._watch: LossWatch | None = None
         self._growth: Growth | None = None  # the noise scale read during the run (`grow`)
         self._explicit_attr = attr_name != "batch_size"
@@ -340,7 +342,9 @@ class AutoBatchSize(BoostCallback):
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
-        """During the warm-up, lower the scaled rates for this step only (put back after it)."""
+        """During the warm-up, lower the scaled rates for this optimizer step only: put back right
+        after it, before Lightning steps a step-interval scheduler (which reads and writes them),
+        or at the batch's end when the step was skipped (an fp16 scaler's inf)."""
         decision = self.decision
         if decision is None:
             return
@@ -354,6 +358,8 @@ class AutoBatchSize(BoostCallback):
             if isinstance(group.get("lr"), float):
                 self._ramped.append((group, group["lr"]))
                 group["lr"] = group["lr"] * ramp
+        if self._ramped and self._after_step is None:
+            self._after_step = optimizer.register_step_post_hook(lambda *_: self._end_ramp())
 
     @override
     def on_train_batch_end(
@@ -460,6 +466,9 @@ class AutoBatchSize(BoostCallback):
         )
 
     def _end_ramp(self) -> None:
+        if self._after_step is not None:
+            self._after_step.remove()
+            self._after_step = None
         for group, lr in self._ramped:
             group["lr"] = lr
         self._ramped.clear()
