@@ -364,6 +364,17 @@ def choose_worker_trial(
     )
 
 
+def taking_turns(loader: float, step: float) -> float:
+    """Samples/s of a run whose loading and step take turns on the training thread (no workers):
+    each batch costs the loader's time plus the step's.
+
+    Example:
+        >>> taking_turns(200.0, 200.0)
+        100.0
+    """
+    return 1 / (1 / loader + 1 / step)
+
+
 def _pace(trial: WorkerTrial, tuning: WorkerTuning) -> float:
     """What the choice ranks `trial` by: its loader's samples/s, but for loading in the main
     process when the step's rate is known, which takes turns with the step (as `feeds` and
@@ -379,7 +390,7 @@ def _pace(trial: WorkerTrial, tuning: WorkerTuning) -> float:
     target = tuning.target_samples_per_s
     if trial.num_workers or target is None or trial.samples_per_s <= 0:
         return trial.samples_per_s
-    return 1 / (1 / trial.samples_per_s + 1 / target)
+    return taking_turns(trial.samples_per_s, target)
 
 
 def run_samples(
@@ -863,7 +874,7 @@ def split_cpus(
         if trial.num_workers:
             rate = min(trial.samples_per_s, model)
         else:
-            rate = 1 / (1 / trial.samples_per_s + 1 / model)
+            rate = taking_turns(trial.samples_per_s, model)
         predicted.append((rate, trial))
     if not predicted:
         return None
@@ -899,7 +910,7 @@ def workers_worth_measuring(
     full = step_rates.get(cpus)
     if not full or loading <= 0:
         return max(counts), ""
-    alone = 1 / (1 / loading + 1 / full)
+    alone = taking_turns(loading, full)
     worth = [n for n in counts if step_rates.get(model_threads(cpus, n), math.inf) >= (1 - tolerance) * alone]
     cap = max(worth)
     if cap >= max(counts):
@@ -951,7 +962,7 @@ def workers_cannot_repay(
     rates = [step_rates.get(model_threads(cpus, n), 0.0) for n in counts if n]
     if workload_samples is None or not full or loading <= 0 or not rates or max(rates) <= 0:
         return None
-    alone = 1 / (1 / loading + 1 / full)
+    alone = taking_turns(loading, full)
     fastest = max(rates)
     best = max(min(rate, cpus / (cpu_share / loading + 1 / rate)) for rate in rates if rate > 0)
     saving_s = workload_samples / alone - workload_samples / best
