@@ -259,6 +259,46 @@ def training_log_step(trainer: L.Trainer) -> int | None:
     return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
 
 
+def on_training_fetch(trainer: L.Trainer, call: Callable[[], None]) -> Callable[[], None]:
+    """Calls `call` each time the fit's training loop asks its loader for a batch; returns what
+    stops it. Lightning starts its profiler's ``train_dataloader_next`` action there, through the
+    epoch loop's ``_on_before_fetch``, which it hands to each epoch's data fetcher (the loop's
+    instance attribute shadows the method; the current fetcher gets it too). Where a Lightning
+    version has no such hook, `call` is never called (the step-time split then counts the whole
+    span between steps as the wait for data)."""
+    loop = trainer.fit_loop.epoch_loop
+    before = getattr(loop, "_on_before_fetch", None)
+    if before is None:
+        return lambda: None
+
+    active = True
+
+    def fetch() -> None:
+        before()
+        if active:
+            call()
+
+    shadowed = "_on_before_fetch" in vars(loop)  # another caller's, set before ours
+    loop._on_before_fetch = fetch  # type: ignore[method-assign]
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is not None and fetcher._start_profiler == before:
+        fetcher._start_profiler = fetch
+
+    def stop() -> None:
+        nonlocal active
+        active = False
+        if vars(loop).get("_on_before_fetch") is fetch:
+            if shadowed:
+                loop._on_before_fetch = before  # type: ignore[method-assign]
+            else:
+                del loop._on_before_fetch
+        current = trainer.fit_loop._data_fetcher
+        if current is not None and current._start_profiler is fetch:
+            current._start_profiler = before
+
+    return stop
+
+
 class _RebuildingSource(_DataLoaderSource):
     """A loop's dataloader source whose loaders pass through `rebuild` before the loop sees them."""
 

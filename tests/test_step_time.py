@@ -1,19 +1,28 @@
 import csv
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import Callback
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 from typing_extensions import override
 
 from lightning_boost import AutoBatchSize, StepTimeMonitor
 from lightning_boost.report import Severity
 from lightning_boost.step_time import callback as step_time_callback
 from lightning_boost.step_time import timing as step_time
-from lightning_boost.step_time.timing import CudaClock, HostClock, StepTimes, input_bound_fixes, wait_fraction
+from lightning_boost.step_time.timing import (
+    CudaClock,
+    HostClock,
+    Sample,
+    StepTimes,
+    input_bound_fixes,
+    wait_fraction,
+)
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
 
 #: With ``limit_val_batches=0``: the model has a validation_step, this run skips it.
@@ -41,7 +50,7 @@ def test_wait_fraction() -> None:
 def test_step_times_leave_warmup_out_of_the_verdict_but_not_the_windows() -> None:
     times = StepTimes(warmup_steps=2)
     for wait, step in [(9.0, 1.0), (9.0, 1.0), (1.0, 3.0), (1.0, 3.0)]:
-        times.add(wait, step)
+        times.add(Sample(wait, step))
     assert (times.steps, times.counted, times.fraction) == (4, 2, 0.25)
     window = times.take_window()
     assert window is not None and (window.last_step, window.steps, window.fraction) == (4, 4, 20 / 28)
@@ -51,11 +60,12 @@ def test_step_times_leave_warmup_out_of_the_verdict_but_not_the_windows() -> Non
 def test_step_times_history_is_bounded_and_keeps_every_step() -> None:
     times = StepTimes(max_points=4)
     for _ in range(9):
-        times.add(1.0, 1.0)
+        times.add(Sample(1.0, 1.0, 0.5))
         times.take_window()
     assert len(times.history) <= 4
     assert sum(w.steps for w in times.history) == 9
     assert times.history[-1].last_step == 9
+    assert sum(w.between_s for w in times.history) == 4.5 and times.between_fraction == 0.2
 
 
 @pytest.mark.parametrize(
@@ -102,16 +112,23 @@ def test_host_clock_times_waits_between_steps() -> None:
     clock.advance(0.3)
     host.batch_start()
     clock.advance(0.1)
-    assert host.batch_end() == [(pytest.approx(0.3), pytest.approx(0.1))]
+    assert host.batch_end() == [(pytest.approx(0.3), pytest.approx(0.1), 0.0)]  # no fetch seen: all wait
     host.skip()  # validation ran
     clock.advance(5.0)
+    host.fetch_start()
     host.batch_start()
     clock.advance(0.1)
     assert host.batch_end() == []  # not data wait, not counted
-    clock.advance(0.2)
+    clock.advance(0.05)  # the loop's own work: hooks, logged values
+    host.fetch_start()
+    clock.advance(0.2)  # the loader
     host.batch_start()
     clock.advance(0.1)
-    assert host.batch_end() == [(pytest.approx(0.2), pytest.approx(0.1))]
+    assert host.batch_end() == [(pytest.approx(0.2), pytest.approx(0.1), pytest.approx(0.05))]
+    clock.advance(0.3)
+    host.batch_start()  # the fetch reported was the step before's: this gap is not split
+    clock.advance(0.1)
+    assert host.batch_end() == [(pytest.approx(0.3), pytest.approx(0.1), 0.0)]
 
 
 class FakeEvent:
@@ -140,20 +157,46 @@ class FakeEvent:
 
 def test_cuda_clock_reads_events_late_and_never_waits() -> None:
     FakeEvent.gpu = {"now": 0.0, "done": 0.0}
-    clock = CudaClock(FakeEvent)
+    host = FakeClock()
+    clock = CudaClock(FakeEvent, now=host.now)
     gpu = FakeEvent.gpu
     clock.idle()
     samples, previous_end = [], 0.0
     for _ in range(3):
-        gpu["now"] += 0.5  # the GPU sits idle, waiting for the batch
+        gpu["now"] += 0.5  # the GPU sits idle, waiting for the batch (no fetch reported: all of it)
+        host.advance(0.5)
         clock.batch_start()
         gpu["now"] += 0.25
         gpu["done"] = previous_end  # the GPU runs one step behind the host
         samples += clock.batch_end()
         previous_end = gpu["now"]
-    assert samples == [(0.5, 0.25)] * 2  # the last step is still in flight: not read, not waited for
-    assert clock.flush() == [(0.5, 0.25)]
+    assert samples == [(0.5, 0.25, 0.0)] * 2  # the last step is still in flight: not read, not waited for
+    assert clock.flush() == [(0.5, 0.25, 0.0)]
     assert not clock.pending
+
+
+@pytest.mark.parametrize(("host_fetch", "wait"), [(0.1, 0.1), (0.7, 0.5)])
+def test_cuda_clock_counts_the_end_of_the_gpus_idle_gap_up_to_the_hosts_fetch_as_data(
+    host_fetch: float, wait: float
+) -> None:
+    """The GPU idles 0.5 s between steps; the host spent its last `host_fetch` seconds of the
+    time between them waiting for the batch, the 0.3 s before on its loop's own work."""
+    FakeEvent.gpu = {"now": 0.0, "done": 0.0}
+    host = FakeClock()
+    clock = CudaClock(FakeEvent, now=host.now)
+    gpu = FakeEvent.gpu
+    clock.idle()
+    samples = []
+    for _ in range(2):
+        host.advance(0.3)
+        clock.fetch_start()
+        host.advance(host_fetch)
+        gpu["now"] += 0.5
+        clock.batch_start()
+        gpu["now"] += 0.25
+        samples += clock.batch_end()
+    samples += clock.flush()
+    assert samples == [(pytest.approx(wait), 0.25, pytest.approx(0.5 - wait))] * 2
 
 
 class SlowDataset(Dataset[tuple[Tensor, Tensor]]):
@@ -208,11 +251,99 @@ def test_patched_clock_gives_the_exact_data_wait_fraction(
     assert monitor.times.counted == 24
     assert monitor.times.wait_s == pytest.approx(24 * 0.04)  # every fetch, prefetching included
     assert monitor.times.step_s == pytest.approx(24 * 0.01)
+    assert monitor.times.between_s == 0  # nothing else moved the clock between steps
     (finding,) = monitor.findings
     assert finding.severity is Severity.WARN and finding.area == "step time"
     assert finding.title == "Input-bound: 80% of step time waiting for data"
     assert finding.data["data_wait_fraction"] == pytest.approx(0.8)
     assert finding.cost == "1.0 s over 24 steps"  # the wait; the title gives its share
+
+
+class SlowLoop(Callback):
+    """Work Lightning's loop does between steps (a hook, logged values read back): each batch's
+    end moves the clock `seconds` (listed after the monitor, as the loop's own work runs there)."""
+
+    def __init__(self, seconds: float, clock: FakeClock) -> None:
+        self.seconds, self.clock = seconds, clock
+
+    @override
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.clock.advance(self.seconds)
+
+
+@pytest.mark.parametrize("on_gpu", [False, True])
+def test_the_loops_own_work_between_steps_is_not_waiting_for_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, on_gpu: bool
+) -> None:
+    """Per step: 0.03 s of the loop's own work after the step, 0.004 s loading, 0.04 s computing.
+    Counted as data it would be 46 % input-bound; the wait for data is 5 %. On a GPU (simulated:
+    the host clock stands in for its events) the idle time between steps is host-bound."""
+    clock = FakeClock()
+    monkeypatch.setattr(step_time, "_now", clock.now)
+    monkeypatch.setattr(step_time_callback, "_times_a_gpu", lambda _: on_gpu)
+    monitor = StepTimeMonitor(warmup_steps=0)
+    loader = DataLoader(SlowDataset(0.001, clock, length=96), batch_size=4)  # 24 batches
+    trainer = tiny_trainer(
+        tmp_path, callbacks=[monitor, SlowLoop(0.03, clock)], limit_train_batches=None, limit_val_batches=0
+    )
+    trainer.fit(TimedModel(0.04, clock), train_dataloaders=loader, val_dataloaders=NO_VAL)
+    times = monitor.times
+    assert times.counted == 24
+    assert times.wait_s == pytest.approx(24 * 0.004)
+    assert times.between_s == pytest.approx(23 * 0.03)  # the first step's gap is from the epoch start
+    (finding,) = monitor.findings
+    assert finding.data["data_wait_fraction"] == pytest.approx(0.096 / (0.096 + 0.69 + 0.96), abs=1e-3)
+    assert "0.7 s (40%) between steps on other work" in finding.detail
+    if on_gpu:
+        assert finding.severity is Severity.WARN
+        assert finding.title == "Host-bound between steps: the GPU idles 40% of the time on host work"
+        assert finding.fix.startswith("1. Fewer, larger steps: the host's work is paid once per step, so a"
+                                      " batch larger than 4 spreads")  # fmt: skip
+    else:  # no device idles: the CPU did the loop's work
+        assert finding.severity is Severity.INFO and finding.title.startswith("Compute-bound: 5%")
+    assert "_on_before_fetch" not in vars(trainer.fit_loop.epoch_loop)  # Lightning's loop as it was
+
+
+class SlowStream(IterableDataset[tuple[Tensor, Tensor]]):
+    """`SlowDataset` as a stream: Lightning's loop fetches a batch ahead of the one it trains."""
+
+    def __init__(self, seconds: float, clock: FakeClock, length: int) -> None:
+        self.samples = SlowDataset(seconds, clock, length)
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        return (self.samples[i] for i in range(len(self.samples)))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_every_epochs_fetches_are_timed_and_a_failed_fit_leaves_the_loop_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """Two epochs of 8 batches at 0.004 s each, 0.03 s of the loop's work after each step; the
+    fit is then run again and fails in its third step. A stream's loop fetches one batch ahead:
+    its first is fetched before the fit's first epoch starts (and its first step is timed from)."""
+    clock = FakeClock()
+    monkeypatch.setattr(step_time, "_now", clock.now)
+    monitor = StepTimeMonitor(warmup_steps=0)
+    dataset = SlowStream(0.001, clock, 32) if stream else SlowDataset(0.001, clock, 32)
+    loader = DataLoader(dataset, batch_size=4)
+    trainer = tiny_trainer(tmp_path, callbacks=[monitor, SlowLoop(0.03, clock)], limit_train_batches=None,
+                           limit_val_batches=0, max_epochs=2)  # fmt: skip
+    trainer.fit(TimedModel(0.04, clock), train_dataloaders=loader, val_dataloaders=NO_VAL)
+    assert monitor.times.counted == 16
+    assert monitor.times.wait_s == pytest.approx((15 if stream else 16) * 0.004)
+    assert monitor.times.between_s == pytest.approx(14 * 0.03)  # each epoch's first from its start
+    failing = tiny_trainer(tmp_path, callbacks=[monitor], limit_train_batches=None, limit_val_batches=0)
+    with pytest.raises(RuntimeError, match="third step"):
+        failing.fit(FailingModel(), train_dataloaders=loader, val_dataloaders=NO_VAL)
+    assert "_on_before_fetch" not in vars(failing.fit_loop.epoch_loop)
+
+
+class FailingModel(BoringModel):
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if batch_idx == 2:
+            raise RuntimeError("third step")
+        return super().training_step(batch, batch_idx)
 
 
 def test_a_slow_dataset_is_reported_input_bound_with_the_fix_and_logged(tmp_path: Path) -> None:

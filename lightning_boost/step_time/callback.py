@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import lightning as L
@@ -11,7 +12,13 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset
 from typing_extensions import override
 
-from lightning_boost._lightning import callbacks_of, datamodule_of, hardware_for, training_log_step
+from lightning_boost._lightning import (
+    callbacks_of,
+    datamodule_of,
+    hardware_for,
+    on_training_fetch,
+    training_log_step,
+)
 from lightning_boost._validation import Count, Range, validated
 from lightning_boost.batch_size.callback import AutoBatchSize
 from lightning_boost.callbacks.base import BoostCallback
@@ -41,17 +48,21 @@ HOST_BOUND = 1.5
 class StepTimeMonitor(BoostCallback):
     """Measures, per training step, the time spent waiting for the batch vs computing it.
 
-    The wait is measured from the end of one step to the start of the next (loading, collating
-    and the host-to-device copy); the step from its start to its end (forward, backward,
-    optimizer). On CPU the host clock times both. On CUDA, events time them on the GPU and are
-    read a few steps late, so monitoring adds no host-device sync: the wait is then the GPU's idle
-    gap between steps. The step after a validation run is left out (validation and checkpoint
-    saving are not data wait), and so are the first `warmup_steps` of the verdict.
+    The wait is measured from where Lightning's loop asks the loader for the batch to the start of
+    the step (loading, collating and the host-to-device copy); the step from its start to its end
+    (forward, backward, optimizer); the rest of the time since the step before is the loop's own
+    work between steps (its hooks, callbacks, logged values), not data. On CPU the host clock
+    times them. On CUDA, events time the steps and the GPU's idle gap between them, read a few
+    steps late so monitoring adds no host-device sync; of the gap, the host's wait for the batch
+    (its last part) is the wait for data, the rest the host's other work. The step after a
+    validation run is left out (validation and checkpoint saving are not data wait), and so are
+    the first `warmup_steps` of the verdict.
 
     At the end of training it adds a finding: input-bound when the data-wait fraction is above
     `threshold`, with the fixes in order of likely payoff for this run's loader; on a GPU, host-bound
     when the steps take `HOST_BOUND` times the model's own step or more (`AutoBatchSize`'s trial at
     the trained size: forward, backward and optimizer step without Lightning's loop around them),
+    or when the GPU idles between steps on other host work for more than `threshold` of the time,
     with what to try; otherwise the fraction for the record. The fraction over steps is plotted in
     the report. Each finding also splits the fit's wall time (`FitTime`): before the first step, in
     steps, in validation runs, after them (where `ModelCheckpoint` saves) and between steps.
@@ -65,6 +76,7 @@ class StepTimeMonitor(BoostCallback):
     ``boost/data_wait_fraction`` share of the window's time spent waiting for batches
     ``boost/data_wait_ms``       mean wait per step in the window, milliseconds
     ``boost/step_ms``            mean step time in the window, milliseconds
+    ``boost/between_steps_ms``   mean other time between steps in the window, milliseconds
     ============================ ========================================================
 
     Args:
@@ -90,11 +102,17 @@ class StepTimeMonitor(BoostCallback):
         self._clock: HostClock | CudaClock | None = None
         self._on_gpu = False
         self._fit: FitTime | None = None
+        self._stop_fetches: Callable[[], None] = _nothing
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
         self._fit = FitTime(start=time.perf_counter()) if stage == "fit" else None
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, error: BaseException) -> None:
+        self._stop_fetches()  # a fit that raised before its end
+        self._stop_fetches = _nothing
 
     @override
     def on_sanity_check_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -109,8 +127,10 @@ class StepTimeMonitor(BoostCallback):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.times = StepTimes(self.warmup_steps)
-        self._clock = CudaClock() if pl_module.device.type == "cuda" else HostClock()
-        self._on_gpu = _times_a_gpu(self._clock)
+        clock = self._clock = CudaClock() if pl_module.device.type == "cuda" else HostClock()
+        self._on_gpu = _times_a_gpu(clock)
+        self._stop_fetches()
+        self._stop_fetches = on_training_fetch(trainer, clock.fetch_start)
 
     @override
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -134,8 +154,8 @@ class StepTimeMonitor(BoostCallback):
             self._fit.batch_end(time.perf_counter())
         if self._clock is None:
             return
-        for wait_s, step_s in self._clock.batch_end():
-            self.times.add(wait_s, step_s)
+        for sample in self._clock.batch_end():
+            self.times.add(sample)
         step = training_log_step(trainer)
         if step is not None:
             self._log(trainer, step)
@@ -154,10 +174,12 @@ class StepTimeMonitor(BoostCallback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stop_fetches()
+        self._stop_fetches = _nothing
         if self._clock is None:
             return
-        for wait_s, step_s in self._clock.flush():
-            self.times.add(wait_s, step_s)
+        for sample in self._clock.flush():
+            self.times.add(sample)
         self._clock = None
         self._log(trainer, trainer.global_step)
         self.findings = [self._finding(trainer, pl_module, time.perf_counter())]
@@ -170,6 +192,7 @@ class StepTimeMonitor(BoostCallback):
             "boost/data_wait_fraction": window.fraction,
             "boost/data_wait_ms": 1000 * window.wait_s / window.steps,
             "boost/step_ms": 1000 * window.step_s / window.steps,
+            "boost/between_steps_ms": 1000 * window.between_s / window.steps,
         }
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
@@ -181,6 +204,8 @@ class StepTimeMonitor(BoostCallback):
         data: dict[str, Any] = {
             "data_wait_fraction": round(fraction, 4),
             "wait_s": round(times.wait_s, 4),
+            "between_s": round(times.between_s, 4),
+            "between_fraction": round(times.between_fraction, 4),
             "step_s": round(times.step_s, 4),
             "steps": times.counted,
             "threshold": self.threshold,
@@ -195,8 +220,12 @@ class StepTimeMonitor(BoostCallback):
                 reference=("input-bound above", self.threshold),
             )
         share = f"{fraction:.0%} of step time waiting for data"
-        detail = f"{times.wait_s:.1f} s waiting, {times.step_s:.1f} s computing over {times.counted} steps"
-        detail += f" (the first {self.warmup_steps} left out)."
+        detail = (
+            f"{times.wait_s:.1f} s waiting for data, {times.step_s:.1f} s computing and"
+            f" {times.between_s:.1f} s ({times.between_fraction:.0%}) between steps on other work"
+            f" (Lightning's loop, callbacks, logged values) over {times.counted} steps (the first"
+            f" {self.warmup_steps} left out)."
+        )
         if self._fit is not None:  # the fit's wall time, for where the rest went
             detail += " " + self._fit.text(end, checkpoints=trainer.checkpoint_callback is not None)
             data["fit_time"] = self._fit.shares(end) | {"validations": self._fit.validations}
@@ -212,7 +241,7 @@ class StepTimeMonitor(BoostCallback):
                 "Lower `warmup_steps` (default 3) to time a run this short.",
                 data=data,
             )
-        if times.counted < MIN_STEPS or times.wait_s + times.step_s < MIN_SECONDS:
+        if times.counted < MIN_STEPS or times.wait_s + times.step_s + times.between_s < MIN_SECONDS:
             return Finding(
                 type(self).__name__,
                 "step time",
@@ -224,6 +253,10 @@ class StepTimeMonitor(BoostCallback):
         model = _model_step(trainer) if self._on_gpu else None
         if fraction <= self.threshold and model and times.step_s >= HOST_BOUND * model[1] * times.counted:
             return _host_bound(times, model, detail, data)
+        if fraction <= self.threshold and self._on_gpu and times.between_fraction > self.threshold:
+            loader = trainer.train_dataloader
+            size = loader_batch_size(loader) if isinstance(loader, DataLoader) else None
+            return _idle_between_steps(times, size, detail, data)
         if fraction <= self.threshold:
             return Finding(
                 type(self).__name__, "step time", Severity.INFO, f"Compute-bound: {share}", detail, data=data
@@ -264,6 +297,10 @@ class StepTimeMonitor(BoostCallback):
         )
 
 
+def _nothing() -> None:
+    pass
+
+
 def _times_a_gpu(clock: HostClock | CudaClock) -> bool:
     return isinstance(clock, CudaClock)
 
@@ -302,6 +339,21 @@ def _host_bound(times: StepTimes, model: tuple[int, float], detail: str, data: d
         "\n".join(f"{n}. {fix}" for n, fix in enumerate(fixes, 1)),
         data=data | {"model_step_s": round(alone, 6), "host_bound": round(mean / alone, 3), "fixes": fixes},
         cost=f"{times.step_s - alone * times.counted:.1f} s over {times.counted} steps",
+    )
+
+
+def _idle_between_steps(times: StepTimes, size: int | None, detail: str, data: dict[str, Any]) -> Finding:
+    fixes = host_bound_fixes(size)
+    return Finding(
+        StepTimeMonitor.__name__,
+        "step time",
+        Severity.WARN,
+        f"Host-bound between steps: the GPU idles {times.between_fraction:.0%} of the time on host work",
+        f"{detail} Between steps the GPU waited {times.between_s:.1f} s, beyond its wait for data, on"
+        " the host: Lightning's loop and hooks, callbacks, logged values read with `.item()`.",
+        "\n".join(f"{n}. {fix}" for n, fix in enumerate(fixes, 1)),
+        data=data | {"fixes": fixes},
+        cost=f"{times.between_s:.1f} s over {times.counted} steps",
     )
 
 

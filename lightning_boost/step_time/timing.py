@@ -12,20 +12,32 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 
-def wait_fraction(wait_s: float, step_s: float) -> float:
-    """The share of ``wait + step`` spent waiting for data (0 when nothing was timed).
+def wait_fraction(wait_s: float, step_s: float, between_s: float = 0.0) -> float:
+    """The share of ``wait + between + step`` spent waiting for data (0 when nothing was timed).
 
     Example:
         >>> wait_fraction(1.0, 3.0)
         0.25
+        >>> wait_fraction(1.0, 2.0, between_s=1.0)  # the loop's own time between steps is not data
+        0.25
     """
-    total = wait_s + step_s
+    total = wait_s + between_s + step_s
     return wait_s / total if total > 0 else 0.0
+
+
+class Sample(NamedTuple):
+    """One step's seconds: waiting for its batch (the loader's fetch and the batch's move to the
+    device), the rest of the time since the step before (Lightning's loop, callbacks, logged
+    values), and the step itself."""
+
+    wait_s: float
+    step_s: float
+    between_s: float = 0.0
 
 
 @dataclass
@@ -37,26 +49,33 @@ class StepWindow:
         steps: how many steps it holds.
         wait_s: seconds waiting for batches.
         step_s: seconds in the steps (forward, backward, optimizer, hooks).
+        between_s: the other seconds between steps (Lightning's loop, callbacks, logged values).
     """
 
     last_step: int
     steps: int
     wait_s: float
     step_s: float
+    between_s: float = 0.0
 
     @property
     def fraction(self) -> float:
-        return wait_fraction(self.wait_s, self.step_s)
+        return wait_fraction(self.wait_s, self.step_s, self.between_s)
 
     def merge(self, later: StepWindow) -> StepWindow:
         return StepWindow(
-            later.last_step, self.steps + later.steps, self.wait_s + later.wait_s, self.step_s + later.step_s
+            later.last_step,
+            self.steps + later.steps,
+            self.wait_s + later.wait_s,
+            self.step_s + later.step_s,
+            self.between_s + later.between_s,
         )
 
 
 @dataclass
 class StepTimes:
-    """Per-step wait and compute seconds, with the first `warmup_steps` left out of the totals.
+    """Per-step wait, compute and between-step seconds, with the first `warmup_steps` left out of
+    the totals.
 
     Args:
         warmup_steps: steps at the start not counted in the verdict (worker start-up, first
@@ -66,7 +85,7 @@ class StepTimes:
     Example:
         >>> times = StepTimes(warmup_steps=1)
         >>> for wait, step in [(5.0, 1.0), (1.0, 3.0), (1.0, 3.0)]:
-        ...     times.add(wait, step)
+        ...     times.add(Sample(wait, step))
         >>> times.fraction, times.take_window().fraction
         (0.25, 0.5)
     """
@@ -77,17 +96,19 @@ class StepTimes:
     counted: int = 0
     wait_s: float = 0.0
     step_s: float = 0.0
+    between_s: float = 0.0
     history: list[StepWindow] = field(default_factory=list)
     _window: StepWindow | None = None
 
-    def add(self, wait_s: float, step_s: float) -> None:
-        """Record one step: `wait_s` waiting for its batch, `step_s` computing it."""
+    def add(self, sample: Sample) -> None:
+        """Record one step's seconds."""
         self.steps += 1
         if self.steps > self.warmup_steps:
             self.counted += 1
-            self.wait_s += wait_s
-            self.step_s += step_s
-        point = StepWindow(self.steps, 1, wait_s, step_s)
+            self.wait_s += sample.wait_s
+            self.step_s += sample.step_s
+            self.between_s += sample.between_s
+        point = StepWindow(self.steps, 1, sample.wait_s, sample.step_s, sample.between_s)
         self._window = point if self._window is None else self._window.merge(point)
 
     def take_window(self) -> StepWindow | None:
@@ -104,7 +125,12 @@ class StepTimes:
     @property
     def fraction(self) -> float:
         """The data-wait fraction over every counted step."""
-        return wait_fraction(self.wait_s, self.step_s)
+        return wait_fraction(self.wait_s, self.step_s, self.between_s)
+
+    @property
+    def between_fraction(self) -> float:
+        """The share of every counted step's time spent between steps on other than data."""
+        return wait_fraction(self.between_s, self.step_s, self.wait_s)
 
 
 def input_bound_fixes(
@@ -186,7 +212,7 @@ def input_bound_fixes(
     return fixes
 
 
-def host_bound_fixes(batch_size: int) -> list[str]:
+def host_bound_fixes(batch_size: int | None) -> list[str]:
     """What to try when a GPU waits on the host within each step (the step takes far longer than
     the model's forward, backward and optimizer step alone), most likely payoff first.
 
@@ -194,8 +220,9 @@ def host_bound_fixes(batch_size: int) -> list[str]:
         >>> [fix.split(":")[0] for fix in host_bound_fixes(64)]
         ['Fewer, larger steps', 'Fewer values read per step', 'Fewer kernel launches per step']
     """
+    larger = "a larger batch" if batch_size is None else f"a batch larger than {batch_size}"
     return [
-        f"Fewer, larger steps: the host's work is paid once per step, so a batch larger than {batch_size}"
+        f"Fewer, larger steps: the host's work is paid once per step, so {larger}"
         " spreads it over more samples. `AutoBatchSize` timed the model's step alone, without it, so a"
         " larger size gains more than its trials showed (`max_batch_size=` lets it search further).",
         "Fewer values read per step: Lightning reads each step-level `prog_bar=True` value with `.item()`"
@@ -223,9 +250,6 @@ def _sample_work_fixes(on_gpu: bool) -> list[str]:
         "`torchvision.io.decode_jpeg(device='cuda')`, or read a sequential format (WebDataset, LitData)."
     )
     return [augment, decode]
-
-
-Sample = tuple[float, float]
 
 
 @dataclass
@@ -357,30 +381,57 @@ def _now() -> float:
     return time.perf_counter()
 
 
+def split_gap(last_end: float, fetch: float | None, start: float, step_s: float) -> Sample:
+    """One step's `Sample` from host times: the time from the step before's end to this step's
+    start is split where the loop asked the loader for the batch (`fetch`): the wait for data from
+    there, the loop's own work before it. Without a fetch in that span (a loop that did not report
+    it), all of it counts as the wait.
+
+    Example:
+        >>> split_gap(1.0, 1.5, 1.75, step_s=2.0)
+        Sample(wait_s=0.25, step_s=2.0, between_s=0.5)
+        >>> split_gap(1.0, None, 1.75, step_s=2.0).wait_s
+        0.75
+    """
+    if fetch is None or not last_end <= fetch <= start:
+        return Sample(start - last_end, step_s)
+    return Sample(start - fetch, step_s, fetch - last_end)
+
+
 class HostClock:
-    """Wait and step seconds from the host's clock: exact on CPU, where the host does the work."""
+    """Wait, between-step and step seconds from the host's clock: exact on CPU, where the host
+    does the work. `fetch_start` marks where the loop asks the loader for the next batch."""
 
     def __init__(self, now: Callable[[], float] | None = None) -> None:
         self.now = now or _now
         self._last_end: float | None = None
+        self._fetch: float | None = None
         self._start = 0.0
 
     def idle(self) -> None:
         """Start timing the wait for the next batch from now (the epoch starts)."""
         self._last_end = self.now()
+        self._fetch = None
 
     def skip(self) -> None:
         """The next batch's wait is not measured (validation or checkpointing ran before it)."""
         self._last_end = None
+        self._fetch = None
+
+    def fetch_start(self) -> None:
+        """The loop asks the loader for a batch now (the first time since the step before counts:
+        a loop that fetches ahead fetches twice at an epoch's start)."""
+        if self._fetch is None:
+            self._fetch = self.now()
 
     def batch_start(self) -> None:
         self._start = self.now()
 
     def batch_end(self) -> list[Sample]:
         end = self.now()
-        samples = [] if self._last_end is None else [(self._start - self._last_end, end - self._start)]
-        self._last_end = end
-        return samples
+        last_end, self._last_end = self._last_end, end
+        fetch, self._fetch = self._fetch, None
+        return [] if last_end is None else [split_gap(last_end, fetch, self._start, end - self._start)]
 
     def flush(self) -> list[Sample]:
         return []
@@ -389,14 +440,23 @@ class HostClock:
 class CudaClock:
     """GPU-side timing from CUDA events, read a few steps late so the host never waits.
 
-    The wait is the GPU's idle gap between one step's last kernel and the next step's first: a
-    host that is late with data leaves a gap, a host that is ahead leaves none. `batch_end`
+    The GPU's idle gap between one step's last kernel and the next step's first is the time lost
+    between steps: a host that is late leaves a gap, a host that is ahead leaves none. The gap is
+    the end of the host's time between the steps, so its last part, up to the host's own wait for
+    data (from `fetch_start` to the step's start, on the host clock), is the wait for data; the
+    rest is the host's other work (Lightning's loop, callbacks, logged values). `batch_end`
     returns the samples whose events have completed (``Event.query()`` does not block).
     """
 
-    def __init__(self, event: Callable[[], Any] | None = None, max_pending: int = 64) -> None:
+    def __init__(
+        self,
+        event: Callable[[], Any] | None = None,
+        max_pending: int = 64,
+        now: Callable[[], float] | None = None,
+    ) -> None:
         self.event = event or (lambda: torch.cuda.Event(enable_timing=True))
-        self.pending: deque[tuple[Any, Any, Any]] = deque(maxlen=max_pending)
+        self.host = HostClock(now)
+        self.pending: deque[tuple[Any, Any, Any, float | None]] = deque(maxlen=max_pending)
         self._last_end: Any = None
         self._start: Any = None
 
@@ -407,28 +467,43 @@ class CudaClock:
 
     def idle(self) -> None:
         self._last_end = self._record()
+        self.host.idle()
 
     def skip(self) -> None:
         self._last_end = None
+        self.host.skip()
+
+    def fetch_start(self) -> None:
+        self.host.fetch_start()
 
     def batch_start(self) -> None:
         self._start = self._record()
+        self.host.batch_start()
 
     def batch_end(self) -> list[Sample]:
         end = self._record()
+        host = self.host.batch_end()
         if self._last_end is not None:
-            self.pending.append((self._last_end, self._start, end))
+            self.pending.append((self._last_end, self._start, end, host[0].wait_s if host else None))
         self._last_end = end
         samples = []
         while self.pending and self.pending[0][2].query():
-            before, start, after = self.pending.popleft()
-            samples.append((before.elapsed_time(start) / 1000, start.elapsed_time(after) / 1000))
+            samples.append(_gpu_sample(*self.pending.popleft()))
         return samples
 
     def flush(self) -> list[Sample]:
         """Everything still pending (one wait for the GPU, at the end of training)."""
         if self.pending:
             self.pending[-1][2].synchronize()
-        samples = [(b.elapsed_time(s) / 1000, s.elapsed_time(a) / 1000) for b, s, a in self.pending]
+        samples = [_gpu_sample(*pending) for pending in self.pending]
         self.pending.clear()
         return samples
+
+
+def _gpu_sample(before: Any, start: Any, end: Any, host_wait: float | None) -> Sample:
+    """A step's `Sample` from its events: of the GPU's idle gap before it, the last `host_wait`
+    seconds (the host's wait for the batch; all of its time since the step before where the loop
+    did not report its fetch) are the wait for data."""
+    idle = before.elapsed_time(start) / 1000
+    wait = idle if host_wait is None else min(idle, host_wait)
+    return Sample(wait, start.elapsed_time(end) / 1000, idle - wait)
