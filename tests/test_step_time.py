@@ -2,16 +2,18 @@ import csv
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import pytest
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 from typing_extensions import override
 
 from lightning_boost import AutoBatchSize, StepTimeMonitor
+from lightning_boost.batch_size.decision import BatchSizeDecision
 from lightning_boost.report import Severity
 from lightning_boost.step_time import callback as step_time_callback
 from lightning_boost.step_time import timing as step_time
@@ -557,3 +559,83 @@ def test_a_handful_of_fast_steps_gets_no_verdict(tmp_path: Path) -> None:
     (finding,) = monitor.findings
     assert finding.severity is Severity.INFO and finding.title.startswith("Too little timed to judge")
     assert "at least 20 steps and 1 s" in finding.detail and not finding.fix
+
+
+class ManualSteps(BoringModel):
+    """Steps its own optimizer: `AutoBatchSize` keeps its batch size as written."""
+
+    def __init__(self, seconds: float, clock: FakeClock) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.seconds, self.clock = seconds, clock
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        self.clock.advance(self.seconds)
+        optimizer = self.optimizers()
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        self.manual_backward(self._loss(batch))
+        optimizer.step()  # type: ignore[union-attr]
+
+
+class TensorData(BoringDataModule):
+    """Samples in a `TensorDataset`, each batch's collation 0.02 s on the clock."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        super().__init__(length=192, batch_size=4)
+        self.clock = clock
+
+    @override
+    def train_dataloader(self) -> DataLoader[Any]:
+        data = RandomDataset(length=self.length)
+        tensors = TensorDataset(data.inputs, data.targets)
+        return DataLoader(tensors, batch_size=self.batch_size, collate_fn=self.collate)
+
+    def collate(self, samples: list[Any]) -> Any:
+        self.clock.advance(0.02)
+        return default_collate(samples)
+
+
+def test_the_loading_fix_for_a_run_whose_batch_autobatchsize_kept_says_the_size_is_yours(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A manual-optimization step of 0.01 s on tensors whose batches take 0.02 s to collate: the
+    larger batch is for the user to set (the fix named `AutoBatchSize`, which is in the run)."""
+    clock = FakeClock()
+    monkeypatch.setattr(step_time, "_now", clock.now)
+    monitor = StepTimeMonitor(warmup_steps=0)
+    trainer = tiny_trainer(tmp_path, callbacks=[AutoBatchSize(), monitor], limit_train_batches=None,
+                           limit_val_batches=0)  # fmt: skip
+    trainer.fit(ManualSteps(0.01, clock), datamodule=TensorData(clock))
+    (finding,) = monitor.findings
+    assert finding.title.startswith("Input-bound: 67%")
+    assert (
+        "2. A larger `batch_size` spreads the per-step loading cost over more samples; `AutoBatchSize` kept"
+        " yours (manual optimization)." in finding.fix
+    )
+
+
+@pytest.mark.parametrize(
+    ("decision", "fix"),
+    [
+        (None, "A larger batch (`AutoBatchSize`) spreads"),  # none in the run
+        (BatchSizeDecision(32, kept="a run of 3 steps"), "A larger `batch_size` spreads the per-step"
+         " loading cost over more samples; `AutoBatchSize` kept yours (a run of 3 steps)."),
+        (BatchSizeDecision(32, effective_batch_size=32, noise_scale=62.0), "Not a larger batch: 32 is"
+         " `AutoBatchSize`'s choice, and at twice the size each sample would teach the model 75% as much"
+         " (noise scale 62), more than spreading the loading over twice the samples saves (at most 7% of"
+         " the time)."),
+        (BatchSizeDecision(32, effective_batch_size=32, noise_scale=5000.0), "A larger batch spreads the"
+         " per-step loading cost over more samples: `AutoBatchSize` chose 32 timing the model's step alone,"
+         " without the loading. `AutoBatchSize(grow=True)` grows it"),
+    ],
+)  # fmt: skip
+def test_the_larger_batch_fix_follows_autobatchsizes_decision(decision: Any, fix: str) -> None:
+    """14 % of the time waiting for a `TensorDataset`'s batches; the decisions are made up."""
+    tuner = AutoBatchSize()
+    tuner.decision = decision
+    trainer: Any = SimpleNamespace(callbacks=[] if decision is None else [tuner])
+    text = step_time_callback._larger_batch(trainer, 0.14)
+    fixes = input_bound_fixes(num_workers=0, max_workers=2, pin_memory=False, on_gpu=False,
+                              tuned_workers=True, dataset="batched tensors", larger_batch=text)  # fmt: skip
+    assert fixes[0].startswith(fix)

@@ -21,6 +21,8 @@ from lightning_boost._lightning import (
 )
 from lightning_boost._validation import Count, Range, validated
 from lightning_boost.batch_size.callback import AutoBatchSize
+from lightning_boost.batch_size.decision import BatchSizeDecision
+from lightning_boost.batch_size.goodput import efficiency
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
 from lightning_boost.report import Finding, Severity, plot_data
@@ -294,7 +296,58 @@ class StepTimeMonitor(BoostCallback):
             tuned_workers=bool(tuners),
             measured_workers=measured,
             dataset=dataset_kind(dataset),
+            larger_batch=_larger_batch(trainer, self.times.fraction),
         )
+
+
+def _larger_batch(trainer: L.Trainer, wait_fraction: float) -> str | None:
+    """What to say of a larger batch where the run has an `AutoBatchSize` (``None``: none): set it
+    yourself where it kept yours; not, where its noise scale says a batch twice the size would not
+    reach the model sooner even with its loading halved per sample; else that its trials timed the
+    model's step without the loading."""
+    tuner = next((c for c in callbacks_of(trainer) if isinstance(c, AutoBatchSize)), None)
+    if tuner is None:
+        return None
+    decision, spread = tuner.decision, "spreads the per-step loading cost over more samples"
+    if decision is None or decision.kept:
+        title = next((f.title for f in tuner.findings if f.area == "batch size"), "")
+        why = decision.kept if decision else title.partition(": ")[2]  # "Batch size kept as written: ..."
+        return f"A larger `batch_size` {spread}; `AutoBatchSize` kept yours ({why})."
+    size = decision.batch_size
+    gain = larger_batch_gain(decision, wait_fraction)
+    if gain < 1:
+        return (
+            f"Not a larger batch: {size} is `AutoBatchSize`'s choice, and at twice the size each sample"
+            f" would teach the model {gain * (1 - wait_fraction / 2):.0%} as much (noise scale"
+            f" {decision.noise_scale:.0f}), more than spreading the loading over twice the samples saves"
+            f" (at most {wait_fraction / 2:.0%} of the time)."
+        )
+    grow = (
+        ""
+        if tuner.grow
+        else " `AutoBatchSize(grow=True)` grows it between epochs where the run's own steps say it pays."
+    )
+    return (
+        f"A larger batch {spread}: `AutoBatchSize` chose {size} timing the model's step alone, without the"
+        f" loading.{grow}"
+    )
+
+
+def larger_batch_gain(decision: BatchSizeDecision, wait_fraction: float) -> float:
+    """The most a batch twice `decision`'s could gain in goodput where `wait_fraction` of the time
+    is a fixed loading cost per step: that cost halved per sample, times the statistical
+    efficiency of the doubled batch against the chosen one (1 with no noise scale measured).
+
+    Example:
+        >>> from lightning_boost.batch_size.decision import BatchSizeDecision
+        >>> decision = BatchSizeDecision(32, effective_batch_size=32, noise_scale=62.0)
+        >>> round(larger_batch_gain(decision, 0.14), 2)  # 1.075 faster, 0.746 as efficient
+        0.8
+    """
+    effective = decision.effective_batch_size or decision.batch_size
+    noise = decision.noise_scale
+    kept = 1.0 if noise is None else efficiency(noise, 2 * effective, effective)
+    return kept / (1 - wait_fraction / 2)
 
 
 def _nothing() -> None:

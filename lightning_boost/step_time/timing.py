@@ -142,6 +142,7 @@ def input_bound_fixes(
     tuned_workers: bool,
     measured_workers: tuple[int, ...] = (),
     dataset: str = "samples",
+    larger_batch: str | None = None,
 ) -> list[str]:
     """What to try when a run waits for data, most likely payoff first, for the data at hand.
 
@@ -157,6 +158,8 @@ def input_bound_fixes(
             CIFAR hold theirs: transformed one by one, but nothing to decode), ``"stream"`` (an
             `IterableDataset`), ``"batched tensors"`` (a `TensorDataset` the loader already gathers
             whole batches of, `WholeBatches`) or ``"samples"`` (any other).
+        larger_batch: what to say of a larger batch where the run's `AutoBatchSize` chose the size
+            (``None``: none in the run, and the fix names it).
 
     Example:
         >>> fixes = input_bound_fixes(
@@ -181,7 +184,10 @@ def input_bound_fixes(
             "dataset), batch_size, drop_last=False))` slices each batch with one `__getitem__`."
         )
     if dataset in ("tensors", "batched tensors"):
-        fixes.append("A larger batch (`AutoBatchSize`) spreads the per-step loading cost over more samples.")
+        fixes.append(
+            larger_batch
+            or "A larger batch (`AutoBatchSize`) spreads the per-step loading cost over more samples."
+        )
     if num_workers < max_workers and not tuned_workers:
         fixes.append(
             f"More DataLoader workers (now {num_workers}, up to {max_workers} here): "
