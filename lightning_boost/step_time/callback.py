@@ -316,9 +316,10 @@ def _larger_batch(trainer: L.Trainer, wait_fraction: float) -> str | None:
     size = decision.batch_size
     gain = larger_batch_gain(decision, wait_fraction)
     if gain < 1:
+        teaches = gain * (1 - wait_fraction / 2)  # the doubled batch's statistical efficiency
         return (
             f"Not a larger batch: {size} is `AutoBatchSize`'s choice, and at twice the size each sample"
-            f" would teach the model {gain * (1 - wait_fraction / 2):.0%} as much (noise scale"
+            f" would teach the model {teaches:.0%} as much (noise scale"
             f" {decision.noise_scale:.0f}), more than spreading the loading over twice the samples saves"
             f" (at most {wait_fraction / 2:.0%} of the time)."
         )
