@@ -31,6 +31,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_boost._lightning import call_step, detached_copy, preserved_rng
+from lightning_boost.instrumented import own_steps
 from lightning_boost.trials import Trial, cautious_grad_sq
 
 #: Timed steps per trial stop short of `steps` when they would take longer than this (seconds).
@@ -248,15 +249,16 @@ class StepProbe:
 
         start = time.perf_counter()
         try:
-            for _ in range(rounds):
-                for count in threads:
-                    if count in rates and time.perf_counter() - start > budget_s:
-                        continue
-                    torch.set_num_threads(count)
-                    if count not in rates:
-                        step()  # warm-up, once a count: first-call allocations, kernel choices
-                    fastest = fastest_step(step, self.steps, self.device)
-                    rates[count] = max(rates.get(count, 0.0), size / fastest)  # the least disturbed
+            with own_steps():
+                for _ in range(rounds):
+                    for count in threads:
+                        if count in rates and time.perf_counter() - start > budget_s:
+                            continue
+                        torch.set_num_threads(count)
+                        if count not in rates:
+                            step()  # warm-up, once a count: first-call allocations, kernel choices
+                        fastest = fastest_step(step, self.steps, self.device)
+                        rates[count] = max(rates.get(count, 0.0), size / fastest)  # the least disturbed
         finally:
             torch.set_num_threads(before)
         return rates
@@ -275,8 +277,9 @@ class StepProbe:
         clone.train()
         for context in contexts:
             start = time.perf_counter()
-            self._train_step(clone, optimizers, batch, None, context=context)
-            _synchronize(self.device)
+            with own_steps():  # not across the yield: the caller's code runs there
+                self._train_step(clone, optimizers, batch, None, context=context)
+                _synchronize(self.device)
             yield time.perf_counter() - start
 
     def stepper(self) -> Callable[[Any, int | None], float]:
@@ -293,7 +296,7 @@ class StepProbe:
             before = torch.get_num_threads()
             loaded = self.move(apply_to_collection(batch, Tensor, Tensor.clone))
             try:
-                with preserved_rng():
+                with preserved_rng(), own_steps():
                     torch.set_num_threads(threads or before)
                     start = time.perf_counter()
                     self._train_step(clone, optimizers, loaded, None)
@@ -309,7 +312,8 @@ class StepProbe:
         in `memory_format` when given: raises what the step raises."""
         clone, _ = self._copies(memory_format)
         clone.eval()
-        self._eval_step(clone, hook, batch)
+        with own_steps():
+            self._eval_step(clone, hook, batch)
 
     def validate(self, batch: Any, size: int) -> Trial:
         """One ``validation_step`` without gradients at `batch`: does it fit."""
@@ -320,7 +324,8 @@ class StepProbe:
         clone, optimizers = self._copies()
         peak = _Peak(self.device)
         try:
-            seconds = run(clone, optimizers, peak)
+            with own_steps():
+                seconds = run(clone, optimizers, peak)
             trial = Trial(size, samples_per_s=size / seconds, peak_bytes=peak.bytes(clone, optimizers))
         except Exception as error:
             if not is_oom(error):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import threading
+from contextlib import nullcontext
 from typing import Any
 
 import pytest
@@ -14,6 +15,8 @@ import torch.nn.functional as F
 from lightning_boost.guards.sources import Site
 from lightning_boost.guards.sync_watch import SyncWatch
 from lightning_boost.guards.syncs import CAUSES, Packages, SyncGroup, attribute, classify, code_at
+from lightning_boost.step_probe import StepProbe
+from lightning_boost.testing import BoringModel
 
 T = torch.Tensor
 x = torch.arange(6.0)
@@ -330,3 +333,24 @@ def test_a_raising_callback_stops_the_call_before_it_runs() -> None:
             loss.item()
     finally:
         watch.stop()
+
+
+def test_the_packs_own_steps_on_a_copy_are_not_watched() -> None:
+    """The worker search times a copy of the model between the run's steps (`StepProbe.stepper`).
+    The copy's Adam made its step counters in an unchecked step; Adam reads them with `.item()`,
+    which a GPU run keeps on the host (the guard marks the run's own optimizer's): a checked
+    step's window saw the copy's reads as syncs, 8 over 10 checked steps of a CPU run."""
+    model = BoringModel()
+    adam = torch.optim.Adam(model.parameters())
+    batch = (torch.randn(4, 32), torch.randn(4, 2))
+    step = StepProbe(model, [adam], 1, nullcontext, nullcontext).stepper()
+    step(batch, None)  # the copy's Adam makes its counters, unwatched
+    seen: list[str] = []
+    watch = SyncWatch(lambda pattern, frame: seen.append(pattern), cuda=False)
+    watch.start()
+    try:
+        step(batch, None)
+        model(batch[0]).sum().item()  # the user's own read is still seen
+    finally:
+        watch.stop()
+    assert seen == ["item"]

@@ -13,7 +13,7 @@ Three sources, each switched on by `start` and off by `stop`:
 
 A sync the mode or a wrapper already reported is not reported again by the debug mode. While a
 DataLoader makes a batch on the watched thread nothing is watched: loading runs on the host by
-design. No Lightning here.
+design; nor while the pack runs its own steps there (`instrumented.own_steps`). No Lightning here.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import torch
 from torch.optim import Optimizer
 from torch.overrides import TorchFunctionMode
 
+from lightning_boost import instrumented
 from lightning_boost.guards.syncs import classify, host_copy, made_on_host, subject
 
 #: ``(pattern, frame of the call)``; may raise to stop at the sync (error mode).
@@ -74,7 +75,7 @@ class _Mode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         watch = self.watch
-        if watch.loading or torch.compiler.is_compiling():  # compile: its graph must be the plain one
+        if watch.paused or torch.compiler.is_compiling():  # compile: its graph must be the plain one
             return func(*args, **kwargs)
         pattern = classify(func, args, kwargs, watch.cuda)
         if pattern is not None and watch.on_host(subject(pattern, args, kwargs)):
@@ -134,6 +135,12 @@ class SyncWatch:
     def active(self) -> bool:
         return self._mode is not None
 
+    @property
+    def paused(self) -> bool:
+        """Nothing is reported now: a DataLoader makes a batch on the watched thread, or the pack
+        runs its own steps there (`instrumented.own_steps`: a probe's, on a copy of the model)."""
+        return bool(self.loading) or instrumented.in_own_steps()
+
     def mark_host(self, tensor: object) -> None:
         """Note that `tensor` stays on the host in a GPU run (on a CPU run, where devices cannot
         tell): reading it does not sync, copying it to the device does. Marks last as long as the
@@ -167,12 +174,14 @@ class SyncWatch:
                 self.mark_host(tensor)
 
     def report(self, pattern: str, frame: FrameType | None, func: Any, args: Any, kwargs: Any) -> Any:
-        """Tell `on_sync`, then make the call (the debug mode is quiet for it: already reported).
+        """Tell `on_sync` (unless `paused`), then make the call (the debug mode is quiet for it:
+        already reported).
 
         What the call moves on the allocator's counters (``empty_cache`` syncs every stream) is
         part of this report, so it is not counted again as the allocator's own.
         """
-        self.on_sync(pattern, frame)
+        if not self.paused:
+            self.on_sync(pattern, frame)
         self._quiet += 1
         before = _allocator_counters() if self._counters else None
         try:
@@ -270,7 +279,7 @@ class SyncWatch:
 
         def showwarning(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
             if category is UserWarning and _DEBUG_TEXT in str(message):
-                if not self._quiet and not self.loading:
+                if not self._quiet and not self.paused:
                     self.on_sync("cuda", sys._getframe(1))
                 return
             show(message, category, *args, **kwargs)
