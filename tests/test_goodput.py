@@ -584,6 +584,62 @@ def test_the_warm_up_lowers_each_step_and_leaves_the_schedule_as_it_runs(tmp_pat
     )
 
 
+class TensorRateMLP(OneCycleMLP):
+    """`DecayingMLP` with its learning rate a tensor (as for a compiled or captured optimizer step,
+    which reads that very tensor: torch's schedulers fill it in place)."""
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        optimizer = torch.optim.SGD(self.parameters(), lr=torch.tensor(self.hparams["lr"]))
+        schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.99)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+class TensorRates(LearningRates):
+    """`LearningRates`, read from a tensor rate, and whether it is still the tensor it started as."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tensors: set[int] = set()
+
+    @override
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
+        self.during.append(float(optimizer.param_groups[0]["lr"]))
+        self.tensors.add(id(optimizer.param_groups[0]["lr"]))
+
+    @override
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        self.after.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
+        self.tensors.add(id(trainer.optimizers[0].param_groups[0]["lr"]))
+
+
+@pytest.mark.usefixtures("fixed_cost_steps")
+def test_a_tensor_learning_rate_is_scaled_and_warmed_up_in_place(tmp_path: Path) -> None:
+    """It was replaced by a new tensor when scaled (a compiled step would have kept the old one)
+    and left out of the warm-up: the raised rate ran from the first step."""
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", min_efficiency=0.5, lr_warmup_steps=8)
+    rates, model = TensorRates(), TensorRateMLP()
+    quiet_trainer(tmp_path, [callback, rates], max_epochs=1).fit(model, Classes(16384, batch_size=32))
+    decision = callback.decision
+    assert decision is not None and decision.lr_factor > 1.0 and decision.lr_warmup_steps == 8
+    scheduled = [0.05 * decision.lr_factor * 0.99**step for step in range(len(rates.during) + 1)]
+    assert rates.after == pytest.approx(scheduled[1:], rel=1e-5)  # float32
+    assert rates.during == pytest.approx(
+        [lr * lr_ramp(decision, step) for step, lr in enumerate(scheduled[:-1])], rel=1e-5
+    )
+    by_hand = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=torch.tensor(0.05))
+    rate, schedule = (
+        by_hand.param_groups[0]["lr"],
+        torch.optim.lr_scheduler.ExponentialLR(by_hand, gamma=0.99),
+    )
+    by_hand.step()
+    schedule.step()
+    if by_hand.param_groups[0]["lr"] is rate:  # torch's schedulers fill it in place (not torch < 2.6)
+        assert len(rates.tensors) == 1  # the optimizer's own tensor throughout
+
+
 @pytest.mark.filterwarnings(SEQUENTIAL_STEP_WARNING)
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_each_torch_schedule_scaled_runs_as_written_at_the_scaled_rate(name: str) -> None:

@@ -240,7 +240,9 @@ class AutoBatchSize(BoostCallback):
         self.findings: list[Finding] = []
         self._restored = False
         self._configured: int | None = None  # the size the user wrote, put back at the end of fit
-        self._ramped: list[tuple[dict[str, Any], float]] = []  # (param group, its lr) under warm-up
+        self._ramped: list[
+            tuple[dict[str, Any], float | torch.Tensor]
+        ] = []  # (param group, its lr) under warm-up
         self._after_step: RemovableHandle | None = None  # puts them back once the optimizer stepped
         self._watch: LossWatch | None = None
         self._growth: Growth | None = None  # the noise scale read during the run (`grow`)
@@ -355,9 +357,13 @@ class AutoBatchSize(BoostCallback):
         if ramp == 1.0:
             return
         for group in optimizer.param_groups:
-            if isinstance(group.get("lr"), float):
-                self._ramped.append((group, group["lr"]))
-                group["lr"] = group["lr"] * ramp
+            lr = group.get("lr")
+            if isinstance(lr, torch.Tensor):  # in place, without reading it (no sync)
+                self._ramped.append((group, lr.clone()))
+                lr.mul_(ramp)
+            elif isinstance(lr, float):
+                self._ramped.append((group, lr))
+                group["lr"] = lr * ramp
         if self._ramped and self._after_step is None:
             self._after_step = optimizer.register_step_post_hook(lambda *_: self._end_ramp())
 
@@ -470,7 +476,10 @@ class AutoBatchSize(BoostCallback):
             self._after_step.remove()
             self._after_step = None
         for group, lr in self._ramped:
-            group["lr"] = lr
+            if isinstance(lr, torch.Tensor) and isinstance(group["lr"], torch.Tensor):
+                group["lr"].copy_(lr)
+            else:
+                group["lr"] = lr
         self._ramped.clear()
 
     def _tune(self, trainer: L.Trainer, pl_module: L.LightningModule, configured: int) -> BatchSizeDecision:
@@ -727,11 +736,17 @@ def _scale_learning_rates(trainer: L.Trainer, factor: float) -> None:
     """Multiply every learning rate of the run's optimizers and schedulers by `factor`."""
     if factor == 1.0:
         return
+    scaled: set[int] = set()
     for optimizer in trainer.optimizers:
         for group in optimizer.param_groups:
             for key in LR_KEYS:
-                if isinstance(group.get(key), (int, float, torch.Tensor)):
-                    group[key] = group[key] * factor
+                value = group.get(key)
+                if isinstance(value, torch.Tensor):  # in place, as torch's schedulers `fill_` one: a
+                    if id(value) not in scaled:  # compiled or captured step keeps reading that tensor
+                        scaled.add(id(value))
+                        value.mul_(factor)
+                elif isinstance(value, (int, float)):
+                    group[key] = value * factor
     seen: set[int] = set()
     for config in trainer.lr_scheduler_configs:
         _scale_schedule(config.scheduler, factor, seen)
