@@ -19,6 +19,7 @@ counters 8 times over 10 checked steps, a sync the guard then laid at torch's do
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -46,22 +47,33 @@ def count() -> int:
 
 @contextmanager
 def own_steps() -> Iterator[None]:
-    """Steps the pack runs itself, on this thread (a probe's, on a copy of the model).
+    """Steps the pack runs itself, on this thread (a probe's, on a copy of the model); their
+    seconds add up in `own_seconds`.
 
     Example:
+        >>> before = own_seconds()
         >>> with own_steps():
         ...     in_own_steps()
         True
-        >>> in_own_steps()
-        False
+        >>> in_own_steps(), own_seconds() > before
+        (False, True)
     """
-    _own.depth = getattr(_own, "depth", 0) + 1
+    depth = getattr(_own, "depth", 0)
+    _own.depth = depth + 1
+    started = time.perf_counter()
     try:
         yield
     finally:
-        _own.depth -= 1
+        _own.depth = depth
+        if depth == 0:  # the outermost: nested ones are inside its time
+            _own.seconds = own_seconds() + time.perf_counter() - started
 
 
 def in_own_steps() -> bool:
     """Whether this thread is running the pack's own steps (`own_steps`)."""
     return getattr(_own, "depth", 0) > 0
+
+
+def own_seconds() -> float:
+    """The seconds this thread has spent in `own_steps` (compare two readings)."""
+    return float(getattr(_own, "seconds", 0.0))

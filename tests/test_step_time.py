@@ -12,7 +12,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, default_collate
 from typing_extensions import override
 
-from lightning_boost import AutoBatchSize, StepTimeMonitor
+from lightning_boost import AutoBatchSize, StepTimeMonitor, instrumented
 from lightning_boost.batch_size.decision import BatchSizeDecision
 from lightning_boost.report import Severity
 from lightning_boost.step_time import callback as step_time_callback
@@ -114,7 +114,7 @@ def test_host_clock_times_waits_between_steps() -> None:
     clock.advance(0.3)
     host.batch_start()
     clock.advance(0.1)
-    assert host.batch_end() == [(pytest.approx(0.3), pytest.approx(0.1), 0.0)]  # no fetch seen: all wait
+    assert host.batch_end() == [(pytest.approx(0.3), pytest.approx(0.1), 0.0, 0.0)]  # no fetch seen: all wait
     host.skip()  # validation ran
     clock.advance(5.0)
     host.fetch_start()
@@ -126,11 +126,11 @@ def test_host_clock_times_waits_between_steps() -> None:
     clock.advance(0.2)  # the loader
     host.batch_start()
     clock.advance(0.1)
-    assert host.batch_end() == [(pytest.approx(0.2), pytest.approx(0.1), pytest.approx(0.05))]
+    assert host.batch_end() == [(pytest.approx(0.2), pytest.approx(0.1), pytest.approx(0.05), 0.0)]
     clock.advance(0.3)
     host.batch_start()  # the fetch reported was the step before's: this gap is not split
     clock.advance(0.1)
-    assert host.batch_end() == [(pytest.approx(0.3), pytest.approx(0.1), 0.0)]
+    assert host.batch_end() == [(pytest.approx(0.3), pytest.approx(0.1), 0.0, 0.0)]
 
 
 class FakeEvent:
@@ -172,8 +172,10 @@ def test_cuda_clock_reads_events_late_and_never_waits() -> None:
         gpu["done"] = previous_end  # the GPU runs one step behind the host
         samples += clock.batch_end()
         previous_end = gpu["now"]
-    assert samples == [(0.5, 0.25, 0.0)] * 2  # the last step is still in flight: not read, not waited for
-    assert clock.flush() == [(0.5, 0.25, 0.0)]
+    assert (
+        samples == [(0.5, 0.25, 0.0, 0.0)] * 2
+    )  # the last step is still in flight: not read, not waited for
+    assert clock.flush() == [(0.5, 0.25, 0.0, 0.0)]
     assert not clock.pending
 
 
@@ -198,7 +200,7 @@ def test_cuda_clock_counts_the_end_of_the_gpus_idle_gap_up_to_the_hosts_fetch_as
         gpu["now"] += 0.25
         samples += clock.batch_end()
     samples += clock.flush()
-    assert samples == [(pytest.approx(wait), 0.25, pytest.approx(0.5 - wait))] * 2
+    assert samples == [(pytest.approx(wait), 0.25, pytest.approx(0.5 - wait), 0.0)] * 2
 
 
 class SlowDataset(Dataset[tuple[Tensor, Tensor]]):
@@ -639,3 +641,40 @@ def test_the_larger_batch_fix_follows_autobatchsizes_decision(decision: Any, fix
     fixes = input_bound_fixes(num_workers=0, max_workers=2, pin_memory=False, on_gpu=False,
                               tuned_workers=True, dataset="batched tensors", larger_batch=text)  # fmt: skip
     assert fixes[0].startswith(fix)
+
+
+class ProbedData(Dataset[tuple[Tensor, Tensor]]):
+    """`SlowDataset` whose every fourth sample also runs 0.05 s of the pack's own steps (as the
+    worker search's probe does in the loader's iteration), on the clock and on the count of them."""
+
+    def __init__(self, clock: FakeClock, own: list[float]) -> None:
+        self.samples = SlowDataset(0.001, clock, length=96)
+        self.clock, self.own = clock, own
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        if index % 4 == 0:
+            self.clock.advance(0.05)
+            self.own[0] += 0.05
+        return self.samples[index]
+
+
+def test_the_packs_own_steps_while_a_batch_loads_are_not_waiting_for_data(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches of 4 samples at 0.001 s each and 0.05 s of the probe's steps, a step of 0.04 s:
+    counted as data the wait would be 57 % of the time; it is 9 %, the probe's 1.2 s said apart."""
+    clock, own = FakeClock(), [0.0]
+    monkeypatch.setattr(step_time, "_now", clock.now)
+    monkeypatch.setattr(instrumented, "own_seconds", lambda: own[0])
+    monitor = StepTimeMonitor(warmup_steps=0)
+    loader = DataLoader(ProbedData(clock, own), batch_size=4)
+    trainer = tiny_trainer(tmp_path, callbacks=[monitor], limit_train_batches=None, limit_val_batches=0)
+    trainer.fit(TimedModel(0.04, clock), train_dataloaders=loader, val_dataloaders=NO_VAL)
+    assert monitor.times.wait_s == pytest.approx(24 * 0.004)
+    assert monitor.times.tuning_s == pytest.approx(24 * 0.05)
+    (finding,) = monitor.findings
+    assert finding.title == "Compute-bound: 9% of step time waiting for data"
+    assert "Left out of those: 1.2 s of lightning-boost's own steps on a copy of the model" in finding.detail

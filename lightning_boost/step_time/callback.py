@@ -208,6 +208,7 @@ class StepTimeMonitor(BoostCallback):
             "wait_s": round(times.wait_s, 4),
             "between_s": round(times.between_s, 4),
             "between_fraction": round(times.between_fraction, 4),
+            "tuning_s": round(times.tuning_s, 4),
             "step_s": round(times.step_s, 4),
             "steps": times.counted,
             "threshold": self.threshold,
@@ -228,6 +229,11 @@ class StepTimeMonitor(BoostCallback):
             f" (Lightning's loop, callbacks, logged values) over {times.counted} steps (the first"
             f" {self.warmup_steps} left out)."
         )
+        if times.tuning_s >= 0.05:
+            detail += (
+                f" Left out of those: {times.tuning_s:.1f} s of lightning-boost's own steps on a copy of"
+                " the model between them (the worker search's probe of the model's threads)."
+            )
         if self._fit is not None:  # the fit's wall time, for where the rest went
             detail += " " + self._fit.text(end, checkpoints=trainer.checkpoint_callback is not None)
             data["fit_time"] = self._fit.shares(end) | {"validations": self._fit.validations}

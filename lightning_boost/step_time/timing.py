@@ -16,6 +16,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from lightning_boost import instrumented
+
 
 def wait_fraction(wait_s: float, step_s: float, between_s: float = 0.0) -> float:
     """The share of ``wait + between + step`` spent waiting for data (0 when nothing was timed).
@@ -33,11 +35,17 @@ def wait_fraction(wait_s: float, step_s: float, between_s: float = 0.0) -> float
 class Sample(NamedTuple):
     """One step's seconds: waiting for its batch (the loader's fetch and the batch's move to the
     device), the rest of the time since the step before (Lightning's loop, callbacks, logged
-    values), and the step itself."""
+    values), the step itself, and the pack's own steps on a copy of the model in that time (the
+    worker search's probe: `instrumented.own_steps`), left out of the other three."""
 
     wait_s: float
     step_s: float
     between_s: float = 0.0
+    tuning_s: float = 0.0
+
+
+#: A moment on the host: its clock, and the seconds this thread had spent in the pack's own steps.
+Mark = tuple[float, float]
 
 
 @dataclass
@@ -97,6 +105,7 @@ class StepTimes:
     wait_s: float = 0.0
     step_s: float = 0.0
     between_s: float = 0.0
+    tuning_s: float = 0.0
     history: list[StepWindow] = field(default_factory=list)
     _window: StepWindow | None = None
 
@@ -108,6 +117,7 @@ class StepTimes:
             self.wait_s += sample.wait_s
             self.step_s += sample.step_s
             self.between_s += sample.between_s
+            self.tuning_s += sample.tuning_s
         point = StepWindow(self.steps, 1, sample.wait_s, sample.step_s, sample.between_s)
         self._window = point if self._window is None else self._window.merge(point)
 
@@ -387,36 +397,47 @@ def _now() -> float:
     return time.perf_counter()
 
 
-def split_gap(last_end: float, fetch: float | None, start: float, step_s: float) -> Sample:
-    """One step's `Sample` from host times: the time from the step before's end to this step's
-    start is split where the loop asked the loader for the batch (`fetch`): the wait for data from
-    there, the loop's own work before it. Without a fetch in that span (a loop that did not report
-    it), all of it counts as the wait.
+def split_gap(last_end: Mark, fetch: Mark | None, start: Mark, end: Mark) -> Sample:
+    """One step's `Sample` from host marks (`Mark`): the time from the step before's end to this
+    step's start is split where the loop asked the loader for the batch (`fetch`): the wait for
+    data from there, the loop's own work before it. Without a fetch in that span (a loop that did
+    not report it), all of it counts as the wait. The pack's own steps in each part are taken out.
 
     Example:
-        >>> split_gap(1.0, 1.5, 1.75, step_s=2.0)
-        Sample(wait_s=0.25, step_s=2.0, between_s=0.5)
-        >>> split_gap(1.0, None, 1.75, step_s=2.0).wait_s
+        >>> split_gap((1.0, 0.0), (1.5, 0.0), (1.75, 0.0), (3.75, 0.0))
+        Sample(wait_s=0.25, step_s=2.0, between_s=0.5, tuning_s=0.0)
+        >>> split_gap((1.0, 0.0), None, (1.75, 0.0), (3.75, 0.0)).wait_s
         0.75
+        >>> split_gap((1.0, 0.0), (1.5, 0.0), (2.0, 0.25), (4.0, 0.25))  # a probe's step in the wait
+        Sample(wait_s=0.25, step_s=2.0, between_s=0.5, tuning_s=0.25)
     """
-    if fetch is None or not last_end <= fetch <= start:
-        return Sample(start - last_end, step_s)
-    return Sample(start - fetch, step_s, fetch - last_end)
+    step = end[0] - start[0] - (end[1] - start[1])
+    tuning = end[1] - last_end[1]
+    if fetch is None or not last_end[0] <= fetch[0] <= start[0]:
+        return Sample(start[0] - last_end[0] - (start[1] - last_end[1]), step, 0.0, tuning)
+    wait = start[0] - fetch[0] - (start[1] - fetch[1])
+    return Sample(wait, step, fetch[0] - last_end[0] - (fetch[1] - last_end[1]), tuning)
 
 
 class HostClock:
     """Wait, between-step and step seconds from the host's clock: exact on CPU, where the host
     does the work. `fetch_start` marks where the loop asks the loader for the next batch."""
 
-    def __init__(self, now: Callable[[], float] | None = None) -> None:
+    def __init__(
+        self, now: Callable[[], float] | None = None, own: Callable[[], float] | None = None
+    ) -> None:
         self.now = now or _now
-        self._last_end: float | None = None
-        self._fetch: float | None = None
-        self._start = 0.0
+        self.own = own or instrumented.own_seconds
+        self._last_end: Mark | None = None
+        self._fetch: Mark | None = None
+        self._start: Mark = (0.0, 0.0)
+
+    def mark(self) -> Mark:
+        return self.now(), self.own()
 
     def idle(self) -> None:
         """Start timing the wait for the next batch from now (the epoch starts)."""
-        self._last_end = self.now()
+        self._last_end = self.mark()
         self._fetch = None
 
     def skip(self) -> None:
@@ -428,16 +449,16 @@ class HostClock:
         """The loop asks the loader for a batch now (the first time since the step before counts:
         a loop that fetches ahead fetches twice at an epoch's start)."""
         if self._fetch is None:
-            self._fetch = self.now()
+            self._fetch = self.mark()
 
     def batch_start(self) -> None:
-        self._start = self.now()
+        self._start = self.mark()
 
     def batch_end(self) -> list[Sample]:
-        end = self.now()
+        end = self.mark()
         last_end, self._last_end = self._last_end, end
         fetch, self._fetch = self._fetch, None
-        return [] if last_end is None else [split_gap(last_end, fetch, self._start, end - self._start)]
+        return [] if last_end is None else [split_gap(last_end, fetch, self._start, end)]
 
     def flush(self) -> list[Sample]:
         return []
@@ -462,7 +483,7 @@ class CudaClock:
     ) -> None:
         self.event = event or (lambda: torch.cuda.Event(enable_timing=True))
         self.host = HostClock(now)
-        self.pending: deque[tuple[Any, Any, Any, float | None]] = deque(maxlen=max_pending)
+        self.pending: deque[tuple[Any, Any, Any, Sample | None]] = deque(maxlen=max_pending)
         self._last_end: Any = None
         self._start: Any = None
 
@@ -490,7 +511,7 @@ class CudaClock:
         end = self._record()
         host = self.host.batch_end()
         if self._last_end is not None:
-            self.pending.append((self._last_end, self._start, end, host[0].wait_s if host else None))
+            self.pending.append((self._last_end, self._start, end, host[0] if host else None))
         self._last_end = end
         samples = []
         while self.pending and self.pending[0][2].query():
@@ -506,10 +527,12 @@ class CudaClock:
         return samples
 
 
-def _gpu_sample(before: Any, start: Any, end: Any, host_wait: float | None) -> Sample:
-    """A step's `Sample` from its events: of the GPU's idle gap before it, the last `host_wait`
-    seconds (the host's wait for the batch; all of its time since the step before where the loop
-    did not report its fetch) are the wait for data."""
+def _gpu_sample(before: Any, start: Any, end: Any, host: Sample | None) -> Sample:
+    """A step's `Sample` from its events: of the GPU's idle gap before it, the last seconds, up to
+    the host's wait for the batch (all of its time since the step before where the loop did not
+    report its fetch), are the wait for data; before them, up to the pack's own steps on the host,
+    tuning."""
     idle = before.elapsed_time(start) / 1000
-    wait = idle if host_wait is None else min(idle, host_wait)
-    return Sample(wait, start.elapsed_time(end) / 1000, idle - wait)
+    wait = idle if host is None else min(idle, host.wait_s)
+    tuning = 0.0 if host is None else min(idle - wait, host.tuning_s)
+    return Sample(wait, start.elapsed_time(end) / 1000, idle - wait - tuning, tuning)
