@@ -12,8 +12,10 @@ training thread. No Lightning here.
 
 The pack also runs steps of its own on the training thread while the user's fit trains: the worker
 search times a copy of the model between the run's steps. Those run inside `own_steps`, and what
-the guards watch for the user's code leaves them out (a CPU run's Adam on that copy read its step
-counters 8 times over 10 checked steps, a sync the guard then laid at torch's door).
+watches the user's code and time leaves them out: the sync guard (a CPU run's Adam on that copy
+read its step counters 8 times over 10 checked steps, a sync the guard then laid at torch's door)
+and `StepTimeMonitor` (`own_seconds`: the probe ran while the loader made a batch, and its 1.2 s
+counted as waiting for data in `make demo`'s boosted fit).
 """
 
 from __future__ import annotations
