@@ -26,6 +26,8 @@ from lightning_boost.step_time.timing import (
     wait_fraction,
 )
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
+from lightning_boost.workers.online import NO_WORKERS, workers_cannot_win
+from lightning_boost.workers.search import WorkerTrial
 
 #: With ``limit_val_batches=0``: the model has a validation_step, this run skips it.
 NO_VAL = DataLoader(RandomDataset(length=8), batch_size=8)
@@ -678,3 +680,21 @@ def test_the_packs_own_steps_while_a_batch_loads_are_not_waiting_for_data(
     (finding,) = monitor.findings
     assert finding.title == "Compute-bound: 9% of step time waiting for data"
     assert "Left out of those: 1.2 s of lightning-boost's own steps on a copy of the model" in finding.detail
+
+
+def test_a_search_that_ruled_workers_out_says_why_in_the_loading_fixes() -> None:
+    """`make demo`'s boosted fit on 2 CPUs: the search ruled out any worker (one would take the
+    model's thread), measured none, and the fixes did not say why workers were not the answer."""
+    alone = WorkerTrial(0, None, 391.0, load_share=0.1)
+    probe = WorkerTrial(0, None, 282.0, threads=1, load_share=0.07)
+    reason = workers_cannot_win(alone, probe, 0.05)
+    assert reason.startswith(NO_WORKERS)
+    fixes = input_bound_fixes(num_workers=0, max_workers=2, pin_memory=False, on_gpu=False,
+                              tuned_workers=True, measured_workers=(0,),
+                              no_workers=reason.removeprefix(NO_WORKERS))  # fmt: skip
+    assert fixes[-1].startswith(
+        "Not workers, on this machine: the model's step on the 1 thread(s) one worker leaves (303 samples/s"
+    )
+    plain = input_bound_fixes(num_workers=0, max_workers=2, pin_memory=False, on_gpu=False,
+                              tuned_workers=True, measured_workers=(0,))  # fmt: skip
+    assert not any("Not workers" in fix for fix in plain)

@@ -36,6 +36,7 @@ from lightning_boost.step_time.timing import (
 )
 from lightning_boost.workers.callback import AutoNumWorkers
 from lightning_boost.workers.loaders import loader_batch_size
+from lightning_boost.workers.online import NO_WORKERS
 from lightning_boost.workers.whole_batches import WholeBatches
 
 #: A verdict rests on at least this many timed steps and seconds (fewer: an INFO that says so).
@@ -294,6 +295,13 @@ class StepTimeMonitor(BoostCallback):
             for trial in choice.trials
         )
         dataset = getattr(loader, "dataset", None)
+        ruled_out = [
+            reason.removeprefix(NO_WORKERS)
+            for tuner in tuners
+            for choice in tuner.choices.values()
+            for reason in choice.skipped
+            if reason.startswith(NO_WORKERS)
+        ]
         return input_bound_fixes(
             num_workers=loader.num_workers if isinstance(loader, DataLoader) else 0,
             max_workers=hardware_for(trainer).cpus_per_process,  # the budget worker tuning searches
@@ -303,6 +311,7 @@ class StepTimeMonitor(BoostCallback):
             measured_workers=measured,
             dataset=dataset_kind(dataset),
             larger_batch=_larger_batch(trainer, self.times.fraction),
+            no_workers=ruled_out[0] if ruled_out else "",
         )
 
 

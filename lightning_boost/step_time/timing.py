@@ -153,6 +153,7 @@ def input_bound_fixes(
     measured_workers: tuple[int, ...] = (),
     dataset: str = "samples",
     larger_batch: str | None = None,
+    no_workers: str = "",
 ) -> list[str]:
     """What to try when a run waits for data, most likely payoff first, for the data at hand.
 
@@ -170,6 +171,8 @@ def input_bound_fixes(
             whole batches of, `WholeBatches`) or ``"samples"`` (any other).
         larger_batch: what to say of a larger batch where the run's `AutoBatchSize` chose the size
             (``None``: none in the run, and the fix names it).
+        no_workers: why the worker search ruled out every worker count without measuring one
+            (``""``: it did not).
 
     Example:
         >>> fixes = input_bound_fixes(
@@ -224,6 +227,11 @@ def input_bound_fixes(
         fixes.append(
             f"num_workers={num_workers} was the fastest of the counts measured ({counts}); more workers did"
             " not help, so the per-sample work itself has to get cheaper."
+        )
+    elif no_workers and num_workers == 0:
+        fixes.append(
+            f"Not workers, on this machine: {no_workers}. With more CPUs per process they could load"
+            " beside the model; here the per-sample work itself has to get cheaper."
         )
     return fixes
 

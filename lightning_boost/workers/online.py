@@ -464,6 +464,10 @@ def _confirm_probe(order: list[WorkerTrial], tolerance: float, factor: int) -> S
     return Setting(0, None, probes[0].threads)
 
 
+#: How `workers_cannot_win`'s reason starts, in a choice's ``skipped`` (StepTimeMonitor reads it).
+NO_WORKERS = "any workers: "
+
+
 def workers_cannot_win(alone: WorkerTrial, probe: WorkerTrial | None, tolerance: float) -> str:
     """Why no worker count can beat loading in the main process on a CPU run, or ``""``.
 
@@ -484,7 +488,7 @@ def workers_cannot_win(alone: WorkerTrial, probe: WorkerTrial | None, tolerance:
     if model_alone > (1 + tolerance) * alone.samples_per_s:
         return ""
     return (
-        f"any workers: the model's step on the {probe.threads} thread(s) one worker leaves"
+        f"{NO_WORKERS}the model's step on the {probe.threads} thread(s) one worker leaves"
         f" ({model_alone:.0f} samples/s without its data wait) cannot beat loading in the main"
         f" process ({alone.samples_per_s:.0f} samples/s)"
     )
