@@ -240,9 +240,8 @@ class AutoBatchSize(BoostCallback):
         self.findings: list[Finding] = []
         self._restored = False
         self._configured: int | None = None  # the size the user wrote, put back at the end of fit
-        self._ramped: list[
-            tuple[dict[str, Any], float | torch.Tensor]
-        ] = []  # (param group, its lr) under warm-up
+        # (param group, its lr) under warm-up
+        self._ramped: list[tuple[dict[str, Any], float | torch.Tensor]] = []
         self._after_step: RemovableHandle | None = None  # puts them back once the optimizer stepped
         self._watch: LossWatch | None = None
         self._growth: Growth | None = None  # the noise scale read during the run (`grow`)

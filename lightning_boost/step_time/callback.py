@@ -277,7 +277,7 @@ class StepTimeMonitor(BoostCallback):
             Severity.WARN,
             f"Input-bound: {share}",
             detail,
-            "\n".join(f"{n}. {fix}" for n, fix in enumerate(fixes, 1)),
+            _numbered(fixes),
             data=data | {"fixes": fixes},
             cost=f"{times.wait_s:.1f} s over {times.counted} steps",  # the title gives the share
         )
@@ -288,20 +288,15 @@ class StepTimeMonitor(BoostCallback):
         tuners = [c.worker_tuner for c in callbacks_of(trainer) if isinstance(c, AutoNumWorkers)]
         if isinstance(datamodule, BoostedDataMixin) and datamodule.num_workers is None:
             tuners.append(datamodule.worker_tuner)
-        measured = tuple(
-            trial.num_workers
-            for tuner in tuners
-            for choice in tuner.choices.values()
-            for trial in choice.trials
-        )
-        dataset = getattr(loader, "dataset", None)
+        choices = [choice for tuner in tuners for choice in tuner.choices.values()]
+        measured = tuple(trial.num_workers for choice in choices for trial in choice.trials)
         ruled_out = [
             reason.removeprefix(NO_WORKERS)
-            for tuner in tuners
-            for choice in tuner.choices.values()
+            for choice in choices
             for reason in choice.skipped
             if reason.startswith(NO_WORKERS)
         ]
+        dataset = getattr(loader, "dataset", None)
         return input_bound_fixes(
             num_workers=loader.num_workers if isinstance(loader, DataLoader) else 0,
             max_workers=hardware_for(trainer).cpus_per_process,  # the budget worker tuning searches
@@ -329,9 +324,8 @@ def _larger_batch(trainer: L.Trainer, wait_fraction: float) -> str | None:
         why = decision.kept if decision else title.partition(": ")[2]  # "Batch size kept as written: ..."
         return f"A larger `batch_size` {spread}; `AutoBatchSize` kept yours ({why})."
     size = decision.batch_size
-    gain = larger_batch_gain(decision, wait_fraction)
-    if gain < 1:
-        teaches = gain * (1 - wait_fraction / 2)  # the doubled batch's statistical efficiency
+    teaches = doubled_batch_efficiency(decision)
+    if teaches / (1 - wait_fraction / 2) < 1:  # its best goodput gain: the loading halved per sample
         return (
             f"Not a larger batch: {size} is `AutoBatchSize`'s choice, and at twice the size each sample"
             f" would teach the model {teaches:.0%} as much (noise scale"
@@ -349,21 +343,24 @@ def _larger_batch(trainer: L.Trainer, wait_fraction: float) -> str | None:
     )
 
 
-def larger_batch_gain(decision: BatchSizeDecision, wait_fraction: float) -> float:
-    """The most a batch twice `decision`'s could gain in goodput where `wait_fraction` of the time
-    is a fixed loading cost per step: that cost halved per sample, times the statistical
-    efficiency of the doubled batch against the chosen one (1 with no noise scale measured).
+def doubled_batch_efficiency(decision: BatchSizeDecision) -> float:
+    """The statistical efficiency of a batch twice `decision`'s against it, from the noise scale
+    its trials measured (1 with none measured). Where a fixed loading cost per step takes a share
+    `w` of the time, the doubled batch gains at most this over ``1 - w / 2`` in goodput.
 
     Example:
         >>> from lightning_boost.batch_size.decision import BatchSizeDecision
         >>> decision = BatchSizeDecision(32, effective_batch_size=32, noise_scale=62.0)
-        >>> round(larger_batch_gain(decision, 0.14), 2)  # 1.075 faster, 0.746 as efficient
-        0.8
+        >>> round(doubled_batch_efficiency(decision), 3)  # (62 + 32) / (62 + 64)
+        0.746
     """
     effective = decision.effective_batch_size or decision.batch_size
     noise = decision.noise_scale
-    kept = 1.0 if noise is None else efficiency(noise, 2 * effective, effective)
-    return kept / (1 - wait_fraction / 2)
+    return 1.0 if noise is None else efficiency(noise, 2 * effective, effective)
+
+
+def _numbered(fixes: list[str]) -> str:
+    return "\n".join(f"{n}. {fix}" for n, fix in enumerate(fixes, 1))
 
 
 def _nothing() -> None:
@@ -405,7 +402,7 @@ def _host_bound(times: StepTimes, model: tuple[int, float], detail: str, data: d
         f" and optimizer step, queued back to back): {1000 * alone:.1f} ms. The other"
         f" {1000 * (mean - alone):.1f} ms of each step is host work the GPU waits on: Lightning's loop"
         " and hooks, callbacks, logged values, and taking each batch from the loader.",
-        "\n".join(f"{n}. {fix}" for n, fix in enumerate(fixes, 1)),
+        _numbered(fixes),
         data=data | {"model_step_s": round(alone, 6), "host_bound": round(mean / alone, 3), "fixes": fixes},
         cost=f"{times.step_s - alone * times.counted:.1f} s over {times.counted} steps",
     )
@@ -420,7 +417,7 @@ def _idle_between_steps(times: StepTimes, size: int | None, detail: str, data: d
         f"Host-bound between steps: the GPU idles {times.between_fraction:.0%} of the time on host work",
         f"{detail} Between steps the GPU waited {times.between_s:.1f} s, beyond its wait for data, on"
         " the host: Lightning's loop and hooks, callbacks, logged values read with `.item()`.",
-        "\n".join(f"{n}. {fix}" for n, fix in enumerate(fixes, 1)),
+        _numbered(fixes),
         data=data | {"fixes": fixes},
         cost=f"{times.between_s:.1f} s over {times.counted} steps",
     )

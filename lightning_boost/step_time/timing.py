@@ -491,7 +491,7 @@ class CudaClock:
     ) -> None:
         self.event = event or (lambda: torch.cuda.Event(enable_timing=True))
         self.host = HostClock(now)
-        self.pending: deque[tuple[Any, Any, Any, Sample | None]] = deque(maxlen=max_pending)
+        self.pending: deque[tuple[Any, Any, Any, Sample]] = deque(maxlen=max_pending)
         self._last_end: Any = None
         self._start: Any = None
 
@@ -517,9 +517,9 @@ class CudaClock:
 
     def batch_end(self) -> list[Sample]:
         end = self._record()
-        host = self.host.batch_end()
-        if self._last_end is not None:
-            self.pending.append((self._last_end, self._start, end, host[0] if host else None))
+        host = self.host.batch_end()  # none where this clock has no end before it either
+        if self._last_end is not None and host:
+            self.pending.append((self._last_end, self._start, end, host[0]))
         self._last_end = end
         samples = []
         while self.pending and self.pending[0][2].query():
@@ -535,12 +535,12 @@ class CudaClock:
         return samples
 
 
-def _gpu_sample(before: Any, start: Any, end: Any, host: Sample | None) -> Sample:
+def _gpu_sample(before: Any, start: Any, end: Any, host: Sample) -> Sample:
     """A step's `Sample` from its events: of the GPU's idle gap before it, the last seconds, up to
     the host's wait for the batch (all of its time since the step before where the loop did not
     report its fetch), are the wait for data; before them, up to the pack's own steps on the host,
     tuning."""
     idle = before.elapsed_time(start) / 1000
-    wait = idle if host is None else min(idle, host.wait_s)
-    tuning = 0.0 if host is None else min(idle - wait, host.tuning_s)
+    wait = min(idle, host.wait_s)
+    tuning = min(idle - wait, host.tuning_s)
     return Sample(wait, start.elapsed_time(end) / 1000, idle - wait - tuning, tuning)
