@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence, pad_sequence
 from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAccuracy, MulticlassAccuracy
 
@@ -67,7 +68,7 @@ def user_syncs(guard: SyncGuard) -> dict[str | None, Finding]:
 
 
 def framework_syncs(guard: SyncGuard) -> dict[str, Finding]:
-    return {f.data["cause"]: f for f in guard.findings if f.data.get("framework")}
+    return {f.data["causes"][0]: f for f in guard.findings if f.data.get("framework")}
 
 
 class OneSync(BoringModel):
@@ -313,7 +314,7 @@ def test_step_values_logged_in_validation_get_the_fix_that_works_there(tmp_path:
     logger = CSVLogger(str(tmp_path), name="validation")
     guard = fit(StepLoggedInValidation(), tmp_path, limit_val_batches=4, log_every_n_steps=2, logger=logger)
     (finding,) = framework_syncs(guard).values()
-    assert finding.data["cause"] == "logging" and finding.data["phase"] == "validation"
+    assert finding.data["causes"] == ["logging"] and finding.data["phase"] == "validation"
     assert finding.data["syncs"] == {"item": 4}  # every validation step, whatever log_every_n_steps is
     assert "on_step=True" in finding.title and "log_every_n_steps=" not in finding.fix
     assert "on_step=False" in finding.fix and "torchmetrics" in finding.fix
@@ -360,8 +361,8 @@ class DefaultMeanMetric(BoringModel):
 def test_a_sync_inside_a_library_is_reported_at_the_calling_line_with_its_setting(tmp_path: Path) -> None:
     (finding,) = user_syncs(fit(DefaultMeanMetric(), tmp_path)).values()
     assert finding.location == marked_line("nan_check")
-    assert finding.data["cause"] == "metric_nan_check"
-    assert finding.data["library"] == "torchmetrics._cast_and_nan_check_input"
+    assert finding.data["causes"] == ["metric_nan_check"]
+    assert finding.data["libraries"] == ["torchmetrics._cast_and_nan_check_input"]
     assert 'nan_strategy="disable"' in finding.fix and "Inside torchmetrics" in finding.detail
 
 
@@ -400,11 +401,60 @@ class ClassAccuracy(BoringModel):
 def test_each_torchmetrics_sync_gets_the_fix_that_removes_it(
     tmp_path: Path, call: str, options: dict[str, Any], found: dict[str, str]
 ) -> None:
+    """Every reason a line syncs for is in its one finding, each with its fix."""
     findings = [f for f in fit(ClassAccuracy(call, **options), tmp_path).findings if f.source == "SyncGuard"]
-    assert {f.data["cause"]: f for f in findings}.keys() == found.keys()
+    assert len(findings) == (1 if found else 0)
     for finding in findings:
-        assert found[finding.data["cause"]] in finding.fix
+        assert sorted(finding.data["causes"]) == sorted(found)
+        assert all(fix in finding.fix for fix in found.values())
         assert finding.location == marked_line(f"metric_{call}")
+
+
+class Sentences(L.LightningModule):
+    """A GRU over padded token sequences, packed with the lengths a `collate_fn` returns as a
+    Python list (on the host in a GPU run too, as torch needs them); `sorted_batches` says whether
+    the collate sorts each batch longest first (then ``enforce_sorted=True``)."""
+
+    def __init__(self, sorted_batches: bool) -> None:
+        super().__init__()
+        self.sorted_batches = sorted_batches
+        self.embed, self.rnn = torch.nn.Embedding(20, 8), torch.nn.GRU(8, 8, batch_first=True)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        tokens, lengths = batch
+        packed = pack_padded_sequence(self.embed(tokens), lengths, True, self.sorted_batches)  # syncs: pack
+        outputs, hidden = self.rnn(packed)
+        padded, _ = pad_packed_sequence(outputs, batch_first=True)  # syncs: pad
+        return padded.sum() + hidden.sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+        sentences = [torch.randint(1, 20, (n % 7 + 1,)) for n in range(24)]
+
+        def collate(items: list[Tensor]) -> tuple[Tensor, list[int]]:
+            items = sorted(items, key=len, reverse=True) if self.sorted_batches else items
+            return pad_sequence(items, batch_first=True), [len(item) for item in items]
+
+        return torch.utils.data.DataLoader(sentences, batch_size=6, collate_fn=collate)
+
+
+@pytest.mark.parametrize("sorted_batches", [False, True])
+def test_a_packed_sequence_rnn_syncs_only_to_sort(tmp_path: Path, sorted_batches: bool) -> None:
+    """An RNN reading its packed sequence's `batch_sizes` (on the host, as torch makes them) is
+    not a sync; `enforce_sorted=False`'s sort order, copied to the GPU and back, is, at both
+    lines, with the fix that removes it, and sorting in the `collate_fn` leaves nothing."""
+    guard = SyncGuard(mode="report", every_n_steps=1)
+    trainer = tiny_trainer(tmp_path, callbacks=[guard], limit_val_batches=0, logger=False)
+    trainer.fit(Sentences(sorted_batches))
+    found = user_syncs(guard)
+    if sorted_batches:
+        assert found == {}
+        return
+    assert found.keys() == {marked_line("pack"), marked_line("pad")}
+    for finding in found.values():
+        assert finding.data["causes"] == ["packed_sequence"] and "enforce_sorted=True" in finding.fix
 
 
 class Clean(BoringModel):
@@ -510,7 +560,7 @@ def test_framework_syncs_are_reported_apart_with_their_setting(tmp_path: Path) -
 def test_prog_bar_values_sync_even_without_a_progress_bar(tmp_path: Path) -> None:
     guard = fit(OnTheProgressBar(), tmp_path, enable_progress_bar=False, log_every_n_steps=50)
     (finding,) = guard.findings  # once per batch: no bar, no logger, no logging step
-    assert finding.data["cause"] == "prog_bar_values" and finding.data["syncs"] == {"item": 3}
+    assert finding.data["causes"] == ["prog_bar_values"] and finding.data["syncs"] == {"item": 3}
 
 
 # -- modes -------------------------------------------------------------------------------------
@@ -531,7 +581,7 @@ def test_error_mode_ignores_framework_syncs_and_allowed_lines(tmp_path: Path) ->
     allowed = marked_line("item").rsplit("/", 1)[1]  # "test_sync_guard.py:NN"
     guard = SyncGuard(mode="error", allow=[allowed])
     fit(Item(), tmp_path, guard=guard, logger=CSVLogger(str(tmp_path)), log_every_n_steps=1)
-    assert {f.data["cause"] for f in guard.findings} == {"logging"}
+    assert {tuple(f.data["causes"]) for f in guard.findings} == {("logging",)}
 
 
 def test_warn_mode_warns_once_per_line_at_that_line(tmp_path: Path) -> None:
@@ -652,7 +702,7 @@ def test_ddp_framework_syncs_name_sigterm_and_sync_dist(tmp_path: Path) -> None:
     )
     trainer.fit(SyncDist(), datamodule=BoringDataModule())
     report = json.loads((tmp_path / "boost_report.json").read_text())  # written by rank zero
-    found = {f["data"]["cause"]: f for f in report["findings"] if f["source"] == "SyncGuard"}
+    found = {f["data"]["causes"][0]: f for f in report["findings"] if f["source"] == "SyncGuard"}
     from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 
     broadcasts = hasattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor")  # Lightning >= 2.5.2
@@ -697,7 +747,7 @@ class MakesAGrid(OneSync):
 def test_a_library_sync_of_no_known_cause_gets_a_fix_about_the_library(tmp_path: Path) -> None:
     (finding,) = user_syncs(fit(MakesAGrid(), tmp_path)).values()
     assert finding.location == marked_line("library")
-    assert finding.data["library"].startswith("torchvision.") and "Inside torchvision" in finding.detail
+    assert finding.data["libraries"][0].startswith("torchvision.") and "Inside torchvision" in finding.detail
     assert "inside torchvision" in finding.fix and "Keep it a tensor" not in finding.fix
 
 
@@ -719,7 +769,7 @@ def test_host_to_device_copies_are_reported_with_their_direction_and_fix(tmp_pat
     assert set(found) == {marked_line("h2d_log"), marked_line("h2d_type_as"), marked_line("h2d_to")}
     assert all(f.data["syncs"] == {"h2d": 3} for f in found.values())
     assert all("host memory to the GPU" in f.detail for f in found.values())
-    assert found[marked_line("h2d_log")].data["cause"] == "log_number"
+    assert found[marked_line("h2d_log")].data["causes"] == ["log_number"]
     assert "Log the tensor itself" in found[marked_line("h2d_log")].fix
     for tag in ("h2d_type_as", "h2d_to"):
         fix = found[marked_line(tag)].fix

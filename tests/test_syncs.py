@@ -354,3 +354,24 @@ def test_the_packs_own_steps_on_a_copy_are_not_watched() -> None:
     finally:
         watch.stop()
     assert seen == ["item"]
+
+
+def test_a_packed_sequences_batch_sizes_stay_on_the_host() -> None:
+    """`pack_padded_sequence` makes `batch_sizes` where its lengths are (torch requires them on
+    the host), so an RNN reading it (`int(batch_sizes[0])` in `get_expected_hidden_size`) does not
+    sync on a GPU. Host lengths from the `collate_fn` (a Python list) leave nothing to report; the
+    sort order of `enforce_sorted=False` copied to the GPU is a real sync, inside torch."""
+    seen: list[str] = []
+    rnn = torch.nn.GRU(4, 8, batch_first=True)
+    padded = torch.randn(3, 5, 4)  # made before the watch: a GPU run's device tensor
+    watch = SyncWatch(lambda pattern, frame: seen.append(pattern), cuda=False)
+    watch.start()
+    try:
+        packed = torch.nn.utils.rnn.pack_padded_sequence(padded, [5, 3, 2], batch_first=True)
+        rnn(packed)
+        assert seen == []
+        unsorted = torch.nn.utils.rnn.pack_padded_sequence(padded, [2, 5, 3], True, enforce_sorted=False)
+        rnn(unsorted)
+    finally:
+        watch.stop()
+    assert seen == ["h2d"]

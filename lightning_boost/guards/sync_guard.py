@@ -282,7 +282,7 @@ class SyncGuard(Guard):
             group = self._groups[key] = SyncGroup(self._phase, attribution, code)
             if not attribution.framework:
                 self._new.append(group)
-        group.add(pattern)
+        group.add(pattern, attribution=attribution)
         if self.mode == "error" and not group.framework and self._error is None:
             self._error = _error_message(group, pattern)
             if self._world_size == 1:  # alone: stop right at the user's line

@@ -62,6 +62,9 @@ _DEBUG_TEXT = "called a synchronizing CUDA operation"
 _PROTOTYPE_TEXT = "Synchronization debug mode is a prototype feature"
 #: Patterns whose result is a real host tensor, on a GPU run too: reading it later does not sync.
 HOST_COPIES = frozenset({"cpu", "to_cpu"})
+#: torch ops with an output torch always makes on the host (the output's index): a packed
+#: sequence's `batch_sizes` and the lengths padded back from it (torch requires them on the CPU).
+HOST_OUTPUTS = {torch._pack_padded_sequence: 1, torch._pad_packed_sequence: 1}
 ALLOCATOR_COUNTERS = {"num_alloc_retries": "alloc_retry", "num_sync_all_streams": "sync_all_streams"}
 
 
@@ -159,14 +162,17 @@ class SyncWatch:
 
     def follow(self, func: Any, args: Any, kwargs: dict[str, Any], result: object) -> None:
         """Model where `result` lives in a GPU run (CPU runs): a factory told no device makes it
-        on the host, as does an op on Python numbers alone (``torch.div(a, b)`` of two ints), and
-        an op on host tensors alone keeps it there."""
+        on the host, as does an op on Python numbers alone (``torch.div(a, b)`` of two ints), an
+        op on host tensors alone keeps it there, and `HOST_OUTPUTS` name the ops with an output
+        torch makes on the host whatever their inputs."""
         if self.cuda or not isinstance(result, (torch.Tensor, tuple, list)):
             return
         inputs = [a for a in _flat((*args, *kwargs.values())) if isinstance(a, torch.Tensor)]
         if made_on_host(func, kwargs, cuda=False) or (not inputs and "device" not in kwargs):
             self.mark_host(result)  # a factory told no device, or an op on Python numbers alone
             return
+        if func in HOST_OUTPUTS and isinstance(result, (tuple, list)):
+            self.mark_host(result[HOST_OUTPUTS[func]])
         if not self._host:
             return
         if all(self.on_host(t) for t in inputs):

@@ -51,7 +51,9 @@ _KEEP_ON_DEVICE = (
 )
 _HOST_ONCE = (
     "Keep tensors on the device through the step; move what you need to the host once per epoch"
-    " (an epoch-end hook), or with `.to('cpu', non_blocking=True)` into a buffer read later."
+    " (an epoch-end hook), or with `.to('cpu', non_blocking=True)` into a buffer read later. What the"
+    " step needs on the host (lengths for `pack_padded_sequence`, sizes) can come from the"
+    " `collate_fn` as Python lists: Lightning moves tensors only."
 )
 _FIXED_SHAPE = (
     "Keep shapes fixed: multiply by the mask or use `torch.where(mask, x, 0)`; a masked mean is"
@@ -651,6 +653,17 @@ CAUSES: tuple[Cause, ...] = (
         "`error_if_nonfinite=False` (the default); Lightning's `gradient_clip_val` does not sync.",
     ),
     Cause(
+        "packed_sequence",
+        "torch",
+        "/nn/utils/rnn.py",
+        ("pack_padded_sequence", "pad_packed_sequence"),
+        False,
+        "`pack_padded_sequence(..., enforce_sorted=False)` copies the batch's sort order to the GPU,"
+        " and `pad_packed_sequence` copies it back to the host",
+        "Sort each batch longest first in the `collate_fn` and pass `enforce_sorted=True`: there is no"
+        " order to copy.",
+    ),
+    Cause(
         "log_number",
         "lightning",
         "/core/module.py",
@@ -833,35 +846,38 @@ LOOPED = 4
 
 @dataclass
 class SyncGroup:
-    """The syncs seen at one place: one user line, or one framework cause.
+    """The syncs seen at one place: one user line (whatever made them there), or one framework
+    cause.
 
     Args:
         phase: ``"training"`` or ``"validation"``.
-        attribution: where they come from.
+        attribution: the first sync's: its user line and hook name the place.
         code: the text of the user's line (empty for the framework's own).
         counts: pattern name -> syncs seen over the checked steps.
+        reasons: what made them (`reason`: a library's known cause, a library's other code, or the
+            user's own call) -> that attribution and its own counts.
     """
 
     phase: str
     attribution: Attribution
     code: str = ""
     counts: dict[str, int] = field(default_factory=dict)
+    reasons: dict[str, tuple[Attribution, dict[str, int]]] = field(default_factory=dict)
 
     @staticmethod
     def key(phase: str, attribution: Attribution) -> tuple[str, ...]:
+        """One group per user line, so each line is reported once with every reason it syncs for."""
         a = attribution
         if a.framework and a.cause is not None:
             return (phase, "framework", a.cause.key)
         place = a.site or a.library
-        where = place.location if place else ""
-        return (
-            (phase, "framework", where)
-            if a.framework
-            else (phase, "user", where, a.cause.key if a.cause else "")
-        )
+        return (phase, "framework" if a.framework else "user", place.location if place else "")
 
-    def add(self, pattern: str, count: int = 1) -> None:
+    def add(self, pattern: str, count: int = 1, attribution: Attribution | None = None) -> None:
+        a = attribution or self.attribution
         self.counts[pattern] = self.counts.get(pattern, 0) + count
+        counts = self.reasons.setdefault(reason(a), (a, {}))[1]
+        counts[pattern] = counts.get(pattern, 0) + count
 
     @property
     def framework(self) -> bool:
@@ -889,10 +905,11 @@ class SyncGroup:
     def detail(self, steps: int, cpu_run: bool) -> str:
         parts = [f"{PATTERNS[p].what} ({n}x)" for p, n in self.counts.items()]
         text = "; ".join(parts) + f", over {steps} checked {self.phase} step(s)."
+        for a, _ in self.reasons.values():
+            if a.library is not None and a.package not in (None, "lightning"):
+                why = f": {a.cause.says(self.phase)[0]}" if a.cause else ""
+                text += f" Inside {a.package} ({a.library.function} at {a.library.location}){why}."
         a = self.attribution
-        if a.library is not None and a.package not in (None, "lightning"):
-            reason = f": {a.cause.says(self.phase)[0]}" if a.cause else ""
-            text += f" Inside {a.package} ({a.library.function} at {a.library.location}){reason}."
         if self.framework and a.site is not None:
             text += f" Called from `{self.code}` at {a.site.location}."
         if cpu_run:
@@ -900,16 +917,21 @@ class SyncGroup:
         return text
 
     def fix(self, steps: int | None = None) -> str:
+        """Each reason's fix (`_fix`), in the order the reasons were first seen."""
+        fixes = (self._fix(a, counts, steps) for a, counts in self.reasons.values())
+        return " ".join(dict.fromkeys(fixes))
+
+    def _fix(self, a: Attribution, counts: dict[str, int], steps: int | None) -> str:
         """The cause's setting; for a library's sync of no known cause, where to look (advice meant
         for the user's own `.item()` would not fit a line inside a library); for the user's read
         made `LOOPED` times a step or more (over `steps` checked ones), one read before the loop."""
-        a = self.attribution
         if a.cause is not None:
             return a.cause.says(self.phase)[1]
-        reads = {"item", "float", "index", "format", "cpu", "to_cpu", "tolist", "numpy"} & set(self.counts)
-        if steps and not self.framework and reads and self.per_step(steps) >= LOOPED:
+        per_step = sum(counts.values()) / max(steps or 1, 1)
+        reads = {"item", "float", "index", "format", "cpu", "to_cpu", "tolist", "numpy"} & set(counts)
+        if steps and not self.framework and reads and per_step >= LOOPED:
             return (
-                f"This line runs {self.per_step(steps):.3g}x per {self.phase} step, as in a loop over a"
+                f"This line runs {per_step:.3g}x per {self.phase} step, as in a loop over a"
                 " tensor's elements: read the tensor to the host once, before the loop (`values ="
                 " tensor.tolist()`, or `.cpu()`), and use the Python values inside it; better still,"
                 " keep the whole computation in tensor ops."
@@ -919,10 +941,11 @@ class SyncGroup:
                 f"It syncs inside {a.package} (in `{a.library.function}`): look for a {a.package} setting"
                 " that avoids it, or make this call less often (once per epoch, or every N steps)."
             )
-        return " ".join(dict.fromkeys(PATTERNS[p].fix for p in self.counts))
+        return " ".join(dict.fromkeys(PATTERNS[p].fix for p in counts))
 
     def to_data(self, steps: int) -> dict[str, Any]:
         a = self.attribution
+        reasons = [r for r, _ in self.reasons.values()]
         return {
             "phase": self.phase,
             "framework": self.framework,
@@ -932,6 +955,14 @@ class SyncGroup:
             "syncs": dict(self.counts),
             "per_step": round(self.per_step(steps), 4),
             "checked_steps": steps,
-            "cause": a.cause.key if a.cause else None,
-            "library": f"{a.package}.{a.library.function}" if a.library else None,
+            "causes": [r.cause.key for r in reasons if r.cause],
+            "libraries": [f"{r.package}.{r.library.function}" for r in reasons if r.library],
         }
+
+
+def reason(a: Attribution) -> str:
+    """What made a sync at a place, for `SyncGroup.reasons`: a known cause, else the library
+    frame it was made in, else ``""`` (the user's own call)."""
+    if a.cause is not None:
+        return a.cause.key
+    return a.library.location if a.library else ""
