@@ -457,6 +457,31 @@ def test_a_packed_sequence_rnn_syncs_only_to_sort(tmp_path: Path, sorted_batches
         assert finding.data["causes"] == ["packed_sequence"] and "enforce_sorted=True" in finding.fix
 
 
+class MacroAccuracy(BoringModel):
+    """A macro-averaged accuracy updated in each validation step and logged as the metric object:
+    Lightning computes it once at the epoch's end (masked weights, a sync on a GPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.accuracy = MulticlassAccuracy(2, validate_args=False)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        inputs, targets = batch
+        outputs = self(inputs)
+        self.accuracy.update(outputs[:, :2], (targets[:, 0] > 0).long())  # syncs: macro_update
+        self.log("val_acc", self.accuracy)
+
+
+@pytest.mark.parametrize("batches", [1, 2])
+def test_the_epochs_logged_values_are_not_the_last_validation_steps(tmp_path: Path, batches: int) -> None:
+    """Lightning computes the epoch's logged values right after the last validation batch, before
+    any callback hook: the last checked step's window took that once-per-epoch compute in, as
+    "`sync_dist=True` reduces the value at every logged step" for a run with no `sync_dist`."""
+    guard = fit(MacroAccuracy(), tmp_path, limit_val_batches=batches, num_sanity_val_steps=0)
+    assert framework_syncs(guard) == {}
+    assert user_syncs(guard).keys() == {marked_line("macro_update")}
+
+
 class Clean(BoringModel):
     """Everything the fixes recommend: logged tensors, metrics on the device, fixed shapes."""
 

@@ -210,7 +210,8 @@ class SyncGuard(Guard):
 
     @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._close(trainer, interrupted=True)  # before Lightning logs the epoch's values
+        # Lightning computed the epoch's logged values in the last step's window (`epoch_values`)
+        self._close(trainer, interrupted=True)
 
     @override
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

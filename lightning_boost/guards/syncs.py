@@ -523,6 +523,16 @@ def _named(function: str, name: str) -> bool:
 
 #: Known causes, most specific first: the first one any frame of the step matches is taken.
 CAUSES: tuple[Cause, ...] = (
+    Cause(  # in the last validation step's window: Lightning computes them before any epoch-end hook
+        "epoch_values",
+        "lightning",
+        "/logger_connector/logger_connector.py",
+        ("update_eval_epoch_metrics", "update_train_epoch_metrics"),
+        True,
+        "Lightning computes the epoch's logged values (metric objects, `on_epoch=True` means)",
+        "Nothing to change: once per epoch, outside the steps.",
+        reported=False,
+    ),
     Cause(
         "sigterm",
         "lightning",
