@@ -10,7 +10,6 @@ from typing import Annotated, Any, Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
 from torch.utils.data import DataLoader
@@ -19,10 +18,10 @@ from typing_extensions import override
 
 from lightning_boost import cache
 from lightning_boost._lightning import (
-    callbacks_of,
     datamodule_of,
     forget_train_loader,
     hardware_for,
+    has_callback,
     overrides,
     preserved_rng,
     redo_optimizers,
@@ -268,9 +267,15 @@ class AutoBatchSize(BoostCallback):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
-        if self.target_global_batch_size is not None and any(
-            isinstance(c, GradientAccumulationScheduler) for c in callbacks_of(trainer)
-        ):
+        if has_callback(trainer, "BatchSizeFinder"):
+            raise ValueError(
+                f"`Trainer(callbacks=...)` holds AutoBatchSize and Lightning's BatchSizeFinder (which"
+                f" `Tuner.scale_batch_size` also adds), and both set `{self.attr_name}`: keep one."
+                " AutoBatchSize picks the size that trains the model soonest (goodput),"
+                " BatchSizeFinder the largest that fits."
+            )
+        scheduled = has_callback(trainer, "GradientAccumulationScheduler")
+        if self.target_global_batch_size is not None and scheduled:
             raise ValueError(
                 "`target_global_batch_size` sets `accumulate_grad_batches`, which the"
                 " GradientAccumulationScheduler callback also sets: remove one of them."
@@ -726,7 +731,7 @@ def _growth_blocker(trainer: L.Trainer, decision: BatchSizeDecision) -> str:
         return "the run counts training batches (`val_check_interval` or `limit_train_batches`)"
     if trainer.limit_train_batches != 1.0:
         return "`limit_train_batches` takes part of each epoch"
-    if any(isinstance(c, GradientAccumulationScheduler) for c in callbacks_of(trainer)):
+    if has_callback(trainer, "GradientAccumulationScheduler"):
         return "a GradientAccumulationScheduler sets the accumulation"
     return ""
 
