@@ -826,6 +826,19 @@ def test_target_conflicts_with_an_accumulation_scheduler(tmp_path: Path) -> None
         trainer.fit(BoringModel(), datamodule=BoringDataModule())
 
 
+def test_a_second_fit_with_the_same_callback_reports_its_own_findings(tmp_path: Path) -> None:
+    """Callbacks built once and handed to each Trainer of a sweep: the second fit's report held
+    the first's findings beside its own (every one twice)."""
+    tuner = AutoBatchSize()
+    reports = []
+    for run in range(2):
+        trainer = tiny_trainer(tmp_path / str(run), callbacks=[tuner], logger=False)
+        trainer.fit(BoringModel(), datamodule=BoringDataModule())
+        reports.append([f.title for f in tuner.findings])
+    assert reports[1] and len(set(reports[1])) == len(reports[1])
+    assert len(reports[1]) == len(reports[0])
+
+
 @pytest.mark.parametrize("namespace", ["lightning.pytorch", "pytorch_lightning"])
 def test_lightnings_batch_size_finder_beside_it_is_refused_before_training(
     tmp_path: Path, namespace: str

@@ -125,6 +125,22 @@ def test_a_datamodule_twice_and_then_validate(tmp_path: Path) -> None:
     assert trainer.val_dataloaders.num_workers == min(validated.num_workers, 2)  # type: ignore[union-attr]
 
 
+def test_each_run_reports_its_own_loaders(tmp_path: Path) -> None:
+    """One callback for a sweep of fits: each fit's findings are its own loaders' (the second fit
+    reported the first's beside its own), a loader decided in an earlier fit is still reported,
+    and a run's findings stay readable after it ends."""
+    callback = AutoNumWorkers(FAST)
+
+    def fit(samples: int) -> list[str]:
+        trainer = tiny_trainer(tmp_path, callbacks=[callback], logger=False, enable_checkpointing=False)
+        trainer.fit(BoringModel(), datamodule=BoringDataModule(length=samples, batch_size=8))
+        return [f.title for f in callback.findings]
+
+    first, other, again = fit(64), fit(128), fit(64)
+    assert first and len(other) == len(first) and set(other).isdisjoint(first)
+    assert again == first  # the same loaders, decided in the first fit: reported for this one
+
+
 def test_state_dict_round_trips_and_resuming_does_not_measure(tmp_path: Path) -> None:
     callback = AutoNumWorkers(FAST)
     trainer, _ = _fit(tmp_path, [callback], max_epochs=1)

@@ -267,6 +267,7 @@ class AutoBatchSize(BoostCallback):
         super().setup(trainer, pl_module, stage)
         if stage != "fit":
             return
+        self.findings = []  # this fit's: the callback may be handed to another Trainer after one
         if has_callback(trainer, "BatchSizeFinder"):
             raise ValueError(
                 f"`Trainer(callbacks=...)` holds AutoBatchSize and Lightning's BatchSizeFinder (which"

@@ -107,8 +107,10 @@ class LoaderTuner:
         self.retune = retune
         self.choices: dict[str, WorkerChoice] = {}
         self.searches: dict[str, OnlineSearch] = {}
-        self.findings: list[Finding] = []
+        self.findings: list[Finding] = []  # the last run's (a fit, validate, ...): see `restore`
         self.restored: set[str] = set()
+        self._told: set[str] = set()  # the choices whose findings this run's list holds
+        self._ended = False
         self._threads_before: int | None = None
         self._split_threads: dict[str, int] = {}  # a CPU run's model threads beside each split's workers
         self._files_before: tuple[tuple[int, int], str] | None = None
@@ -159,6 +161,7 @@ class LoaderTuner:
                 model += f", feeding {hook}"
         parts = fingerprint_parts(hardware, dataset, batch_size, settings, tuning, model)
         key = cache.fingerprint(parts)
+        self._begin_run()
         pending = self.searches.get(key)
         if pending is not None and pending.choice is None:
             return pending_choice(pending), pending
@@ -193,6 +196,9 @@ class LoaderTuner:
         elif key in self.restored:
             self.restored.discard(key)
             self.findings += choice_findings(self.source, choice.replace(source="checkpoint"), loader)
+        elif key not in self._told:  # decided in an earlier run of this process: said for this one
+            self.findings += choice_findings(self.source, choice, loader)
+        self._told.add(key)
         self.apply_process_settings(hardware, choice.num_workers, choice.threads, split)
         return choice, None
 
@@ -219,6 +225,7 @@ class LoaderTuner:
         def settled(choice: WorkerChoice) -> None:
             self.choices[key] = choice
             self.findings += choice_findings(self.source, choice, loader)
+            self._told.add(key)
             self.apply_process_settings(hardware, choice.num_workers, choice.threads, split)
             searched = len(choice.trials) >= min(plan.max_segments, 2)
             if searched and (trainer is None or trainer.is_global_zero):
@@ -400,12 +407,21 @@ class LoaderTuner:
 
     def add_finding(self, finding: Finding) -> None:
         """Record `finding` once, however often its cause recurs."""
+        self._begin_run()
         if finding not in self.findings:
             self.findings.append(finding)
 
+    def _begin_run(self) -> None:
+        """After a run's teardown, the next decision starts the next run's findings (those of the
+        run that ended stay readable until then)."""
+        if self._ended:
+            self.findings, self._ended = [], False
+            self._told.clear()
+
     def restore(self) -> None:
         """Put back what tuning changed in the process (call at teardown): torch's intra-op
-        thread count, the open-file limit and torch's tensor sharing strategy."""
+        thread count, the open-file limit and torch's tensor sharing strategy. The run has ended."""
+        self._ended = True
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
