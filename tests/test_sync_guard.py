@@ -7,6 +7,7 @@ sync on one, and the ``gpu``-marked tests check the CUDA path where a GPU is len
 
 from __future__ import annotations
 
+import importlib
 import json
 import time
 import warnings
@@ -712,6 +713,42 @@ class SyncDist(BoringModel):
         loss = self._loss(batch)
         self.log("train_loss", loss, sync_dist=True)  # syncs: sync_dist
         return loss
+
+
+class HandAveraged(BoringModel):
+    """An exponential moving average of the weights kept by hand with torch's `AveragedModel`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.average = torch.optim.swa_utils.AveragedModel(
+            self.layer, multi_avg_fn=torch.optim.swa_utils.get_ema_multi_avg_fn(0.99)
+        )
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.average.update_parameters(self.layer)  # syncs: average
+
+
+def test_a_weight_average_updated_every_step_is_named_with_the_setting_that_thins_it(tmp_path: Path) -> None:
+    """torch's `AveragedModel.update_parameters` reads its count of updates (a tensor on the
+    model's device) twice an update: by hand, at the user's line; by Lightning's
+    `EMAWeightAveraging` (Lightning >= 2.6), as Lightning's own, one finding for its two lines."""
+    found = user_syncs(fit(HandAveraged(), tmp_path))
+    assert list(found) == [marked_line("average")]
+    finding = found[marked_line("average")]
+    assert finding.data["causes"] == ["weight_averaging"] and finding.data["syncs"] == {"bool": 6}
+    assert "every few steps" in finding.fix
+    callbacks = importlib.import_module("lightning.pytorch.callbacks")
+    if not hasattr(callbacks, "EMAWeightAveraging"):
+        return
+    guard = SyncGuard(mode="report", every_n_steps=1)
+    averaging = callbacks.EMAWeightAveraging()
+    options: dict[str, Any] = {"limit_val_batches": 0, "logger": False}
+    tiny_trainer(tmp_path / "lightning", callbacks=[guard, averaging], **options).fit(
+        BoringModel(), datamodule=BoringDataModule()
+    )
+    assert user_syncs(guard) == {}
+    [finding] = framework_syncs(guard).values()
+    assert finding.data["causes"] == ["weight_averaging"] and "update_every_n_steps" in finding.fix
 
 
 @pytest.mark.ddp

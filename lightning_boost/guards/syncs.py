@@ -663,6 +663,18 @@ CAUSES: tuple[Cause, ...] = (
         "`error_if_nonfinite=False` (the default); Lightning's `gradient_clip_val` does not sync.",
     ),
     Cause(
+        "weight_averaging",
+        "torch",
+        "/optim/swa_utils.py",
+        ("update_parameters",),
+        False,  # the user's when called from their code; Lightning's callbacks have no user line
+        "torch's `AveragedModel.update_parameters` (an EMA or SWA of the weights, Lightning's"
+        " `WeightAveraging` callbacks) reads its count of updates from the GPU twice an update",
+        "Update the average every few steps: `EMAWeightAveraging(update_every_n_steps=10,"
+        " decay=0.99)` keeps about the average of `decay=0.999` at every step. Keeping it on the CPU"
+        ' (`device="cpu"`) would copy every weight to the host instead.',
+    ),
+    Cause(
         "packed_sequence",
         "torch",
         "/nn/utils/rnn.py",
