@@ -162,6 +162,31 @@ def test_a_framework_sync_stops_at_the_loops_and_never_blames_the_script() -> No
     assert a.cause is not None and a.cause.key == "progress_bar"
 
 
+def test_the_frameworks_syncs_of_no_known_cause_are_one_group_per_function() -> None:
+    """Two lines of one library function called by the framework (no user line) were two findings
+    of one title ("torch syncs in `update`"); a user's line stays its own group."""
+
+    def at(line: int, user: bool = False) -> Any:
+        mine = [frame("/home/me/model.py", 7, "on_train_batch_end")] if user else []
+        return attribute(
+            [
+                frame("torch/nn/modules/module.py", line, "update"),
+                *mine,
+                frame("lightning/pytorch/trainer/call.py", 3, "hook"),
+                LOOP,
+            ],
+            PACKAGES,
+        )
+
+    first, second = at(10), at(20)
+    assert first.framework and SyncGroup.key("training", first) == SyncGroup.key("training", second)
+    assert SyncGroup.key("training", at(10, user=True)) != SyncGroup.key("training", first)
+    group = SyncGroup("training", first)
+    group.add("bool", attribution=first)
+    group.add("bool", attribution=second)
+    assert group.title(1) == "torch syncs in `update` (2x per training step)"
+
+
 def test_the_most_specific_cause_wins() -> None:
     sigterm = frame("lightning/pytorch/loops/training_epoch_loop.py", 269, "_broadcast_sigterm_tensor")
     a = attribute(

@@ -888,10 +888,13 @@ class SyncGroup:
 
     @staticmethod
     def key(phase: str, attribution: Attribution) -> tuple[str, ...]:
-        """One group per user line, so each line is reported once with every reason it syncs for."""
+        """One group per user line, so each line is reported once with every reason it syncs for;
+        the framework's own, one per known cause, else per library function (its title's)."""
         a = attribution
         if a.framework and a.cause is not None:
             return (phase, "framework", a.cause.key)
+        if a.framework and a.site is None and a.library is not None:
+            return (phase, "framework", a.library.file, a.library.function)
         place = a.site or a.library
         return (phase, "framework" if a.framework else "user", place.location if place else "")
 
