@@ -378,6 +378,60 @@ def test_a_missing_dataset_says_where_to_assign_it(tmp_path: Path) -> None:
         tiny_trainer(tmp_path, logger=False).test(BoringModel(), datamodule=datamodule)
 
 
+class SeenPerLoader(SeenIndices):
+    """Records the sample indices each evaluation loader (`dataloader_idx`) handed its step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.evaluated: dict[int, list[int]] = {}
+
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.evaluated.setdefault(dataloader_idx, []).extend(batch[1].tolist())
+        self.log("val_loss", self.layer(batch[0]).square().mean())
+
+    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.validation_step(batch, batch_idx, dataloader_idx)
+
+
+class SeveralEvaluationSets(Indexed):
+    def __init__(self, container: type, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.container = container
+
+    @override
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        sets = {"clean": IndexDataset(16), "noisy": IndexDataset(24)}
+        self.val_dataset = self.test_dataset = (
+            sets if self.container is dict else self.container(sets.values())
+        )
+
+
+@pytest.mark.parametrize("container", [list, tuple, dict])
+def test_several_evaluation_sets_get_a_loader_each(tmp_path: Path, container: type) -> None:
+    """`self.val_dataset = [clean, noisy]` (or a dict of them), as a user's `val_dataloader`
+    returns several loaders: each set evaluated whole by its own loader (`dataloader_idx`), in a
+    fit and in `validate`/`test` run alone. It failed in `default_collate` on the datasets."""
+    datamodule = SeveralEvaluationSets(container, batch_size=8, num_workers=None)
+    model = SeenPerLoader()
+    trainer = tiny_trainer(tmp_path, logger=False, enable_checkpointing=False, limit_val_batches=1.0)
+    trainer.fit(model, datamodule=datamodule)
+    every = {0: list(range(16)), 1: list(range(24))}
+    assert {k: sorted(set(v)) for k, v in model.evaluated.items()} == every
+    for run in (trainer.validate, trainer.test):
+        model.evaluated = {}
+        run(model, datamodule=datamodule, verbose=False)
+        assert {k: sorted(v) for k, v in model.evaluated.items()} == every  # one pass each
+
+
+def test_several_training_sets_are_refused_with_the_fix(tmp_path: Path) -> None:
+    model = SeenIndices()
+    datamodule = Indexed([IndexDataset(16), IndexDataset(8)], batch_size=8)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"`Indexed.train_dataset` holds several datasets.*ConcatDataset"):
+        tiny_trainer(tmp_path, logger=False).fit(model, datamodule=datamodule)
+    assert model.seen == []
+
+
 class _NoLength(Dataset[tuple[Tensor, Tensor]]):
     """Indexable, but with no `__len__`: a sampler cannot draw from it."""
 

@@ -9,7 +9,7 @@ import dataclasses
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sized
+from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
 
 import lightning as L
@@ -30,7 +30,7 @@ from lightning_boost._lightning import (
 from lightning_boost.batch_size.decision import BatchSizeDecision
 from lightning_boost.batch_size.evaluation import eval_batch_size
 from lightning_boost.batch_size.plan import RunPlan
-from lightning_boost.data.datamodule import BoostedDataMixin
+from lightning_boost.data.datamodule import BoostedDataMixin, several
 from lightning_boost.presets.autocast import AutocastTrial, MeasuredAutocastMixin
 from lightning_boost.step_probe import StepProbe, first_batch, is_oom, sample_batches
 from lightning_boost.trials import StepFailed, Trial, merge
@@ -41,6 +41,8 @@ def split_data(trainer: L.Trainer, split: str) -> tuple[Any, Any] | None:
     datamodule = datamodule_of(trainer)
     if isinstance(datamodule, BoostedDataMixin):  # its datasets at hand: a loader would tune workers
         dataset = getattr(datamodule, f"{split}_dataset")
+        if several(dataset):  # a loader each: the first, as for a user's list of loaders
+            dataset = next(iter(dataset.values() if isinstance(dataset, Mapping) else dataset))
         return None if dataset is None else (dataset, datamodule.collate_fn)
     loaders = user_dataloaders(trainer, split)
     if isinstance(loaders, (list, tuple)) and loaders:

@@ -6,7 +6,7 @@ import functools
 import inspect
 import multiprocessing
 import multiprocessing.context
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
@@ -33,6 +33,11 @@ from lightning_boost.workers.segments import OnlineSearch, SegmentedDataLoader
 from lightning_boost.workers.tuner import LoaderTuner, epoch_batches, own_pass, workload
 from lightning_boost.workers.whole_batches import whole_batches, whole_batches_finding
 
+#: An evaluation split's datasets: one, or several (a list or dict of them, `several`).
+Datasets = Dataset[Any] | Sequence[Dataset[Any]] | Mapping[Any, Dataset[Any]]
+#: What an evaluation hook returns: one loader, or one per dataset of several.
+Loaders = DataLoader[Any] | list[DataLoader[Any]] | dict[Any, DataLoader[Any]]
+
 #: Loader arguments the mixin manages itself; the rest of DataLoader's may go in `loader_kwargs`.
 _MANAGED = {"dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn",
             "num_workers", "prefetch_factor", "pin_memory", "persistent_workers"}  # fmt: skip
@@ -44,6 +49,25 @@ else:
     _DataModule = object
 
 
+def several(value: object) -> bool:
+    """Whether `value` is several datasets, one loader each (a list, tuple or dict whose items
+    are all torch `Dataset`\\ s), rather than one dataset (a list of samples is one).
+
+    Example:
+        >>> from torch.utils.data import TensorDataset
+        >>> one = TensorDataset(torch.zeros(4, 2))
+        >>> several([one, one]), several({"clean": one, "noisy": one}), several(one), several([(1, 2)])
+        (True, True, False, False)
+    """
+    if isinstance(value, Mapping):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        return False
+    return bool(items) and all(isinstance(item, Dataset) for item in items)
+
+
 class BoostedDataMixin(_DataModule):
     """The loader logic of `BoostedDataModule`, for a LightningDataModule of either namespace.
 
@@ -53,9 +77,9 @@ class BoostedDataMixin(_DataModule):
     """
 
     train_dataset: Dataset[Any] | None = None
-    val_dataset: Dataset[Any] | None = None
-    test_dataset: Dataset[Any] | None = None
-    predict_dataset: Dataset[Any] | None = None
+    val_dataset: Datasets | None = None  # several: a loader each (`several`)
+    test_dataset: Datasets | None = None
+    predict_dataset: Datasets | None = None
 
     @validated
     def __init__(
@@ -106,7 +130,7 @@ class BoostedDataMixin(_DataModule):
         return self.build_dataloader("train", shuffle=self.shuffle, drop_last=self.drop_last)
 
     @property
-    def val_dataloader(self) -> Callable[[], DataLoader[Any]] | None:  # type: ignore[override]
+    def val_dataloader(self) -> Callable[[], Loaders] | None:  # type: ignore[override]
         """The ``val_dataloader`` hook, or ``None`` when this run has no validation set.
 
         ``None`` is how Lightning learns there is no validation loop: once ``setup()`` has
@@ -118,15 +142,15 @@ class BoostedDataMixin(_DataModule):
             no_step = module is not None and not overrides(module, "validation_step")
             if self.train_dataset is not None or no_step:
                 return None
-        return functools.partial(self.build_dataloader, "val", shuffle=False, drop_last=False)
+        return functools.partial(self._evaluation_loaders, "val")
 
     @override
-    def test_dataloader(self) -> DataLoader[Any]:
-        return self.build_dataloader("test", shuffle=False, drop_last=False)
+    def test_dataloader(self) -> Loaders:
+        return self._evaluation_loaders("test")
 
     @override
-    def predict_dataloader(self) -> DataLoader[Any]:
-        return self.build_dataloader("predict", shuffle=False, drop_last=False)
+    def predict_dataloader(self) -> Loaders:
+        return self._evaluation_loaders("predict")
 
     @property
     def evaluation_batch_size(self) -> int:
@@ -139,7 +163,34 @@ class BoostedDataMixin(_DataModule):
 
         Raises:
             RuntimeError: when ``setup()`` did not assign ``self.<split>_dataset``.
+            TypeError: when it holds several datasets (an evaluation split's hook builds a loader
+                for each).
         """
+        dataset = self._dataset(split)
+        if several(dataset):
+            fix = (
+                "BoostedDataModule trains on one: join them (`torch.utils.data.ConcatDataset`), or"
+                " override `train_dataloader()` to return a loader for each (a `CombinedLoader`)"
+                if split == "train"
+                else f"`{split}_dataloader()` builds a loader for each"
+            )
+            raise TypeError(f"`{type(self).__name__}.{split}_dataset` holds several datasets: {fix}.")
+        return self._build(split, dataset, shuffle, drop_last, tuning=dataset, lead=True)
+
+    def _evaluation_loaders(self, split: str) -> Loaders:
+        """`split`'s loader, or a list or dict of loaders when its dataset attribute holds several
+        (Lightning then passes ``dataloader_idx`` to the step). They are tuned as one: on the
+        training set's decision, or, in a pass run alone, on the first one's search, which the
+        others follow."""
+        dataset = self._dataset(split)
+        if not several(dataset):
+            return self._build(split, dataset, False, False, tuning=dataset, lead=True)
+        named = dataset.items() if isinstance(dataset, Mapping) else enumerate(dataset)
+        first = next(iter(dataset.values() if isinstance(dataset, Mapping) else dataset))
+        loaders = {key: self._build(split, each, False, False, first, each is first) for key, each in named}
+        return loaders if isinstance(dataset, Mapping) else list(loaders.values())
+
+    def _dataset(self, split: str) -> Any:
         if split not in _SPLITS:
             raise unknown_choice_error("split", split, _SPLITS)
         dataset = getattr(self, f"{split}_dataset")
@@ -148,6 +199,13 @@ class BoostedDataMixin(_DataModule):
                 f"`{type(self).__name__}.{split}_dataset` is not set: assign `self.{split}_dataset = ...` "
                 f"in `setup()` for the stage that needs it."
             )
+        return dataset
+
+    def _build(
+        self, split: str, dataset: Dataset[Any], shuffle: bool, drop_last: bool, tuning: Any, lead: bool
+    ) -> DataLoader[Any]:
+        """The loader of `dataset`; `tuning` is the dataset an evaluation pass run alone is tuned
+        on (the first of several), and only the `lead` loader of such a pass runs its search."""
         if isinstance(dataset, IterableDataset):
             shuffle = self._stream_order(split, dataset, shuffle)
         elif not hasattr(dataset, "__len__"):
@@ -158,7 +216,7 @@ class BoostedDataMixin(_DataModule):
             )
         # an evaluation stage run alone decides on its own pass; else the training set decides
         alone = own_pass(self.trainer, split) and self.num_workers is None
-        tuning_dataset = self.train_dataset if self.train_dataset is not None and not alone else dataset
+        tuning_dataset = self.train_dataset if self.train_dataset is not None and not alone else tuning
         settings, search = self._settings(tuning_dataset, drop_last, split if alone else None)
         size = self.batch_size if split == "train" else self.evaluation_batch_size
         cap = self._eval_cap(split, dataset, size)
@@ -169,7 +227,7 @@ class BoostedDataMixin(_DataModule):
         if gathered is not dataset:
             self.worker_tuner.add_finding(whole_batches_finding("BoostedDataModule"))
         dataset, settings = gathered, settings | {"collate_fn": collate_fn}
-        if search is not None and (split == "train" or alone):
+        if search is not None and (split == "train" or (alone and lead)):
             persist = self.persistent_workers
             if persist is None:
                 reload = reload_every_n_epochs(self.trainer) if self.trainer is not None else 0
