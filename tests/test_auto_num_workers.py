@@ -80,6 +80,36 @@ def test_loaders_passed_to_fit_are_rebuilt_with_every_other_setting_kept(tmp_pat
     assert model.seen == untuned.seen
 
 
+class _Buckets(torch.utils.data.Sampler[list[int]]):
+    """Batches of neighbouring indices in a shuffled order, as a bucketing sampler for sequences
+    of alike lengths makes them; it has a `batch_size`, as torch's `BatchSampler` has."""
+
+    def __init__(self, length: int, batch_size: int) -> None:
+        self.length, self.batch_size = length, batch_size
+
+    def __iter__(self) -> Iterator[list[int]]:
+        starts = torch.randperm(self.length // self.batch_size) * self.batch_size
+        return iter([list(range(start, start + self.batch_size)) for start in starts.tolist()])
+
+    def __len__(self) -> int:
+        return self.length // self.batch_size
+
+
+def test_a_loader_with_its_own_batch_sampler_is_rebuilt_around_it(tmp_path: Path) -> None:
+    """`DataLoader(dataset, batch_sampler=...)` was rebuilt with `batch_size=None` beside the
+    sampler, which torch refuses: the fit failed before its first step."""
+    L.seed_everything(3, verbose=False)
+    model = SeenIndices()
+    loader = DataLoader(IndexDataset(64), batch_sampler=_Buckets(64, 8), collate_fn=_stack)
+    trainer = tiny_trainer(tmp_path, callbacks=[AutoNumWorkers(FAST)], logger=False)
+    trainer.fit(model, loader, DataLoader(IndexDataset(16), batch_size=4))
+    assert isinstance(trainer.train_dataloader, DataLoader)
+    assert isinstance(trainer.train_dataloader.batch_sampler, _Buckets)
+    starts = [batch[0] for batch in model.seen]  # tiny_trainer's 4 batches: the sampler's own
+    assert len(set(starts)) == 4 and all(start % 8 == 0 for start in starts)
+    assert all(batch == list(range(batch[0], batch[0] + 8)) for batch in model.seen)
+
+
 class _OwnLoader(DataLoader[Any]):
     pass
 

@@ -151,8 +151,8 @@ def rebuild_loader(
     batching: dict[str, Any]
     if loader.batch_size is not None:
         batching = {"batch_size": loader.batch_size, "sampler": loader.sampler, "drop_last": loader.drop_last}
-    else:
-        batching = {"batch_size": None, "batch_sampler": loader.batch_sampler}
+    else:  # a batch sampler of the user's (with a `batch_size`: `cannot_rebuild`) makes the batches
+        batching = {"batch_sampler": loader.batch_sampler}
     kept = loader_options(loader)
     options = kept | changes
     if not options["num_workers"]:
