@@ -352,6 +352,37 @@ class FailingModel(BoringModel):
         return super().training_step(batch, batch_idx)
 
 
+@pytest.mark.parametrize(
+    ("batch", "images"),
+    [
+        ((torch.zeros(8, 3, 32, 32), torch.zeros(8)), True),
+        ({"frames": torch.zeros(2, 16, 224, 224, 3, dtype=torch.uint8)}, True),  # video, channels last
+        ((torch.zeros(8, 20, dtype=torch.long), [20] * 8, torch.zeros(8)), False),  # token ids
+        (torch.zeros(8, 2, 16000), False),  # audio
+        (torch.zeros(8, 32), False),
+    ],
+)
+def test_image_batches_are_told_apart(batch: Any, images: bool) -> None:
+    assert step_time_callback.holds_images(batch) is images
+
+
+def test_per_sample_work_on_records_is_not_told_to_decode_images(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow per-sample dataset of feature vectors (tokens, rows: no image in its batches) was
+    told to "store images pre-resized" and "decode JPEGs", and to augment with transforms.v2."""
+    clock = FakeClock()
+    monkeypatch.setattr(step_time, "_now", clock.now)
+    monitor = StepTimeMonitor()
+    loader = DataLoader(SlowDataset(0.008, clock, length=200), batch_size=8)
+    trainer = tiny_trainer(tmp_path, callbacks=[monitor], limit_train_batches=None, limit_val_batches=0)
+    trainer.fit(TimedModel(0.002, clock), train_dataloaders=loader, val_dataloaders=NO_VAL)
+    (finding,) = monitor.findings
+    assert finding.title.startswith("Input-bound")
+    assert not any(word in finding.fix for word in ("image", "JPEG", "transforms.v2"))
+    assert "Precompute" in finding.fix
+
+
 def test_a_slow_dataset_is_reported_input_bound_with_the_fix_and_logged(tmp_path: Path) -> None:
     monitor = StepTimeMonitor()
     loader = DataLoader(SlowDataset(0.008, length=200), batch_size=8)  # ~64 ms per batch, 25 batches

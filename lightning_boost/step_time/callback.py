@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Annotated, Any
 
 import lightning as L
 import numpy as np
+import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset
 from typing_extensions import override
@@ -106,6 +107,7 @@ class StepTimeMonitor(BoostCallback):
         self._on_gpu = False
         self._fit: FitTime | None = None
         self._stop_fetches: Callable[[], None] = _nothing
+        self._images: bool | None = None  # whether the training batches hold images (`holds_images`)
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -130,6 +132,7 @@ class StepTimeMonitor(BoostCallback):
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.times = StepTimes(self.warmup_steps)
+        self._images = None
         clock = self._clock = CudaClock() if pl_module.device.type == "cuda" else HostClock()
         self._on_gpu = _times_a_gpu(clock)
         self._stop_fetches()
@@ -148,6 +151,8 @@ class StepTimeMonitor(BoostCallback):
             self._clock.batch_start()
         if self._fit is not None:
             self._fit.batch_start(time.perf_counter())
+        if self._images is None:  # what the loader makes, for the fixes of an input-bound run
+            self._images = holds_images(batch)
 
     @override
     def on_train_batch_end(
@@ -296,7 +301,9 @@ class StepTimeMonitor(BoostCallback):
             for reason in choice.skipped
             if reason.startswith(NO_WORKERS)
         ]
-        dataset = getattr(loader, "dataset", None)
+        dataset = dataset_kind(getattr(loader, "dataset", None))
+        if dataset in ("samples", "stream") and self._images is False:
+            dataset = "records"  # per-sample work, but no image to decode or augment
         return input_bound_fixes(
             num_workers=loader.num_workers if isinstance(loader, DataLoader) else 0,
             max_workers=hardware_for(trainer).cpus_per_process,  # the budget worker tuning searches
@@ -304,7 +311,7 @@ class StepTimeMonitor(BoostCallback):
             on_gpu=pl_module.device.type == "cuda",
             tuned_workers=bool(tuners),
             measured_workers=measured,
-            dataset=dataset_kind(dataset),
+            dataset=dataset,
             larger_batch=_larger_batch(trainer, self.times.fraction),
             no_workers=ruled_out[0] if ruled_out else "",
         )
@@ -446,3 +453,21 @@ def dataset_kind(dataset: Any) -> str:
     if isinstance(getattr(dataset, "data", None), (Tensor, np.ndarray)):  # torchvision's MNIST, CIFAR
         return "arrays"
     return "samples"
+
+
+def holds_images(batch: Any) -> bool:
+    """Whether `batch` holds images: a float or ``uint8`` tensor of 4 dimensions or more (a batch
+    of images, channels first or last; video). Token ids, audio and feature rows have fewer.
+
+    Example:
+        >>> import torch
+        >>> holds_images((torch.zeros(8, 3, 32, 32), torch.zeros(8))), holds_images([torch.zeros(8, 32)])
+        (True, False)
+    """
+    if isinstance(batch, Tensor):
+        return batch.dim() >= 4 and (batch.is_floating_point() or batch.dtype == torch.uint8)
+    if isinstance(batch, Mapping):
+        return any(holds_images(value) for value in batch.values())
+    if isinstance(batch, (list, tuple)):
+        return any(holds_images(value) for value in batch)
+    return False

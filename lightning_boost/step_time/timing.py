@@ -168,7 +168,8 @@ def input_bound_fixes(
             augment), ``"arrays"`` (samples held in one array in memory, as torchvision's MNIST and
             CIFAR hold theirs: transformed one by one, but nothing to decode), ``"stream"`` (an
             `IterableDataset`), ``"batched tensors"`` (a `TensorDataset` the loader already gathers
-            whole batches of, `WholeBatches`) or ``"samples"`` (any other).
+            whole batches of, `WholeBatches`), ``"records"`` (samples or a stream whose batches hold
+            no image: tokens, audio, rows) or ``"samples"`` (any other: images to decode, augment).
         larger_batch: what to say of a larger batch where the run's `AutoBatchSize` chose the size
             (``None``: none in the run, and the fix names it).
         no_workers: why the worker search ruled out every worker count without measuring one
@@ -212,6 +213,12 @@ def input_bound_fixes(
             " (`dataset.data`) and go through `transform` one by one; index the array per batch and"
             " transform the batch (`BoostedDataModule(device_transforms=...)` applies batched"
             " transforms.v2 once per batch)."
+        )
+    elif dataset == "records":
+        fixes.append(
+            "Precompute the per-sample work: what `__getitem__` (and the `collate_fn`) compute for each"
+            " sample every epoch (tokenizing, parsing, features) done once ahead of training and stored"
+            " (tensors, memory-mapped arrays), so loading a sample is an index into it."
         )
     elif dataset not in ("tensors", "batched tensors"):
         fixes += _sample_work_fixes(on_gpu)
