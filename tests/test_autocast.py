@@ -319,6 +319,21 @@ def test_when_fp32_is_kept_the_run_trains_plain_lightnings_model(tmp_path: Path)
     )
 
 
+def test_bf16_asked_of_the_trainer_is_kept_not_timed_away(tmp_path: Path) -> None:
+    """`Trainer(precision="bf16-mixed", strategy=preset("auto"))` on a bf16 CPU: the preset agreed
+    (no conflict), then timed bf16 against fp32 and trained a model slower under bf16 in fp32,
+    against the precision the user wrote. It trains in bf16, and the report says it was set."""
+    model = SlowUnder("bf16")
+    strategy = preset("auto", hardware=CPU_BF16)
+    options: dict[str, object] = {"limit_train_batches": 6, "enable_checkpointing": False}
+    trainer = tiny_trainer(tmp_path, strategy=strategy, precision="bf16-mixed", **options)
+    trainer.fit(model, datamodule=BoringDataModule(length=48))
+    assert model.autocast_seen == [True] * 6 and trainer.precision == "bf16-mixed"
+    assert not isinstance(trainer.precision_plugin, MeasuredAutocast)
+    (finding,) = [f for f in strategy.findings if f.data.get("precision")]
+    assert finding.title == "precision 'bf16-mixed'" and "Trainer(precision='bf16-mixed')" in finding.detail
+
+
 def test_the_decision_lasts_for_the_next_fit(tmp_path: Path) -> None:
     model = SlowUnder("bf16")
     trainer, plugin = fit(tmp_path, model)

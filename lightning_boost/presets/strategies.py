@@ -7,6 +7,7 @@ on either namespace's strategies: here on ``lightning.pytorch``'s, and in
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib
 import sys
@@ -36,7 +37,7 @@ from lightning_boost.presets.memory_format import (
 )
 from lightning_boost.presets.plans import PresetPlan
 from lightning_boost.presets.saves import BackgroundSaves, copies_saved_files, file_readers, saves_finding
-from lightning_boost.report import Finding
+from lightning_boost.report import Finding, Severity
 
 
 def check_precision(user_flag: str, plan: PresetPlan) -> None:
@@ -162,7 +163,10 @@ class PresetStrategy(_Strategy):
     def setup_environment(self) -> None:
         module = self.lightning_module
         if module is not None:
-            check_precision(trainer_precision_flag(module.trainer), self.plan)
+            flag = trainer_precision_flag(module.trainer)
+            check_precision(flag, self.plan)
+            if flag == self.plan.precision and self.plan.measure_autocast:
+                self._take_precision_as_set(flag)
             self._check_data_parallel(module)
         if self._saved_flags is None:
             self._saved_flags = apply_speed_flags(self.plan.tf32, self.plan.cudnn_benchmark)
@@ -222,6 +226,23 @@ class PresetStrategy(_Strategy):
         self.memory_format = choice
         self.findings = [f for f in self.findings if "channels_last" not in f.data]
         self.findings.append(memory_format_finding(choice))
+
+    def _take_precision_as_set(self, flag: str) -> None:
+        """`Trainer(precision=flag)` asked for the precision the preset would time on this CPU
+        (bf16 against fp32): it is the user's choice, kept as `preset(precision=flag)` keeps it."""
+        self.plan = dataclasses.replace(self.plan, measure_autocast=False)
+        self.precision_plugin = precision_plugin(self.plan, self.namespace)
+        findings = [f for f in self.findings if not f.data.get("precision")]
+        detail = f"set by hand, `Trainer(precision={flag!r})`: kept, not timed against fp32"
+        kept = Finding(
+            "preset",
+            "precision and strategy",
+            Severity.INFO,
+            f"precision {flag!r}",
+            detail,
+            data={"precision": flag},
+        )
+        self.findings = [kept, *findings]
 
     def _preset_precision(self, plan: PresetPlan) -> Any:
         if plan.measure_autocast:
