@@ -11,6 +11,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.plugins.precision import FSDPPrecision, MixedPrecision, Precision
+from lightning.pytorch.trainer.connectors import accelerator_connector
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from typing_extensions import override
 
@@ -391,6 +392,29 @@ class RankWeights(BoringModel):
     def on_train_end(self) -> None:
         record = {"backend": torch.distributed.get_backend(), "weight": self.layer.weight.tolist()}
         Path(self.out, f"rank{self.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.ddp
+def test_in_a_notebook_ddp_starts_its_processes_by_fork(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Simulated: an interactive session (a notebook on a 2-GPU box, as on Kaggle), here on 2 CPU
+    processes. A script's `popen` cannot start from one: Lightning refused the preset ("not
+    compatible with an interactive environment ... `ddp_notebook`"). It forks, as `ddp_notebook`
+    does, and says why; `start_method=` by hand still wins."""
+    monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)  # what Lightning's test reads, at its import
+    monkeypatch.setattr(accelerator_connector, "_IS_INTERACTIVE", True)
+    assert (
+        preset("fast-ddp", hardware=EXAMPLES["cpu"], start_method="spawn").plan.options["start_method"]
+        == "spawn"
+    )
+    strategy = preset("fast-ddp", hardware=EXAMPLES["cpu"], precision="32-true")
+    assert strategy.plan.options["start_method"] == "fork"
+    assert any("fork" in f.detail and "interactive" in f.detail for f in strategy.findings)
+    trainer = tiny_trainer(tmp_path, devices=2, strategy=strategy, logger=False, enable_checkpointing=False)
+    trainer.fit(RankWeights(str(tmp_path)), datamodule=BoringDataModule(length=64))
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks[0]["weight"] == ranks[1]["weight"]
 
 
 @pytest.mark.ddp

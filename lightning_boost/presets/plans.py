@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
@@ -277,7 +278,7 @@ def _ddp_options(resolved: str, hw: HardwareInfo, params: int | None) -> dict[st
         "bucket_cap_mb": bucket_cap_mb(params),
         "static_graph": False,
         "process_group_backend": None,  # Lightning's from the trainer's device: nccl on CUDA, gloo on CPU
-        "start_method": "popen",
+        "start_method": "fork" if interactive() else "popen",  # a notebook: as `ddp_notebook`
         "comm_hook": None,
     }
     if ddp_accepts("batched_grad_copy"):  # torch >= 2.14
@@ -285,6 +286,13 @@ def _ddp_options(resolved: str, hw: HardwareInfo, params: int | None) -> dict[st
     if multinode and hw.is_cuda:
         options["comm_hook"] = "bf16_compress" if hw.supports_bf16 else "fp16_compress"
     return options
+
+
+def interactive() -> bool:
+    """Whether this is an interactive session (a notebook, a REPL), by Lightning's own test
+    (``lightning.fabric.utilities.imports._IS_INTERACTIVE``): there it refuses a strategy that
+    starts its processes as scripts."""
+    return hasattr(sys, "ps1") or bool(sys.flags.interactive)
 
 
 @functools.cache
@@ -344,6 +352,11 @@ def _strategy_finding(
     detail = f"{hw.accelerator}, {hw.device_count} device(s) x {hw.node_count} node(s), {size}"
     if name == "auto":
         detail += f"; auto resolved to {resolved!r}"
+    if options.get("start_method") == "fork" and interactive():
+        detail += (
+            "; an interactive session (a notebook): its processes start by fork, as Lightning's"
+            " `ddp_notebook` does (a script's `popen` cannot start from one)"
+        )
     if kind == "fsdp" and params is not None:
         need = params * TRAINING_BYTES_PER_PARAM / GIB
         detail += f"; training needs ~{need:.0f} GiB before activations"
