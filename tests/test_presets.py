@@ -398,16 +398,18 @@ class RankWeights(BoringModel):
 def test_in_a_notebook_ddp_starts_its_processes_by_fork(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Simulated: an interactive session (a notebook on a 2-GPU box, as on Kaggle), here on 2 CPU
-    processes. A script's `popen` cannot start from one: Lightning refused the preset ("not
-    compatible with an interactive environment ... `ddp_notebook`"). It forks, as `ddp_notebook`
-    does, and says why; `start_method=` by hand still wins."""
+    """Simulated: an interactive session (a notebook, a REPL) training 2 CPU processes. A
+    script's `popen` cannot start from one: Lightning refused the preset ("not compatible with an
+    interactive environment ... `ddp_notebook`"). CPU processes fork, as `ddp_notebook` does, and
+    the finding says why; `start_method=` by hand still wins."""
     monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)  # what Lightning's test reads, at its import
     monkeypatch.setattr(accelerator_connector, "_IS_INTERACTIVE", True)
     assert (
         preset("fast-ddp", hardware=EXAMPLES["cpu"], start_method="spawn").plan.options["start_method"]
         == "spawn"
     )
+    # on CUDA the device query has initialized CUDA in the notebook's process: no fork (docs)
+    assert plan_preset("fast-ddp", EXAMPLES["a100x8"]).options["start_method"] == "popen"
     strategy = preset("fast-ddp", hardware=EXAMPLES["cpu"], precision="32-true")
     assert strategy.plan.options["start_method"] == "fork"
     assert any("fork" in f.detail and "interactive" in f.detail for f in strategy.findings)

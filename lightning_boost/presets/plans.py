@@ -278,7 +278,9 @@ def _ddp_options(resolved: str, hw: HardwareInfo, params: int | None) -> dict[st
         "bucket_cap_mb": bucket_cap_mb(params),
         "static_graph": False,
         "process_group_backend": None,  # Lightning's from the trainer's device: nccl on CUDA, gloo on CPU
-        "start_method": "fork" if interactive() else "popen",  # a notebook: as `ddp_notebook`
+        # a notebook's CPU processes fork, as `ddp_notebook`; on CUDA the device query
+        # (`HardwareInfo.detect`) has initialized CUDA in this process, which a fork cannot inherit
+        "start_method": "fork" if interactive() and not hw.is_cuda else "popen",
         "comm_hook": None,
     }
     if ddp_accepts("batched_grad_copy"):  # torch >= 2.14
