@@ -498,6 +498,34 @@ def test_a_schedule_sized_from_the_step_count_spans_the_tuned_run(tmp_path: Path
     assert any("configure_optimizers ran again" in f.title for f in callback.findings)
 
 
+class LinearRuleMLP(OneCycleMLP):
+    """`OneCycleMLP` whose peak rate follows its batch size by hand (the linear scaling rule)."""
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        self.hparams["lr"] = 0.05 * self.trainer.datamodule.batch_size / 32  # type: ignore[union-attr]
+        return super().configure_optimizers()
+
+
+@pytest.mark.usefixtures("fixed_cost_steps")
+def test_rates_a_rerun_configure_optimizers_set_for_the_tuned_batch_are_not_scaled_again(
+    tmp_path: Path,
+) -> None:
+    """`configure_optimizers` run again at the tuned size (it read the step count) with rates it
+    derives from the batch size itself: `AutoBatchSize` scaled them again on top, past its own
+    x2 cap (batch 16 -> 64 by hand: x4 from the user's rule, x2 from the sqrt rule, x8 in all)."""
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", min_efficiency=0.5)
+    model = LinearRuleMLP()
+    trainer = quiet_trainer(tmp_path, [callback], max_epochs=2)
+    trainer.fit(model, datamodule=Classes(samples=16384, batch_size=32))
+    decision = callback.decision
+    assert decision is not None and decision.batch_size > 32 and decision.lr_factor == 1.0
+    peak = trainer.optimizers[0].param_groups[0]["max_lr"]
+    assert peak == pytest.approx(0.05 * decision.batch_size / 32)  # the user's rule, once
+    (finding,) = [f for f in callback.findings if "configure_optimizers" in f.title]
+    assert "not scaled again" in finding.title
+
+
 #: torch < 2.6's SequentialLR steps its next schedule with `step(0)` at a milestone and warns about it.
 SEQUENTIAL_STEP_WARNING = "ignore:The epoch parameter in `scheduler.step\\(\\)` was not necessary:UserWarning"
 

@@ -46,6 +46,7 @@ from lightning_boost.batch_size.decision import (
     kept,
     noise_reads_finding,
     optimizers_finding,
+    own_rates_finding,
     restored_finding,
 )
 from lightning_boost.batch_size.goodput import NoiseScale, lr_rule
@@ -297,6 +298,15 @@ class AutoBatchSize(BoostCallback):
         if not (self._restored and self.decision is not None):
             self.decision = self._tune(trainer, pl_module, configured)
         decision = self.decision
+        lightning_setattr(pl_module, self.attr_name, decision.batch_size)
+        datamodule = datamodule_of(trainer)
+        if decision.eval_batch_size is not None and wants_eval_size(trainer):
+            datamodule.tuned_eval_batch_size = decision.eval_batch_size  # type: ignore[union-attr]
+        trainer.accumulate_grad_batches = decision.accumulate_grad_batches
+        redone = []
+        if train_loader_built(trainer):  # asked for early, as `estimated_stepping_batches` does
+            redone = self._rebuild_early_loader(trainer, decision)
+            decision = self.decision  # its rates the user's, where configure_optimizers set them
         self.findings += (
             [restored_finding(decision)] if self._restored else findings(decision, self.tolerance)
         )
@@ -304,13 +314,7 @@ class AutoBatchSize(BoostCallback):
         if autotuning is not None:
             self._autotuning_off = True
             self.findings.append(autotuning)
-        lightning_setattr(pl_module, self.attr_name, decision.batch_size)
-        datamodule = datamodule_of(trainer)
-        if decision.eval_batch_size is not None and wants_eval_size(trainer):
-            datamodule.tuned_eval_batch_size = decision.eval_batch_size  # type: ignore[union-attr]
-        trainer.accumulate_grad_batches = decision.accumulate_grad_batches
-        if train_loader_built(trainer):  # asked for early, as `estimated_stepping_batches` does
-            self._rebuild_early_loader(trainer, decision)
+        self.findings += redone
         if not self._restored:  # a checkpoint's optimizer state already holds the scaled rates
             _scale_learning_rates(trainer, decision.lr_factor)
         changed = decision.batch_size != decision.configured_batch_size or decision.lr_factor != 1.0
@@ -320,10 +324,12 @@ class AutoBatchSize(BoostCallback):
         self._restored = False
         self._growth = self._start_growth(trainer, pl_module, decision)
 
-    def _rebuild_early_loader(self, trainer: L.Trainer, decision: BatchSizeDecision) -> None:
+    def _rebuild_early_loader(self, trainer: L.Trainer, decision: BatchSizeDecision) -> list[Finding]:
         """A training loader built before the fit started is built again when its size is not the
         decision's; ``configure_optimizers``, which counted its steps, runs again when the samples
-        per optimizer step changed (a size and accumulation that trade places keep them)."""
+        per optimizer step changed (a size and accumulation that trade places keep them). Rates it
+        then sets otherwise than the first time were derived from the batch size by the user's own
+        rule: the decision takes them as they are (``lr_factor`` 1), not scaled a second time."""
         loaders = train_loaders(trainer)
         if any(_other_size(loader, decision) for loader in loaders):
             forget_train_loader(trainer)  # its workers never started (`DeferredStartDataLoader`)
@@ -331,8 +337,15 @@ class AutoBatchSize(BoostCallback):
             for loader in loaders:
                 start_deferred_workers(loader)
         per_step = decision.batch_size * decision.accumulate_grad_batches
-        if per_step != decision.configured_batch_size * decision.configured_accumulate:
-            self.findings.append(optimizers_finding(decision, redo_optimizers(trainer)))
+        if per_step == decision.configured_batch_size * decision.configured_accumulate:
+            return []
+        before = learning_rates(trainer)
+        redone = redo_optimizers(trainer)
+        after = learning_rates(trainer)
+        if not redone or decision.lr_factor == 1.0 or all(map(math.isclose, before, after)):
+            return [optimizers_finding(decision, redone)]
+        self.decision = dataclasses.replace(decision, lr_factor=1.0, lr_warmup_steps=0)
+        return [own_rates_finding(decision, before, after)]
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -735,6 +748,23 @@ def _growth_blocker(trainer: L.Trainer, decision: BatchSizeDecision) -> str:
     if has_callback(trainer, "GradientAccumulationScheduler"):
         return "a GradientAccumulationScheduler sets the accumulation"
     return ""
+
+
+def learning_rates(trainer: L.Trainer) -> list[float]:
+    """Every learning rate the run's optimizers and schedulers hold (`LR_KEYS`, `SCHEDULE_KEYS`),
+    in order; read once, before the first step (a tensor rate is read from its device)."""
+    rates = [
+        float(group[key])
+        for optimizer in trainer.optimizers
+        for group in optimizer.param_groups
+        for key in LR_KEYS
+        if isinstance(group.get(key), (int, float, torch.Tensor))
+    ]
+    for config in trainer.lr_scheduler_configs:
+        for key in SCHEDULE_KEYS:
+            values = getattr(config.scheduler, key, None)
+            rates += [float(value) for value in values] if isinstance(values, list) else []
+    return rates
 
 
 def _scale_learning_rates(trainer: L.Trainer, factor: float) -> None:

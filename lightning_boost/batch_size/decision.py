@@ -424,6 +424,32 @@ def _eval_step(trial: Trial, budget_bytes: int) -> str:
     return f"{trial.size}: {trial.samples_per_s:,.0f} samples/s, {format_size(trial.peak_bytes)}{over}"
 
 
+def own_rates_finding(decision: BatchSizeDecision, before: list[float], after: list[float]) -> Finding:
+    """What the report says when ``configure_optimizers``, run again at the tuned size, set other
+    learning rates than at the configured one: the user's code derives them from the batch size,
+    so they are kept as it set them, not scaled again (`decision` is the one before).
+
+    Example:
+        >>> d = BatchSizeDecision(64, configured_batch_size=16, lr_factor=2.0)
+        >>> own_rates_finding(d, [0.02], [0.08]).title
+        'configure_optimizers set the learning rates for batch 64 itself: not scaled again'
+    """
+    changed = ", ".join(f"{a:.3g} -> {b:.3g}" for a, b in zip(before, after, strict=False) if a != b)
+    return Finding(
+        "AutoBatchSize",
+        "batch size",
+        Severity.INFO,
+        f"configure_optimizers set the learning rates for batch {decision.batch_size} itself: not"
+        " scaled again",
+        detail=(
+            f"It read the step count before the fit started, so it ran again at the tuned batch"
+            f" ({decision.configured_batch_size} -> {decision.batch_size}), and its rates followed the"
+            f" batch size by its own rule ({changed}). They are kept as it set them: `AutoBatchSize`'s"
+            f" x{decision.lr_factor:.3g} ({decision.lr_scaling}) and its warm-up are left out."
+        ),
+    )
+
+
 def optimizers_finding(decision: BatchSizeDecision, redone: bool) -> Finding:
     """What the report says when ``configure_optimizers`` read the step count (the training loader
     was built before the fit started) and the tuned batch changed it: run again, or could not be."""
