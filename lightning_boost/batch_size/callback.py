@@ -342,7 +342,8 @@ class AutoBatchSize(BoostCallback):
         before = learning_rates(trainer)
         redone = redo_optimizers(trainer)
         after = learning_rates(trainer)
-        if not redone or decision.lr_factor == 1.0 or all(map(math.isclose, before, after)):
+        same = len(before) == len(after) and all(map(math.isclose, before, after))
+        if not redone or decision.lr_factor == 1.0 or same:
             return [optimizers_finding(decision, redone)]
         self.decision = dataclasses.replace(decision, lr_factor=1.0, lr_warmup_steps=0)
         return [own_rates_finding(decision, before, after)]

@@ -185,9 +185,11 @@ class BoostedDataMixin(_DataModule):
         dataset = self._dataset(split)
         if not several(dataset):
             return self._build(split, dataset, False, False, tuning=dataset, lead=True)
-        named = dataset.items() if isinstance(dataset, Mapping) else enumerate(dataset)
-        first = next(iter(dataset.values() if isinstance(dataset, Mapping) else dataset))
-        loaders = {key: self._build(split, each, False, False, first, each is first) for key, each in named}
+        named = list(dataset.items() if isinstance(dataset, Mapping) else enumerate(dataset))
+        first = named[0][1]
+        loaders = {
+            key: self._build(split, each, False, False, first, i == 0) for i, (key, each) in enumerate(named)
+        }
         return loaders if isinstance(dataset, Mapping) else list(loaders.values())
 
     def _dataset(self, split: str) -> Any:
