@@ -827,6 +827,58 @@ def test_target_conflicts_with_an_accumulation_scheduler(tmp_path: Path) -> None
         trainer.fit(BoringModel(), datamodule=BoringDataModule())
 
 
+class TwoTasks(BoringModel):
+    """Trains on a dict of two loaders at once (Lightning's `CombinedLoader`), each at
+    `batch_size`, and validates on a dict of two."""
+
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
+        losses = []
+        for part in batch.values():
+            losses.append(super().training_step(part, batch_idx))
+        return torch.stack(losses).sum()
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> None:
+        self.log("val_loss", self(batch[0]).sum())
+
+    def train_dataloader(self) -> dict[str, DataLoader[Any]]:
+        return {name: DataLoader(RandomDataset(length=64), self.hparams.batch_size) for name in "ab"}
+
+    def val_dataloader(self) -> dict[str, DataLoader[Any]]:
+        return {name: DataLoader(RandomDataset(length=16), self.hparams.batch_size) for name in "ab"}
+
+
+def test_several_training_loaders_train_as_written_with_the_reason(tmp_path: Path) -> None:
+    """A dict of training loaders stopped the fit with a TypeError at its start: a trial times one
+    loader's batches. The run now trains as written, and the report says why."""
+    tuner = AutoBatchSize()
+    model = TwoTasks()
+    tiny_trainer(tmp_path, callbacks=[tuner], logger=False).fit(model)
+    assert model.hparams.batch_size == 8 and tuner.decision is None
+    assert [f.title for f in tuner.findings] == [
+        "Batch size kept as written: the training loaders are a dict of several"
+    ]
+
+
+class OneTaskTwoEvaluations(TwoTasks):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return BoringModel.training_step(self, batch, batch_idx)
+
+    def train_dataloader(self) -> DataLoader[Any]:  # type: ignore[override]
+        return DataLoader(RandomDataset(length=64), self.hparams.batch_size)
+
+
+def test_a_dict_of_validation_loaders_is_checked_on_its_first(tmp_path: Path) -> None:
+    """The validation step at the chosen size takes the first loader of a dict, as of a list (a
+    dict raised a TypeError at the fit's start)."""
+    tuner = AutoBatchSize(check_validation=True)
+    tiny_trainer(tmp_path, callbacks=[tuner], logger=False).fit(OneTaskTwoEvaluations())
+    assert tuner.decision is not None
+
+
 def test_a_second_fit_with_the_same_callback_reports_its_own_findings(tmp_path: Path) -> None:
     """Callbacks built once and handed to each Trainer of a sweep: the second fit's report held
     the first's findings beside its own (every one twice)."""

@@ -52,6 +52,21 @@ def not_tunable(pl_module: L.LightningModule, name: str, explicit: bool) -> Find
     )
 
 
+def several_loaders_finding(why: str) -> Finding:
+    """The finding of a run that trains on several loaders at once (`why` says which): it trains
+    as written."""
+    return Finding(
+        "AutoBatchSize",
+        "batch size",
+        Severity.INFO,
+        f"Batch size kept as written: {why}",
+        "Each step takes a batch from every training loader, and a trial times one loader's batches,"
+        " so it cannot weigh a size for all of them. The batch sizes and the learning rates stay as"
+        " written.",
+        "Set each loader's batch size by hand (AutoBatchSize can be left out).",
+    )
+
+
 def attribute_the_loader_reads(
     trainer: L.Trainer, pl_module: L.LightningModule, name: str, configured: int
 ) -> str:

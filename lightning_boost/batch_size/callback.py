@@ -37,7 +37,12 @@ from lightning_boost._validation import (
     Seconds,
     validated,
 )
-from lightning_boost.batch_size.attribute import adopted_finding, attribute_the_loader_reads, not_tunable
+from lightning_boost.batch_size.attribute import (
+    adopted_finding,
+    attribute_the_loader_reads,
+    not_tunable,
+    several_loaders_finding,
+)
 from lightning_boost.batch_size.decision import (
     BatchSizeDecision,
     decide,
@@ -51,6 +56,7 @@ from lightning_boost.batch_size.decision import (
 )
 from lightning_boost.batch_size.goodput import NoiseScale, lr_rule
 from lightning_boost.batch_size.measure import (
+    SeveralLoaders,
     autocast_trial,
     evaluated_samples,
     measured,
@@ -296,7 +302,12 @@ class AutoBatchSize(BoostCallback):
         configured = int(lightning_getattr(pl_module, self.attr_name))  # type: ignore[arg-type]
         self._configured = configured
         if not (self._restored and self.decision is not None):
-            self.decision = self._tune(trainer, pl_module, configured)
+            try:
+                self.decision = self._tune(trainer, pl_module, configured)
+            except SeveralLoaders as several:  # the run goes on as written, and the report says why
+                self.decision = None
+                self.findings.append(several_loaders_finding(str(several)))
+                return
         decision = self.decision
         lightning_setattr(pl_module, self.attr_name, decision.batch_size)
         datamodule = datamodule_of(trainer)

@@ -36,8 +36,18 @@ from lightning_boost.step_probe import StepProbe, first_batch, is_oom, sample_ba
 from lightning_boost.trials import StepFailed, Trial, merge
 
 
+class SeveralLoaders(TypeError):
+    """The run trains on several loaders at once (a list, dict or `CombinedLoader` of them): a
+    trial times one loader's batches, so the batch sizes stay as written."""
+
+
 def split_data(trainer: L.Trainer, split: str) -> tuple[Any, Any] | None:
-    """The dataset and collate function of the run's `split` loader (the first one if several)."""
+    """The dataset and collate function of the run's `split` loader (the first evaluation loader
+    if several).
+
+    Raises:
+        SeveralLoaders: when the run trains on several loaders at once.
+    """
     datamodule = datamodule_of(trainer)
     if isinstance(datamodule, BoostedDataMixin):  # its datasets at hand: a loader would tune workers
         dataset = getattr(datamodule, f"{split}_dataset")
@@ -45,6 +55,11 @@ def split_data(trainer: L.Trainer, split: str) -> tuple[Any, Any] | None:
             dataset = next(iter(dataset.values() if isinstance(dataset, Mapping) else dataset))
         return None if dataset is None else (dataset, datamodule.collate_fn)
     loaders = user_dataloaders(trainer, split)
+    several_loaders = isinstance(loaders, (list, tuple, Mapping)) and len(loaders) > 1
+    if split == "train" and (several_loaders or type(loaders).__name__ == "CombinedLoader"):
+        raise SeveralLoaders(f"the training loaders are a {type(loaders).__name__} of several")
+    if isinstance(loaders, Mapping) and loaders:
+        loaders = next(iter(loaders.values()))
     if isinstance(loaders, (list, tuple)) and loaders:
         loaders = loaders[0]
     if loaders is None:
