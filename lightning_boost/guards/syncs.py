@@ -875,7 +875,6 @@ class SyncGroup:
         phase: ``"training"`` or ``"validation"``.
         attribution: the first sync's: its user line and hook name the place.
         code: the text of the user's line (empty for the framework's own).
-        counts: pattern name -> syncs seen over the checked steps.
         reasons: what made them (`reason`: a library's known cause, a library's other code, or the
             user's own call) -> that attribution and its own counts.
     """
@@ -883,7 +882,6 @@ class SyncGroup:
     phase: str
     attribution: Attribution
     code: str = ""
-    counts: dict[str, int] = field(default_factory=dict)
     reasons: dict[str, tuple[Attribution, dict[str, int]]] = field(default_factory=dict)
 
     @staticmethod
@@ -900,9 +898,17 @@ class SyncGroup:
 
     def add(self, pattern: str, count: int = 1, attribution: Attribution | None = None) -> None:
         a = attribution or self.attribution
-        self.counts[pattern] = self.counts.get(pattern, 0) + count
         counts = self.reasons.setdefault(reason(a), (a, {}))[1]
         counts[pattern] = counts.get(pattern, 0) + count
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """Pattern name -> syncs seen over the checked steps, every reason's together."""
+        total: dict[str, int] = {}
+        for _, counts in self.reasons.values():
+            for pattern, count in counts.items():
+                total[pattern] = total.get(pattern, 0) + count
+        return total
 
     @property
     def framework(self) -> bool:
