@@ -30,7 +30,7 @@ from lightning_boost._lightning import (
 from lightning_boost.batch_size.decision import BatchSizeDecision
 from lightning_boost.batch_size.evaluation import eval_batch_size
 from lightning_boost.batch_size.plan import RunPlan
-from lightning_boost.data.datamodule import BoostedDataMixin, several
+from lightning_boost.data.datamodule import BoostedDataMixin, first_of, several
 from lightning_boost.presets.autocast import AutocastTrial, MeasuredAutocastMixin
 from lightning_boost.step_probe import StepProbe, first_batch, is_oom, sample_batches
 from lightning_boost.trials import StepFailed, Trial, merge
@@ -52,16 +52,14 @@ def split_data(trainer: L.Trainer, split: str) -> tuple[Any, Any] | None:
     if isinstance(datamodule, BoostedDataMixin):  # its datasets at hand: a loader would tune workers
         dataset = getattr(datamodule, f"{split}_dataset")
         if several(dataset):  # a loader each: the first, as for a user's list of loaders
-            dataset = next(iter(dataset.values() if isinstance(dataset, Mapping) else dataset))
+            dataset = first_of(dataset)
         return None if dataset is None else (dataset, datamodule.collate_fn)
     loaders = user_dataloaders(trainer, split)
     several_loaders = isinstance(loaders, (list, tuple, Mapping)) and len(loaders) > 1
     if split == "train" and (several_loaders or type(loaders).__name__ == "CombinedLoader"):
         raise SeveralLoaders(f"the training loaders are a {type(loaders).__name__} of several")
-    if isinstance(loaders, Mapping) and loaders:
-        loaders = next(iter(loaders.values()))
-    if isinstance(loaders, (list, tuple)) and loaders:
-        loaders = loaders[0]
+    if isinstance(loaders, (list, tuple, Mapping)) and loaders:
+        loaders = first_of(loaders)
     if loaders is None:
         return None
     if not isinstance(loaders, DataLoader):

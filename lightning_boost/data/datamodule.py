@@ -68,6 +68,17 @@ def several(value: object) -> bool:
     return bool(items) and all(isinstance(item, Dataset) for item in items)
 
 
+def first_of(items: Any) -> Any:
+    """The first item of a non-empty list, tuple or dict (its first value): the lead of several
+    datasets or loaders.
+
+    Example:
+        >>> first_of([3, 4]), first_of({"clean": 5, "noisy": 6})
+        (3, 5)
+    """
+    return next(iter(items.values() if isinstance(items, Mapping) else items))
+
+
 class BoostedDataMixin(_DataModule):
     """The loader logic of `BoostedDataModule`, for a LightningDataModule of either namespace.
 
@@ -185,8 +196,8 @@ class BoostedDataMixin(_DataModule):
         dataset = self._dataset(split)
         if not several(dataset):
             return self._build(split, dataset, False, False, tuning=dataset, lead=True)
-        named = list(dataset.items() if isinstance(dataset, Mapping) else enumerate(dataset))
-        first = named[0][1]
+        named = dataset.items() if isinstance(dataset, Mapping) else enumerate(dataset)
+        first = first_of(dataset)
         loaders = {
             key: self._build(split, each, False, False, first, i == 0) for i, (key, each) in enumerate(named)
         }
