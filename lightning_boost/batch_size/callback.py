@@ -353,8 +353,7 @@ class AutoBatchSize(BoostCallback):
         before = learning_rates(trainer)
         redone = redo_optimizers(trainer)
         after = learning_rates(trainer)
-        same = len(before) == len(after) and all(map(math.isclose, before, after))
-        if not redone or decision.lr_factor == 1.0 or same:
+        if not redone or decision.lr_factor == 1.0 or not rates_followed(before, after):
             return [optimizers_finding(decision, redone)]
         self.decision = dataclasses.replace(decision, lr_factor=1.0, lr_warmup_steps=0)
         return [own_rates_finding(decision, before, after)]
@@ -760,6 +759,20 @@ def _growth_blocker(trainer: L.Trainer, decision: BatchSizeDecision) -> str:
     if has_callback(trainer, "GradientAccumulationScheduler"):
         return "a GradientAccumulationScheduler sets the accumulation"
     return ""
+
+
+def rates_followed(before: list[float], after: list[float]) -> bool:
+    """Whether ``configure_optimizers``, run again at another batch size, set other rates than it
+    did (`learning_rates` of both runs): its own rule follows the batch size. Rates that cannot be
+    paired (another count of them) say nothing.
+
+    Example:
+        >>> rates_followed([0.02, 0.02], [0.08, 0.08]), rates_followed([0.02], [0.02])
+        (True, False)
+        >>> rates_followed([0.02], [0.08, 0.08])
+        False
+    """
+    return len(before) == len(after) and not all(map(math.isclose, before, after))
 
 
 def learning_rates(trainer: L.Trainer) -> list[float]:

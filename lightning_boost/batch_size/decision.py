@@ -434,7 +434,7 @@ def own_rates_finding(decision: BatchSizeDecision, before: list[float], after: l
         >>> own_rates_finding(d, [0.02], [0.08]).title
         'configure_optimizers set the learning rates for batch 64 itself: not scaled again'
     """
-    changed = ", ".join(f"{a:.3g} -> {b:.3g}" for a, b in zip(before, after, strict=False) if a != b)
+    changed = ", ".join(f"{a:.3g} -> {b:.3g}" for a, b in zip(before, after, strict=True) if a != b)
     return Finding(
         "AutoBatchSize",
         "batch size",
