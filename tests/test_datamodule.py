@@ -389,8 +389,7 @@ class SeenPerLoader(SeenIndices):
         self.evaluated.setdefault(dataloader_idx, []).extend(batch[1].tolist())
         self.log("val_loss", self.layer(batch[0]).square().mean())
 
-    def test_step(self, batch: tuple[Tensor, Tensor], batch_idx: int, dataloader_idx: int = 0) -> None:
-        self.validation_step(batch, batch_idx, dataloader_idx)
+    test_step = validation_step  # Lightning's hook for `trainer.test`, recorded alike (not a pytest test)
 
 
 class SeveralEvaluationSets(Indexed):
