@@ -171,7 +171,7 @@ class SyncWatch:
         if made_on_host(func, kwargs, cuda=False) or (not inputs and "device" not in kwargs):
             self.mark_host(result)  # a factory told no device, or an op on Python numbers alone
             return
-        if func in HOST_OUTPUTS and isinstance(result, (tuple, list)):
+        if isinstance(result, tuple) and func in HOST_OUTPUTS:  # most results are one tensor: no lookup
             self.mark_host(result[HOST_OUTPUTS[func]])
         if not self._host:
             return
