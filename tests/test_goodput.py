@@ -20,14 +20,15 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 from typing_extensions import override
 
-from lightning_boost import AutoBatchSize, BoostedDataModule, boost_callbacks
+from lightning_boost import AutoBatchSize, BoostedDataModule, SyncGuard, boost_callbacks
 from lightning_boost.batch_size.callback import _scale_learning_rates
 from lightning_boost.batch_size.decision import BatchSizeDecision, decide
 from lightning_boost.batch_size.goodput import estimate_noise
 from lightning_boost.batch_size.plan import MIN_STEPS_PER_EPOCH, RunPlan
 from lightning_boost.batch_size.regrow import lr_ramp
 from lightning_boost.batch_size.search import Limits, choose, lr_capped, next_size, noise_of, search
-from lightning_boost.batch_size.watch import LossWatch, reference_of
+from lightning_boost.batch_size.watch import WINDOW, LossWatch, reference_of
+from lightning_boost.guards.sync_watch import SyncWatch
 from lightning_boost.step_probe import StepProbe
 from lightning_boost.testing import BoringModel, RandomDataset, tiny_trainer
 from lightning_boost.trials import Trial
@@ -460,6 +461,50 @@ def test_a_diverging_loss_is_reported_once_with_the_fix() -> None:
     assert verdicts[:-1] == [None] * 9
     assert verdicts[-1] == "the training loss rose for 3 windows in a row, from 1 to 1.6"
     assert LossWatch(window=1).add(torch.tensor(float("inf"))) == "the training loss became inf"
+
+
+def test_the_loss_watch_reads_its_windows_without_waiting_for_the_device() -> None:
+    """The watch runs in every training step: on a GPU, `float()` of its window's sum would make
+    the host wait for the device once a window. Its means are copied to the host without waiting
+    (read once they have landed), which the sync watch's model of a GPU run confirms on the CPU."""
+    losses = [torch.tensor(value) for value in (2.0, 2.0, 1.0, 1.0, 1.2, 1.2, 1.4, 1.4, 1.6, 1.6)]
+    syncs: list[str] = []
+    watch, device = LossWatch(window=2), SyncWatch(lambda pattern, frame: syncs.append(pattern), cuda=False)
+    device.start()
+    try:
+        verdicts = [watch.add(loss) for loss in losses]  # made before: on the GPU in a GPU run
+    finally:
+        device.stop()
+    assert syncs == []
+    assert watch.means == pytest.approx([2.0, 1.0, 1.2, 1.4, 1.6])
+    assert verdicts[-1] == "the training loss rose for 3 windows in a row, from 1 to 1.6"
+
+
+@pytest.mark.gpu
+def test_cuda_loss_watch_copies_its_windows_to_the_host_without_a_sync() -> None:
+    watch = LossWatch(window=2)
+    losses = [torch.tensor(value, device="cuda") for value in (2.0, 2.0, 1.0, 1.0, 1.0)]
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing CUDA call raises
+    try:
+        for loss in losses[:4]:
+            watch.add(loss)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()  # both copies have landed: the next step's add reads them
+    watch.add(losses[4])
+    assert watch.means == [2.0, 1.0]
+
+
+@pytest.mark.usefixtures("fixed_cost_steps")
+def test_sync_guard_finds_no_sync_of_auto_batch_size_in_a_tuned_run(tmp_path: Path) -> None:
+    guard = SyncGuard(every_n_steps=1)
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", min_efficiency=0.5)
+    trainer = quiet_trainer(tmp_path, [callback, guard], max_epochs=1)
+    trainer.fit(MLP(lr=1e-3), datamodule=Classes(samples=16384, batch_size=32))
+    decision = callback.decision
+    assert decision is not None and decision.batch_size > 32  # the loss watch ran
+    assert trainer.global_step >= 2 * WINDOW  # and read windows
+    assert [f.title for f in guard.findings if "lightning_boost" in str(f.data.get("libraries"))] == []
 
 
 class OneCycleMLP(MLP):

@@ -3,9 +3,9 @@ against where the configured settings took it in their trial.
 
 No Lightning here. A batch size or learning rate that the trials called good can still make the
 run diverge: the loss turns non-finite, or climbs for several windows in a row. `LossWatch` adds
-the losses the run already returns (on their device: one read per window, not per step) and
-`loss_verdict` says whether the window means show either; the callback then reports it once as a
-WARN with the fix.
+the losses the run already returns (on their device: one copy to the host per window, which the
+host reads once it has landed, so the watch never waits for the device) and `loss_verdict` says
+whether the window means show either; the callback then reports it once as a WARN with the fix.
 """
 
 from __future__ import annotations
@@ -14,12 +14,13 @@ import itertools
 import math
 from collections.abc import Sequence
 
+import torch
 from torch import Tensor
 
 from lightning_boost.batch_size.decision import BatchSizeDecision
 from lightning_boost.report import Finding, Severity
 
-#: Training batches per window: one host read of the summed loss each.
+#: Training batches per window: one copy of the window's mean loss to the host each.
 WINDOW = 32
 #: Windows in a row whose mean rose, ending this many times above the lowest mean, make a divergence.
 RISING, RISE = 3, 1.5
@@ -66,6 +67,34 @@ def reference_of(decision: BatchSizeDecision) -> tuple[float, float] | None:
     return (samples, loss) if math.isfinite(loss) and loss > 0 else None
 
 
+class HostCopy:
+    """A scalar on its way to the host without waiting for the device: a CUDA tensor is copied
+    into pinned memory behind the work queued before it, and read once an event recorded after
+    the copy says it has landed (`Event.query` does not block); a CPU tensor at once. Any other
+    device's copy waits (it has no such event here).
+
+    Example:
+        >>> copy = HostCopy(torch.tensor(1.5))
+        >>> copy.landed(), copy.value()
+        (True, 1.5)
+    """
+
+    def __init__(self, value: Tensor) -> None:
+        cuda = value.device.type == "cuda"
+        self._host = torch.empty((), dtype=value.dtype, device="cpu", pin_memory=cuda)
+        self._host.copy_(value.detach().reshape(()), non_blocking=value.device.type in ("cuda", "cpu"))
+        self._landed: torch.cuda.Event | None = None
+        if cuda:
+            self._landed = torch.cuda.Event()
+            self._landed.record()
+
+    def landed(self) -> bool:
+        return self._landed is None or self._landed.query()
+
+    def value(self) -> float:
+        return float(self._host)
+
+
 class LossWatch:
     """Window means of the training loss, kept on its device between reads.
 
@@ -85,18 +114,23 @@ class LossWatch:
         self.means: list[float] = []
         self._total: Tensor | None = None
         self._count = 0
+        self._copies: list[HostCopy] = []  # window means on their way to the host, oldest first
 
     def add(self, loss: Tensor) -> str | None:
-        """Add one step's loss; at the end of a window, `loss_verdict` over the means so far (and
-        the first window past the reference's samples against its loss)."""
+        """Add one step's loss; for each window whose mean has reached the host since,
+        `loss_verdict` over the means so far (and the first window past the reference's samples
+        against its loss)."""
         value = loss.detach().float().sum()
         self._total = value if self._total is None else self._total + value
         self._count += 1
-        if self._count < self.window:
-            return None
-        self.means.append(float(self._total) / self._count)
-        self._total, self._count = None, 0
-        return loss_verdict(self.means) or self._above_reference()
+        if self._count == self.window:
+            self._copies.append(HostCopy(self._total / self._count))
+            self._total, self._count = None, 0
+        verdict = None
+        while self._copies and self._copies[0].landed():
+            self.means.append(self._copies.pop(0).value())
+            verdict = verdict or loss_verdict(self.means) or self._above_reference()
+        return verdict
 
     def _above_reference(self) -> str | None:
         if self.reference is None or len(self.means) * self.window * self.batch_size < self.reference[0]:
