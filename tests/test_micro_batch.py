@@ -7,6 +7,7 @@ Lightning fits; the `gpu`-marked test drives a real CUDA out-of-memory error.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset, default_collate
+from typing_extensions import override
 
 from lightning_boost import AutoMicroBatch, boost_callbacks, micro_batches
 from lightning_boost._lightning import pytorch_lightning_takes_our_callbacks
@@ -60,6 +62,37 @@ def test_slices_keep_structure_and_cut_only_per_sample_values() -> None:
     assert piece["scale"].item() == 2.0 and piece["k"] == 3
     x, y = slice_batch((torch.arange(4), torch.arange(4) * 10), 2, 4, 4)
     assert (x.tolist(), y.tolist()) == ([2, 3], [20, 30])
+
+
+@dataclasses.dataclass
+class Samples:
+    """A batch as a dataclass (Lightning's transfer to the device keeps its type)."""
+
+    x: Tensor
+    y: Tensor
+    index: Tensor
+
+
+@dataclasses.dataclass
+class CountedSamples(Samples):
+    """`count` is made by ``__post_init__``: a slice must be built through the constructor."""
+
+    count: int = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.count = len(self.x)
+
+
+def test_a_dataclass_batch_is_measured_sliced_and_combined_field_by_field() -> None:
+    batch = CountedSamples(torch.arange(6.0).reshape(6, 1), torch.arange(6.0), torch.arange(6))
+    assert batch_length(batch) == 6
+    piece = slice_batch(batch, 2, 5, 6)
+    assert isinstance(piece, CountedSamples) and piece.index.tolist() == [2, 3, 4] and piece.count == 3
+    assert batch.count == 6 and batch.index.tolist() == list(range(6))  # the batch itself is kept
+    halves = [slice_batch(batch, 0, 4, 6), slice_batch(batch, 4, 6, 6)]
+    combined = combine_outputs(halves, [4, 2])
+    assert isinstance(combined, CountedSamples) and combined.index.tolist() == list(range(6))
+    assert combined.count == 6
 
 
 def test_bounds_cover_every_sample_once() -> None:
@@ -306,6 +339,71 @@ def test_an_error_that_is_not_out_of_memory_is_raised_as_it_is(tmp_path: Path) -
 
     with pytest.raises(ValueError, match="shapes do not match"):
         fit(tmp_path, Broken(), [AutoMicroBatch()])
+
+
+class SamplesModel(OOMModel):
+    """`OOMModel` whose loaders give `Samples` batches."""
+
+    @override
+    def training_step(self, batch: Samples, batch_idx: int) -> Tensor:  # type: ignore[override]
+        return super().training_step((batch.x, batch.y, batch.index), batch_idx)
+
+    @override
+    def validation_step(self, batch: Samples, batch_idx: int) -> None:  # type: ignore[override]
+        super().validation_step((batch.x, batch.y, batch.index), batch_idx)
+
+
+def as_samples(items: list[tuple[Tensor, Tensor, Tensor]]) -> Samples:
+    return Samples(*default_collate(items))
+
+
+def test_a_step_on_a_dataclass_batch_that_runs_out_of_memory_trains_the_same_model(tmp_path: Path) -> None:
+    def samples_fit(root: Path, model: OOMModel, callbacks: list[L.Callback]) -> None:
+        train, val = loader(), loader(batch_size=16)
+        trainer = tiny_trainer(root, callbacks=callbacks, enable_checkpointing=False, max_epochs=2,
+                               limit_train_batches=None, limit_val_batches=None)  # fmt: skip
+        trainer.fit(
+            model,
+            DataLoader(train.dataset, batch_size=32, collate_fn=as_samples),
+            DataLoader(val.dataset, batch_size=16, collate_fn=as_samples),
+        )
+
+    plain, model, callback = SamplesModel(), SamplesModel(limit=12), AutoMicroBatch()
+    samples_fit(tmp_path / "plain", plain, [])
+    samples_fit(tmp_path / "tuned", model, [callback])
+    assert_same_model(model, plain)
+    assert callback.sizes["train"] == 8
+    assert [i for piece in model.seen[-8:] for i in piece] == list(range(64))  # the last epoch's
+
+
+def test_out_of_memory_on_a_batch_it_cannot_split_says_why_it_was_not_retried(tmp_path: Path) -> None:
+    class Graph:  # a batch type of its own (a graph library's batch): no per-sample structure to cut
+        def __init__(self, x: Tensor) -> None:
+            self.x = x
+
+    class OnGraphs(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 1)
+
+        @override
+        def training_step(self, batch: Graph, batch_idx: int) -> Tensor:  # type: ignore[override]
+            raise torch.OutOfMemoryError(SIMULATED)
+
+        @override
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    train = DataLoader(
+        TensorDataset(torch.randn(64, 4)),
+        batch_size=32,
+        collate_fn=lambda items: Graph(torch.stack([i[0] for i in items])),
+    )
+    trainer = tiny_trainer(tmp_path, callbacks=[AutoMicroBatch()], enable_checkpointing=False, max_epochs=1)
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        trainer.fit(OnGraphs(), train)
+    notes = "\n".join(getattr(raised.value, "__notes__", []))
+    assert "AutoMicroBatch" in notes and "`Graph`" in notes and "dataclass" in notes
 
 
 def test_a_sample_that_does_not_fit_says_so_with_every_size_tried(tmp_path: Path) -> None:

@@ -239,8 +239,13 @@ class AutoMicroBatch(BoostCallback):
 
     def _run(self, stage: str, step: Callable[..., Any], batch: Any, *rest: Any, **kwargs: Any) -> Any:
         length = batch_length(batch)
-        if length is None:  # nothing to split
-            return step(batch, *rest, **kwargs)
+        if length is None:  # nothing to split: an out-of-memory error says why it is not retried
+            try:
+                return step(batch, *rest, **kwargs)
+            except BaseException as error:
+                if is_oom(error):
+                    _add_note(error, _unsplittable(batch))
+                raise
         assert self._trainer is not None
         size = min(self.sizes[stage] or length, length)
         pieces = _Pieces(self._trainer, stage, step, batch, rest, kwargs, length, self.loss_reduction)
@@ -718,6 +723,18 @@ def _release(loss: Tensor) -> None:
 def _add_note(error: BaseException, note: str) -> None:
     if hasattr(error, "add_note"):  # Python 3.11+
         error.add_note(note)
+    else:  # Python 3.10: where the `exceptiongroup` backport (pytest's too) prints them
+        error.__notes__ = [*getattr(error, "__notes__", []), note]  # type: ignore[attr-defined]
+
+
+def _unsplittable(batch: Any) -> str:
+    return (
+        f"lightning-boost (AutoMicroBatch): this step was not retried as micro-batches: its batch, a"
+        f" `{type(batch).__name__}`, holds no tensor with a batch dimension to cut (micro-batches are cut"
+        " from tensors and from tuples, lists, dicts and dataclasses of them). Have the DataLoader's"
+        " `collate_fn` return one of those (and build the object in the step), or start with a"
+        " smaller batch."
+    )
 
 
 _DDP_BACKWARD = (

@@ -1,14 +1,17 @@
 """A batch's slices, and what the slices' steps return and log combined into the batch's (pure).
 
-A batch is any nesting of tensors, mappings, sequences and per-sample lists (e.g. file names):
-every tensor whose first dimension is the batch's length, and every list or tuple of plain values
-of that length, is sliced; everything else (a scalar, a tensor of another shape) is passed whole.
+A batch is any nesting of tensors, mappings, sequences, dataclasses and per-sample lists (e.g. file
+names): every tensor whose first dimension is the batch's length, and every list or tuple of plain
+values of that length, is sliced; everything else (a scalar, a tensor of another shape) is passed
+whole. A dataclass is rebuilt through its constructor from its ``init`` fields, so fields its
+``__post_init__`` derives are derived from the slice.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +33,8 @@ def batch_length(batch: Any) -> int | None:
         items: Any = batch.values()
     elif isinstance(batch, Sequence) and not isinstance(batch, str | bytes):
         items = batch
+    elif _dataclass(batch):
+        items = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
     else:
         return None
     for item in items:
@@ -55,6 +60,8 @@ def slice_batch(batch: Any, start: int, stop: int, length: int) -> Any:
         if len(batch) == length and not any(_holds_tensors(item) for item in batch):
             return _rebuilt(batch, list(batch[start:stop]))  # one plain value per sample
         return _rebuilt(batch, [slice_batch(item, start, stop, length) for item in batch])
+    if _dataclass(batch):
+        return _replaced(batch, lambda name: slice_batch(getattr(batch, name), start, stop, length))
     return batch
 
 
@@ -149,6 +156,8 @@ def combine_outputs(outputs: Sequence[Any], samples: Sequence[int]) -> Any:
         return _rebuilt(first, {key: combine_outputs([o[key] for o in outputs], samples) for key in first})
     if _structure(first) and all(_structure(o) and len(o) == len(first) for o in outputs):
         return _rebuilt(first, [combine_outputs([o[i] for o in outputs], samples) for i in range(len(first))])
+    if _dataclass(first) and all(type(o) is type(first) for o in outputs):
+        return _replaced(first, lambda name: combine_outputs([getattr(o, name) for o in outputs], samples))
     return last
 
 
@@ -174,6 +183,17 @@ def _holds_tensors(value: Any) -> bool:
     if isinstance(value, list | tuple):
         return any(_holds_tensors(v) for v in value)
     return False
+
+
+def _dataclass(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _replaced(instance: Any, content: Callable[[str], Any]) -> Any:
+    """The dataclass `instance` built again through its constructor, each ``init`` field given
+    ``content(name)`` (the others are left to ``__post_init__``)."""
+    fields = dataclasses.fields(instance)
+    return dataclasses.replace(instance, **{f.name: content(f.name) for f in fields if f.init})
 
 
 def _rebuilt(original: Any, content: Any) -> Any:
