@@ -1,4 +1,5 @@
 import csv
+import dataclasses
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -352,6 +353,12 @@ class FailingModel(BoringModel):
         return super().training_step(batch, batch_idx)
 
 
+@dataclasses.dataclass
+class Pictures:
+    images: Tensor
+    labels: Tensor
+
+
 @pytest.mark.parametrize(
     ("batch", "images"),
     [
@@ -360,6 +367,8 @@ class FailingModel(BoringModel):
         ((torch.zeros(8, 20, dtype=torch.long), [20] * 8, torch.zeros(8)), False),  # token ids
         (torch.zeros(8, 2, 16000), False),  # audio
         (torch.zeros(8, 32), False),
+        (Pictures(torch.zeros(8, 3, 32, 32), torch.zeros(8)), True),  # a dataclass batch
+        (Pictures(torch.zeros(8, 32), torch.zeros(8)), False),
     ],
 )
 def test_image_batches_are_told_apart(batch: Any, images: bool) -> None:
@@ -381,6 +390,32 @@ def test_per_sample_work_on_records_is_not_told_to_decode_images(
     assert finding.title.startswith("Input-bound")
     assert not any(word in finding.fix for word in ("image", "JPEG", "transforms.v2"))
     assert "Precompute" in finding.fix
+
+
+def test_tensors_through_a_collate_fn_of_your_own_are_not_told_the_pack_gathers_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`BoostedDataModule` and `AutoNumWorkers` gather whole batches of a `TensorDataset` only
+    under PyTorch's default collate: a `collate_fn` of the user's own (here one that builds the
+    batch object, and is slow) gets the samples one by one, so "they load it one gather a batch"
+    was wrong; the fix says where to build the object instead."""
+    clock = FakeClock()
+    monkeypatch.setattr(step_time, "_now", clock.now)
+    data = RandomDataset(length=200)
+
+    def collate(samples: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+        clock.advance(0.008 * len(samples))
+        return default_collate(samples)
+
+    monitor = StepTimeMonitor()
+    loader = DataLoader(TensorDataset(data.inputs, data.targets), batch_size=8, collate_fn=collate)
+    trainer = tiny_trainer(tmp_path, callbacks=[monitor], limit_train_batches=None, limit_val_batches=0)
+    trainer.fit(TimedModel(0.002, clock), train_dataloaders=loader, val_dataloaders=NO_VAL)
+    (finding,) = monitor.findings
+    assert finding.title.startswith("Input-bound")
+    assert finding.data["fixes"][0].startswith("Index whole batches")
+    assert "gather a batch (the same batches)" not in finding.fix
+    assert "your `collate_fn`" in finding.fix and "on_after_batch_transfer" in finding.fix
 
 
 def test_a_slow_dataset_is_reported_input_bound_with_the_fix_and_logged(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping
 from typing import Annotated, Any
@@ -10,7 +11,14 @@ import lightning as L
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset, Subset, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    IterableDataset,
+    Subset,
+    TensorDataset,
+    default_collate,
+    default_convert,
+)
 from typing_extensions import override
 
 from lightning_boost._lightning import (
@@ -38,7 +46,7 @@ from lightning_boost.step_time.timing import (
 from lightning_boost.workers.callback import AutoNumWorkers
 from lightning_boost.workers.loaders import loader_batch_size
 from lightning_boost.workers.online import NO_WORKERS
-from lightning_boost.workers.whole_batches import WholeBatches
+from lightning_boost.workers.whole_batches import WholeBatches, collate_whole
 
 #: A verdict rests on at least this many timed steps and seconds (fewer: an INFO that says so).
 MIN_STEPS = 20
@@ -47,6 +55,8 @@ MIN_SECONDS = 1.0
 #: A GPU run's steps that take this many times the model's own step (`AutoBatchSize`'s trial at
 #: the trained size, its steps queued back to back) are host-bound: the GPU waits on the host.
 HOST_BOUND = 1.5
+#: A DataLoader's collate functions that are PyTorch's (or the pack's whole-batch one), not the user's.
+DEFAULT_COLLATES = (None, default_collate, default_convert, collate_whole)
 
 
 class StepTimeMonitor(BoostCallback):
@@ -302,6 +312,8 @@ class StepTimeMonitor(BoostCallback):
             if reason.startswith(NO_WORKERS)
         ]
         dataset = dataset_kind(getattr(loader, "dataset", None))
+        if dataset == "tensors" and getattr(loader, "collate_fn", None) not in DEFAULT_COLLATES:
+            dataset = "collated tensors"  # the user's collate_fn takes the samples one by one
         if dataset in ("samples", "stream") and self._images is False:
             dataset = "records"  # per-sample work, but no image to decode or augment
         return input_bound_fixes(
@@ -470,4 +482,6 @@ def holds_images(batch: Any) -> bool:
         return any(holds_images(value) for value in batch.values())
     if isinstance(batch, (list, tuple)):
         return any(holds_images(value) for value in batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return any(holds_images(getattr(batch, f.name)) for f in dataclasses.fields(batch))
     return False

@@ -168,8 +168,10 @@ def input_bound_fixes(
             augment), ``"arrays"`` (samples held in one array in memory, as torchvision's MNIST and
             CIFAR hold theirs: transformed one by one, but nothing to decode), ``"stream"`` (an
             `IterableDataset`), ``"batched tensors"`` (a `TensorDataset` the loader already gathers
-            whole batches of, `WholeBatches`), ``"records"`` (samples or a stream whose batches hold
-            no image: tokens, audio, rows) or ``"samples"`` (any other: images to decode, augment).
+            whole batches of, `WholeBatches`), ``"collated tensors"`` (a `TensorDataset` under a
+            ``collate_fn`` of the user's own, which takes samples one by one), ``"records"``
+            (samples or a stream whose batches hold no image: tokens, audio, rows) or
+            ``"samples"`` (any other: images to decode, augment).
         larger_batch: what to say of a larger batch where the run's `AutoBatchSize` chose the size
             (``None``: none in the run, and the fix names it).
         no_workers: why the worker search ruled out every worker count without measuring one
@@ -197,7 +199,15 @@ def input_bound_fixes(
             " or by hand `DataLoader(dataset, batch_size=None, sampler=BatchSampler(RandomSampler("
             "dataset), batch_size, drop_last=False))` slices each batch with one `__getitem__`."
         )
-    if dataset in ("tensors", "batched tensors"):
+    elif dataset == "collated tensors":
+        fixes.append(
+            "Index whole batches: a `TensorDataset` is gathered sample by sample, and your `collate_fn`"
+            " takes the samples one by one (`BoostedDataModule` and `AutoNumWorkers` gather whole"
+            " batches under PyTorch's default collate only): build what it builds from the default"
+            " batch in the LightningModule's `on_after_batch_transfer` hook (or in the step), and"
+            " drop the `collate_fn`."
+        )
+    if dataset in ("tensors", "batched tensors", "collated tensors"):
         fixes.append(
             larger_batch
             or "A larger batch (`AutoBatchSize`) spreads the per-step loading cost over more samples."
@@ -220,7 +230,7 @@ def input_bound_fixes(
             " sample every epoch (tokenizing, parsing, features) done once ahead of training and stored"
             " (tensors, memory-mapped arrays), so loading a sample is an index into it."
         )
-    elif dataset not in ("tensors", "batched tensors"):
+    elif dataset not in ("tensors", "batched tensors", "collated tensors"):
         fixes += _sample_work_fixes(on_gpu)
     if on_gpu and not pin_memory:
         fixes.append("Pin host memory: `DataLoader(pin_memory=True)` (BoostedDataModule does it on GPU).")
