@@ -593,8 +593,8 @@ class _Peak:
 
 def split_batch(batch: Any, size: int) -> tuple[Any, Any] | None:
     """`batch` as two batches of its first and second halves: every tensor in it (in tuples,
-    lists and mappings) of first dimension `size` is cut; ``None`` for an odd or tiny `size`, or a
-    batch holding anything else (a per-sample list of strings cannot be told from a setting).
+    lists, mappings and dataclasses) of first dimension `size` is cut; ``None`` for an odd or tiny
+    `size`, or a batch holding anything else (a per-sample list of strings cannot be told from a setting).
 
     Example:
         >>> first, second = split_batch((torch.arange(4), {"y": torch.zeros(4, 2)}), 4)
@@ -620,6 +620,12 @@ def split_batch(batch: Any, size: int) -> tuple[Any, Any] | None:
                 return None
             kind: Any = type(value)
             return _rebuild(pieces, kind._make if hasattr(kind, "_fields") else kind)  # namedtuples
+        if _is_dataclass(value):  # built again through its constructor, from its init fields
+            names = [f.name for f in dataclasses.fields(value) if f.init]
+            parts = [cut(getattr(value, name)) for name in names]
+            if any(part is None for part in parts):
+                return None
+            return _rebuild(parts, lambda items: _with_fields(value, names, items))
         return None
 
     return cut(batch)
@@ -639,6 +645,19 @@ def _tensors(value: Any) -> Iterator[Tensor]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _tensors(item)
+    elif _is_dataclass(value):
+        for field in dataclasses.fields(value):
+            yield from _tensors(getattr(value, field.name))
+
+
+def _is_dataclass(value: Any) -> bool:
+    return dataclasses.is_dataclass(value) and not isinstance(value, type)
+
+
+def _with_fields(instance: Any, names: list[str], values: Iterable[Any]) -> Any:
+    """The dataclass `instance` built again through its constructor with its fields `names` set to
+    `values` (fields ``__post_init__`` derives are derived again)."""
+    return dataclasses.replace(instance, **dict(zip(names, values, strict=True)))
 
 
 def cross_products(

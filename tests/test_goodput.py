@@ -20,7 +20,7 @@ from torch import Tensor, nn
 from torch.utils.data import TensorDataset
 from typing_extensions import override
 
-from lightning_boost import AutoBatchSize, BoostedDataModule, SyncGuard, boost_callbacks
+from lightning_boost import AutoBatchSize, BoostedDataModule, SyncGuard, boost_callbacks, step_probe
 from lightning_boost.batch_size.callback import _scale_learning_rates
 from lightning_boost.batch_size.decision import BatchSizeDecision, decide
 from lightning_boost.batch_size.goodput import estimate_noise
@@ -29,7 +29,7 @@ from lightning_boost.batch_size.regrow import lr_ramp
 from lightning_boost.batch_size.search import Limits, choose, lr_capped, next_size, noise_of, search
 from lightning_boost.batch_size.watch import WINDOW, LossWatch, reference_of
 from lightning_boost.guards.sync_watch import SyncWatch
-from lightning_boost.step_probe import StepProbe
+from lightning_boost.step_probe import StepProbe, split_batch
 from lightning_boost.testing import BoringModel, RandomDataset, tiny_trainer
 from lightning_boost.trials import Trial
 
@@ -505,6 +505,22 @@ def test_sync_guard_finds_no_sync_of_auto_batch_size_in_a_tuned_run(tmp_path: Pa
     assert decision is not None and decision.batch_size > 32  # the loss watch ran
     assert trainer.global_step >= 2 * WINDOW  # and read windows
     assert [f.title for f in guard.findings if "lightning_boost" in str(f.data.get("libraries"))] == []
+
+
+@dataclasses.dataclass
+class Pair:
+    """A batch as a dataclass, as a `collate_fn` may return it."""
+
+    x: Tensor
+    y: Tensor
+
+
+def test_a_dataclass_batch_is_halved_for_the_noise_read_and_counted_in_memory() -> None:
+    """The probe reads the gradient noise from a batch's two halves and counts the batch's bytes
+    as resident: a dataclass batch gave no halves and no bytes."""
+    first, second = split_batch(Pair(torch.arange(8.0), torch.zeros(8, 3)), 8)
+    assert isinstance(first, Pair) and first.x.tolist() == [0, 1, 2, 3] and second.y.shape == (4, 3)
+    assert sum(t.numel() for t in step_probe._tensors(Pair(torch.zeros(8), torch.zeros(8, 3)))) == 32
 
 
 class OneCycleMLP(MLP):
