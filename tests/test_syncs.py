@@ -261,6 +261,27 @@ def test_a_group_counts_per_checked_step_and_gives_the_fix() -> None:
     assert SyncGroup.key("training", a) != SyncGroup.key("validation", a)
 
 
+def test_a_line_whose_syncs_are_all_inside_one_library_gets_one_sentence_for_it() -> None:
+    """torchvision's Faster R-CNN syncs in 16 of its functions under one user line: its finding
+    said "It syncs inside torchvision (in `...`): look for a torchvision setting ..." 16 times."""
+    files = {f"{VENV}/torchvision/models/detection/{name}.py": "torchvision" for name in ("a", "b", "c")}
+
+    def packages(path: str) -> str | None:
+        return files.get(path) or PACKAGES(path)
+
+    user = frame("/home/me/model.py", 27, "training_step")
+    mine = attribute([user, LOOP], packages)
+    assert mine is not None
+    group = SyncGroup("training", mine, code="losses = self.model(images)")
+    for name, function in (("a", "normalize"), ("b", "decode_single"), ("c", "compute_loss")):
+        library = frame(f"torchvision/models/detection/{name}.py", 5, function)
+        group.add("bool", attribution=attribute([library, user, LOOP], packages))
+    fix, detail = group.fix(), group.detail(1, cpu_run=False)
+    assert fix.count("inside torchvision") == 1 and detail.count("Inside torchvision") == 1
+    for function in ("normalize", "decode_single", "compute_loss"):
+        assert f"`{function}`" in fix and function in detail
+
+
 def test_code_at_drops_the_comment_but_keeps_a_hash_in_a_string(tmp_path: Any) -> None:
     source = tmp_path / "m.py"
     source.write_text('x = f"#{loss}"  # a comment\ncall(a,\n')

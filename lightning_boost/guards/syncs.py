@@ -936,10 +936,20 @@ class SyncGroup:
     def detail(self, steps: int, cpu_run: bool) -> str:
         parts = [f"{PATTERNS[p].what} ({n}x)" for p, n in self.counts.items()]
         text = "; ".join(parts) + f", over {steps} checked {self.phase} step(s)."
+        told: set[str] = set()
         for a, _ in self.reasons.values():
-            if a.library is not None and a.package not in (None, "lightning"):
-                why = f": {a.cause.says(self.phase)[0]}" if a.cause else ""
-                text += f" Inside {a.package} ({a.library.function} at {a.library.location}){why}."
+            if a.library is None or a.package in (None, "lightning"):
+                continue
+            if a.cause is not None:
+                why = a.cause.says(self.phase)[0]
+                text += f" Inside {a.package} ({a.library.function} at {a.library.location}): {why}."
+            elif a.package not in told:  # one sentence per library: its functions of no known cause
+                told.add(a.package)
+                firsts: dict[str, Site] = {}  # each function's first line
+                for frame in self._unexplained(a.package):
+                    firsts.setdefault(frame.function, frame)
+                places = [f"{f.function} at {f.location}" for f in firsts.values()]
+                text += f" Inside {a.package} ({_listed(places)})."
         a = self.attribution
         if self.framework and a.site is not None:
             text += f" Called from `{self.code}` at {a.site.location}."
@@ -968,11 +978,20 @@ class SyncGroup:
                 " keep the whole computation in tensor ops."
             )
         if a.library is not None and a.package not in (None, "lightning") and not self.framework:
+            functions = list(dict.fromkeys(f"`{f.function}`" for f in self._unexplained(a.package)))
             return (
-                f"It syncs inside {a.package} (in `{a.library.function}`): look for a {a.package} setting"
+                f"It syncs inside {a.package} (in {_listed(functions)}): look for a {a.package} setting"
                 " that avoids it, or make this call less often (once per epoch, or every N steps)."
             )
         return " ".join(dict.fromkeys(PATTERNS[p].fix for p in counts))
+
+    def _unexplained(self, package: str | None) -> list[Site]:
+        """The frames inside `package` where syncs of no known cause were made, first seen first."""
+        return [
+            a.library
+            for a, _ in self.reasons.values()
+            if a.library is not None and a.package == package and a.cause is None
+        ]
 
     def to_data(self, steps: int) -> dict[str, Any]:
         a = self.attribution
@@ -989,6 +1008,21 @@ class SyncGroup:
             "causes": [r.cause.key for r in reasons if r.cause],
             "libraries": [f"{r.package}.{r.library.function}" for r in reasons if r.library],
         }
+
+
+#: Places listed by name in one sentence; past it, how many more.
+LISTED = 6
+
+
+def _listed(names: list[str]) -> str:
+    """`names` joined, the first `LISTED` of them, with how many more.
+
+    Example:
+        >>> _listed(["a", "b"]), _listed([str(n) for n in range(8)])
+        ('a, b', '0, 1, 2, 3, 4, 5 and 2 more')
+    """
+    more = f" and {len(names) - LISTED} more" if len(names) > LISTED else ""
+    return ", ".join(names[:LISTED]) + more
 
 
 def reason(a: Attribution) -> str:
