@@ -32,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_boost._lightning import call_step, detached_copy, preserved_rng
 from lightning_boost.instrumented import own_steps
+from lightning_boost.micro_batch.split import listed_length, slice_batch
 from lightning_boost.trials import Trial, cautious_grad_sq
 
 #: Timed steps per trial stop short of `steps` when they would take longer than this (seconds).
@@ -593,8 +594,10 @@ class _Peak:
 
 def split_batch(batch: Any, size: int) -> tuple[Any, Any] | None:
     """`batch` as two batches of its first and second halves: every tensor in it (in tuples,
-    lists, mappings and dataclasses) of first dimension `size` is cut; ``None`` for an odd or tiny
-    `size`, or a batch holding anything else (a per-sample list of strings cannot be told from a setting).
+    lists, mappings and dataclasses) of first dimension `size` is cut (a batch that lists one
+    target dict a sample, as detection batches do, is cut per sample: `slice_batch`); ``None``
+    for an odd or tiny `size`, or a batch holding anything else (a per-sample list of strings
+    cannot be told from a setting).
 
     Example:
         >>> first, second = split_batch((torch.arange(4), {"y": torch.zeros(4, 2)}), 4)
@@ -604,6 +607,8 @@ def split_batch(batch: Any, size: int) -> tuple[Any, Any] | None:
     if size < 4 or size % 2:
         return None
     half = size // 2
+    if listed_length(batch) == size:  # one target dict a sample (detection): the samples are listed
+        return slice_batch(batch, 0, half, size), slice_batch(batch, half, size, size)
 
     def cut(value: Any) -> tuple[Any, Any] | None:
         if isinstance(value, Tensor):

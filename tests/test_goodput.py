@@ -515,12 +515,17 @@ class Pair:
     y: Tensor
 
 
-def test_a_dataclass_batch_is_halved_for_the_noise_read_and_counted_in_memory() -> None:
+def test_dataclass_and_detection_batches_are_halved_for_the_noise_read() -> None:
     """The probe reads the gradient noise from a batch's two halves and counts the batch's bytes
-    as resident: a dataclass batch gave no halves and no bytes."""
+    as resident: a dataclass batch gave no halves and no bytes, and a detection batch of 4 RGBA
+    images had each image's channels cut in two."""
     first, second = split_batch(Pair(torch.arange(8.0), torch.zeros(8, 3)), 8)
     assert isinstance(first, Pair) and first.x.tolist() == [0, 1, 2, 3] and second.y.shape == (4, 3)
     assert sum(t.numel() for t in step_probe._tensors(Pair(torch.zeros(8), torch.zeros(8, 3)))) == 32
+    images = tuple(torch.zeros(4, 6, 6) for _ in range(4))  # RGBA: 4 channels, as many as images
+    targets = tuple({"boxes": torch.zeros(1, 4)} for _ in range(4))
+    (first_images, first_targets), _ = split_batch((images, targets), 4)
+    assert [tuple(i.shape) for i in first_images] == [(4, 6, 6)] * 2 and len(first_targets) == 2
 
 
 class OneCycleMLP(MLP):

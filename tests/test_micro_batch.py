@@ -95,6 +95,29 @@ def test_a_dataclass_batch_is_measured_sliced_and_combined_field_by_field() -> N
     assert combined.count == 6
 
 
+def detection_batch(sizes: list[int]) -> tuple[tuple[Tensor, ...], tuple[dict[str, Tensor], ...]]:
+    """torchvision's detection layout (`collate_fn=lambda b: tuple(zip(*b))`): a tuple of images
+    of their own sizes, (3, H, W) each, and a tuple of one target dict per image."""
+    images = tuple(torch.full((3, size, size + 2), float(i)) for i, size in enumerate(sizes))
+    targets = tuple(
+        {"boxes": torch.full((i + 1, 4), float(i)), "labels": torch.ones(i + 1)} for i in range(len(sizes))
+    )
+    return images, targets
+
+
+def test_a_detection_batch_is_cut_per_image_not_per_channel() -> None:
+    """Its first tensor's first dimension is an image's 3 channels: taken for the batch's length,
+    a micro-batch cut the channels of every image."""
+    batch = detection_batch([8, 10, 12, 14])
+    assert batch_length(batch) == 4
+    images, targets = slice_batch(batch, 1, 3, 4)
+    assert [tuple(image.shape) for image in images] == [(3, 10, 12), (3, 12, 14)]
+    assert [target["boxes"].shape[0] for target in targets] == [2, 3] and isinstance(images, tuple)
+    assert batch_length([{"x": torch.zeros(5)}, {"x": torch.zeros(5)}]) == 2  # `collate_fn=lambda b: b`
+    predictions = [[{"boxes": torch.zeros(1, 4)}] * 3, [{"boxes": torch.ones(1, 4)}]]  # one dict an image
+    assert len(combine_outputs(predictions, [3, 1])) == 4
+
+
 def test_bounds_cover_every_sample_once() -> None:
     for length in range(1, 20):
         for size in range(1, 22):
@@ -374,6 +397,46 @@ def test_a_step_on_a_dataclass_batch_that_runs_out_of_memory_trains_the_same_mod
     assert_same_model(model, plain)
     assert callback.sizes["train"] == 8
     assert [i for piece in model.seen[-8:] for i in piece] == list(range(64))  # the last epoch's
+
+
+class Detector(L.LightningModule):
+    """A box regressor on torchvision's detection batches; more than `limit` images run out of memory."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 4))
+        self.limit = limit
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        images, targets = batch
+        if self.limit is not None and len(images) > self.limit:
+            raise torch.OutOfMemoryError(SIMULATED)
+        boxes = torch.stack([self.net(image[None])[0] for image in images])
+        loss = F.mse_loss(boxes, torch.stack([target["boxes"][0] for target in targets]))
+        self.log("train_loss", loss, batch_size=len(images))
+        return loss
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+
+def test_a_detection_step_that_runs_out_of_memory_trains_the_same_model(tmp_path: Path) -> None:
+    samples = [detection_batch([8 + 2 * (i % 3)] * 1) for i in range(16)]
+    data = [(images[0], targets[0]) for images, targets in samples]
+
+    def detection_fit(root: Path, model: Detector, callbacks: list[L.Callback]) -> None:
+        trainer = tiny_trainer(root, callbacks=callbacks, enable_checkpointing=False, max_epochs=2,
+                               limit_train_batches=None, limit_val_batches=0)  # fmt: skip
+        trainer.fit(model, DataLoader(data, batch_size=4, collate_fn=lambda b: tuple(zip(*b))))
+
+    plain, model, callback = Detector(), Detector(limit=2), AutoMicroBatch()
+    detection_fit(tmp_path / "plain", plain, [])
+    detection_fit(tmp_path / "tuned", model, [callback])
+    assert_same_model(model, plain)
+    assert callback.sizes["train"] == 2
 
 
 def test_out_of_memory_on_a_batch_it_cannot_split_says_why_it_was_not_retried(tmp_path: Path) -> None:

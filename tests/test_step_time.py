@@ -369,6 +369,11 @@ class Pictures:
         (torch.zeros(8, 32), False),
         (Pictures(torch.zeros(8, 3, 32, 32), torch.zeros(8)), True),  # a dataclass batch
         (Pictures(torch.zeros(8, 32), torch.zeros(8)), False),
+        (  # torchvision's detection batch: one (C, H, W) image and one target dict a sample
+            ((torch.zeros(3, 30, 40), torch.zeros(3, 20, 20)), ({"boxes": torch.zeros(1, 4)},) * 2),
+            True,
+        ),
+        ((torch.zeros(2, 30, 40), torch.zeros(2, 30, 40)), False),  # two (N, T, F) fields
     ],
 )
 def test_image_batches_are_told_apart(batch: Any, images: bool) -> None:

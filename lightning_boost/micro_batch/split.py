@@ -1,10 +1,11 @@
 """A batch's slices, and what the slices' steps return and log combined into the batch's (pure).
 
 A batch is any nesting of tensors, mappings, sequences, dataclasses and per-sample lists (e.g. file
-names): every tensor whose first dimension is the batch's length, and every list or tuple of plain
-values of that length, is sliced; everything else (a scalar, a tensor of another shape) is passed
-whole. A dataclass is rebuilt through its constructor from its ``init`` fields, so fields its
-``__post_init__`` derives are derived from the slice.
+names, or torchvision's detection batch: a tuple of images and a tuple of target dicts): every
+tensor whose first dimension is the batch's length, and every list or tuple of plain values (or of
+one mapping or image per sample) of that length, is sliced; everything else (a scalar, a tensor of
+another shape) is passed whole. A dataclass is rebuilt through its constructor from its ``init``
+fields, so fields its ``__post_init__`` derives are derived from the slice.
 """
 
 from __future__ import annotations
@@ -20,48 +21,90 @@ from torch import Tensor
 
 
 def batch_length(batch: Any) -> int | None:
-    """The number of samples in `batch`: the first dimension of its first tensor (``None`` when it
-    has no tensor with a dimension).
+    """The number of samples in `batch`: the length of its first list of one mapping per sample
+    (torchvision's detection targets), else the first dimension of its first tensor (``None`` when
+    it has neither). A detection batch's first tensor is an image: its first dimension, the
+    channels, is not the batch's.
 
     Example:
         >>> batch_length({"x": torch.zeros(8, 3), "y": torch.zeros(8)}), batch_length([1.0, 2.0])
         (8, None)
+        >>> images, targets = (torch.zeros(3, 9, 9), torch.zeros(3, 7, 7)), ({"y": 1}, {"y": 0})
+        >>> batch_length((images, targets))
+        2
     """
+    listed = listed_length(batch)
+    return listed if listed is not None else _first_length(batch)
+
+
+def _first_length(batch: Any) -> int | None:
     if isinstance(batch, Tensor):
         return batch.shape[0] if batch.dim() > 0 else None
-    if isinstance(batch, Mapping):
-        items: Any = batch.values()
-    elif isinstance(batch, Sequence) and not isinstance(batch, str | bytes):
-        items = batch
-    elif _dataclass(batch):
-        items = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
-    else:
-        return None
-    for item in items:
-        length = batch_length(item)
+    for item in _items(batch):
+        length = _first_length(item)
         if length is not None:
             return length
     return None
 
 
+def listed_length(batch: Any) -> int | None:
+    """The length of `batch`'s first list or tuple of one mapping per sample, if any (then lists
+    of that length are lists of samples).
+
+    Example:
+        >>> listed_length(((torch.zeros(3, 9, 9),), ({"boxes": torch.zeros(1, 4)},))), listed_length([1, 2])
+        (1, None)
+    """
+    if _per_sample_mappings(batch):
+        return len(batch)
+    for item in _items(batch):
+        length = listed_length(item)
+        if length is not None:
+            return length
+    return None
+
+
+def _per_sample_mappings(value: Any) -> bool:
+    return isinstance(value, list | tuple) and len(value) > 0 and all(isinstance(v, Mapping) for v in value)
+
+
+def _items(value: Any) -> list[Any]:
+    """What a mapping, a sequence or a dataclass holds (nothing, for anything else)."""
+    if isinstance(value, Mapping):
+        return list(value.values())
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        return list(value)
+    if _dataclass(value):
+        return [getattr(value, f.name) for f in dataclasses.fields(value)]
+    return []
+
+
 def slice_batch(batch: Any, start: int, stop: int, length: int) -> Any:
     """Samples ``start:stop`` of `batch` (whose length is `length`), with its structure and types.
+    Where the length is that of a list of one mapping per sample, lists and tuples of that length
+    that hold tensors or mappings are lists of samples too (a detection batch's images).
 
     Example:
         >>> x, names = slice_batch((torch.arange(6), ["a", "b", "c", "d", "e", "f"]), 2, 4, 6)
         >>> x.tolist(), names
         ([2, 3], ['c', 'd'])
     """
+    return _slice(batch, start, stop, length, listed=listed_length(batch) == length)
+
+
+def _slice(batch: Any, start: int, stop: int, length: int, listed: bool) -> Any:
     if isinstance(batch, Tensor):
         return batch[start:stop] if batch.dim() > 0 and batch.shape[0] == length else batch
     if isinstance(batch, Mapping):
-        return _rebuilt(batch, {key: slice_batch(value, start, stop, length) for key, value in batch.items()})
+        content = {key: _slice(value, start, stop, length, listed) for key, value in batch.items()}
+        return _rebuilt(batch, content)
     if isinstance(batch, Sequence) and not isinstance(batch, str | bytes):
-        if len(batch) == length and not any(_holds_tensors(item) for item in batch):
-            return _rebuilt(batch, list(batch[start:stop]))  # one plain value per sample
-        return _rebuilt(batch, [slice_batch(item, start, stop, length) for item in batch])
+        samples = listed and all(isinstance(item, Tensor | Mapping) for item in batch)
+        if len(batch) == length and (samples or not any(_holds_tensors(item) for item in batch)):
+            return _rebuilt(batch, list(batch[start:stop]))  # one value per sample
+        return _rebuilt(batch, [_slice(item, start, stop, length, listed) for item in batch])
     if _dataclass(batch):
-        return _replaced(batch, lambda name: slice_batch(getattr(batch, name), start, stop, length))
+        return _replaced(batch, lambda name: _slice(getattr(batch, name), start, stop, length, listed))
     return batch
 
 
@@ -154,6 +197,8 @@ def combine_outputs(outputs: Sequence[Any], samples: Sequence[int]) -> Any:
         isinstance(o, Mapping) and o.keys() == first.keys() for o in outputs
     ):
         return _rebuilt(first, {key: combine_outputs([o[key] for o in outputs], samples) for key in first})
+    if all(_per_sample_mappings(o) and len(o) == n for o, n in zip(outputs, samples, strict=True)):
+        return _rebuilt(first, [item for output in outputs for item in output])  # one mapping a sample
     if _structure(first) and all(_structure(o) and len(o) == len(first) for o in outputs):
         return _rebuilt(first, [combine_outputs([o[i] for o in outputs], samples) for i in range(len(first))])
     if _dataclass(first) and all(type(o) is type(first) for o in outputs):

@@ -34,6 +34,7 @@ from lightning_boost.batch_size.decision import BatchSizeDecision
 from lightning_boost.batch_size.goodput import efficiency
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.data.datamodule import BoostedDataMixin
+from lightning_boost.micro_batch.split import listed_length
 from lightning_boost.report import Finding, Severity, plot_data
 from lightning_boost.step_time.timing import (
     CudaClock,
@@ -469,19 +470,35 @@ def dataset_kind(dataset: Any) -> str:
 
 def holds_images(batch: Any) -> bool:
     """Whether `batch` holds images: a float or ``uint8`` tensor of 4 dimensions or more (a batch
-    of images, channels first or last; video). Token ids, audio and feature rows have fewer.
+    of images, channels first or last; video), or one of 3 dimensions per sample beside one target
+    dict per sample (torchvision's detection batches). Token ids, audio and feature rows have fewer.
 
     Example:
         >>> import torch
         >>> holds_images((torch.zeros(8, 3, 32, 32), torch.zeros(8))), holds_images([torch.zeros(8, 32)])
         (True, False)
     """
+    return _holds_images(batch, listed_length(batch))
+
+
+def _holds_images(batch: Any, listed: int | None) -> bool:
     if isinstance(batch, Tensor):
-        return batch.dim() >= 4 and (batch.is_floating_point() or batch.dtype == torch.uint8)
+        return batch.dim() >= 4 and _pixels(batch)
+    if isinstance(batch, (list, tuple)) and len(batch) == listed and _images_per_sample(batch):
+        return True
     if isinstance(batch, Mapping):
-        return any(holds_images(value) for value in batch.values())
+        return any(_holds_images(value, listed) for value in batch.values())
     if isinstance(batch, (list, tuple)):
-        return any(holds_images(value) for value in batch)
+        return any(_holds_images(value, listed) for value in batch)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return any(holds_images(getattr(batch, f.name)) for f in dataclasses.fields(batch))
+        return any(_holds_images(getattr(batch, f.name), listed) for f in dataclasses.fields(batch))
     return False
+
+
+def _images_per_sample(items: list[Any] | tuple[Any, ...]) -> bool:
+    """One (C, H, W) image a sample."""
+    return all(isinstance(item, Tensor) and item.dim() == 3 and _pixels(item) for item in items)
+
+
+def _pixels(tensor: Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.dtype == torch.uint8
