@@ -1128,3 +1128,45 @@ def test_evaluation_sizes_are_not_measured_on_a_cpu(tmp_path: Path) -> None:
     assert trainer.val_dataloaders.batch_size == 4
     (finding,) = [f for f in callback.findings if f.title.startswith("Evaluation batch size")]
     assert finding.title.endswith("not measured on a CPU, where a larger batch is not faster")
+
+
+class Detector(L.LightningModule):
+    """A box regressor on torchvision's detection batches: a tuple of (3, H, W) images of their
+    own sizes and a tuple of one target dict per image."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 4))
+
+    @override
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        images, targets = batch
+        boxes = torch.stack([self.net(image[None])[0] for image in images])
+        return nn.functional.mse_loss(boxes, torch.stack([target["boxes"][0] for target in targets]))
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_a_detection_batch_counts_its_images_not_the_first_images_channels(tmp_path: Path) -> None:
+    """Counted as Lightning counts a batch (the first tensor's first dimension: an image's 3
+    channels), a batch of 8 images "held 3 samples": the search stopped there, chose 3 and scaled
+    the learning rate down."""
+    generator = torch.Generator().manual_seed(0)
+    data = [
+        (torch.rand(3, 8 + i % 3, 10, generator=generator), {"boxes": torch.rand(1, 4, generator=generator)})
+        for i in range(512)
+    ]
+
+    class Boxes(BoostedDataModule):
+        def setup(self, stage: str) -> None:
+            self.train_dataset = data
+
+    callback = AutoBatchSize(**FAST, max_batch_size=16)
+    trainer = tiny_trainer(tmp_path, callbacks=[callback], limit_val_batches=0, limit_train_batches=None)
+    datamodule = Boxes(batch_size=8, num_workers=0, collate_fn=lambda b: tuple(zip(*b, strict=True)))
+    trainer.fit(Detector(), datamodule=datamodule)
+    decision = callback.decision
+    assert decision is not None and {t.size for t in decision.trials} >= {8, 16}
+    assert decision.batch_size == 16 and "held" not in decision.stopped

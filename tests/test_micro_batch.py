@@ -96,7 +96,7 @@ def test_a_dataclass_batch_is_measured_sliced_and_combined_field_by_field() -> N
 
 
 def detection_batch(sizes: list[int]) -> tuple[tuple[Tensor, ...], tuple[dict[str, Tensor], ...]]:
-    """torchvision's detection layout (`collate_fn=lambda b: tuple(zip(*b))`): a tuple of images
+    """torchvision's detection layout (`collate_fn=lambda b: tuple(zip(*b, strict=True))`): a tuple of images
     of their own sizes, (3, H, W) each, and a tuple of one target dict per image."""
     images = tuple(torch.full((3, size, size + 2), float(i)) for i, size in enumerate(sizes))
     targets = tuple(
@@ -430,7 +430,7 @@ def test_a_detection_step_that_runs_out_of_memory_trains_the_same_model(tmp_path
     def detection_fit(root: Path, model: Detector, callbacks: list[L.Callback]) -> None:
         trainer = tiny_trainer(root, callbacks=callbacks, enable_checkpointing=False, max_epochs=2,
                                limit_train_batches=None, limit_val_batches=0)  # fmt: skip
-        trainer.fit(model, DataLoader(data, batch_size=4, collate_fn=lambda b: tuple(zip(*b))))
+        trainer.fit(model, DataLoader(data, batch_size=4, collate_fn=lambda b: tuple(zip(*b, strict=True))))
 
     plain, model, callback = Detector(), Detector(limit=2), AutoMicroBatch()
     detection_fit(tmp_path / "plain", plain, [])

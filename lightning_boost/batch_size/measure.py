@@ -8,14 +8,11 @@ import contextlib
 import dataclasses
 import math
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities.data import extract_batch_size
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch.utils.data import DataLoader
 
 from lightning_boost._lightning import (
@@ -31,6 +28,7 @@ from lightning_boost.batch_size.decision import BatchSizeDecision
 from lightning_boost.batch_size.evaluation import eval_batch_size
 from lightning_boost.batch_size.plan import RunPlan
 from lightning_boost.data.datamodule import BoostedDataMixin, first_of, several
+from lightning_boost.micro_batch.split import batch_length
 from lightning_boost.presets.autocast import AutocastTrial, MeasuredAutocastMixin
 from lightning_boost.step_probe import StepProbe, first_batch, is_oom, sample_batches
 from lightning_boost.trials import StepFailed, Trial, merge
@@ -124,20 +122,12 @@ def train_trial(
     def trial() -> Trial:
         batches = sample_batches(data[0], data[1], size)  # the probe moves them as each step takes one
         first = trainer.strategy.batch_to_device(next(batches))
-        held = min(size, _samples_in(first) or size)  # an iterable dataset may hold fewer samples
+        # an iterable dataset may hold fewer samples; a detection batch's are its images, not the
+        # first image's channels, which Lightning's count (the first tensor's first dimension) reads
+        held = min(size, batch_length(first) or size)
         return probe.train(first, held, batches, split=split, alternate=alternate, cross=cross)
 
     return trial
-
-
-def _samples_in(batch: Any) -> int | None:
-    """The samples in `batch` as Lightning counts them (the first dimension of its first tensor)."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # Lightning warns when the count is ambiguous
-            return extract_batch_size(batch)
-    except (MisconfigurationException, RecursionError, TypeError):
-        return None
 
 
 def val_trial(trainer: L.Trainer, probe: StepProbe, data: tuple[Any, Any], size: int) -> Callable[[], Trial]:

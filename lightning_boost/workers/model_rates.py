@@ -14,9 +14,9 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.utilities.data import extract_batch_size
 
 from lightning_boost._lightning import overrides, preserved_rng
+from lightning_boost.micro_batch.split import batch_length
 from lightning_boost.step_probe import StepProbe
 from lightning_boost.workers.search import PROBE_REPEATS, PROBE_ROUNDS
 
@@ -44,11 +44,14 @@ def model_step_rates(
     measured again. Returns ``{}`` when the step cannot run outside the fit (manual optimization,
     a step that reads the trainer): the caller then decides without it.
     """
-    if not overrides(module, hook) or (hook == "training_step" and not module.automatic_optimization):
+    samples = batch_length(batch)  # a detection batch's images (Lightning's count: its channels)
+    if samples is None or not overrides(module, hook):
+        return {}
+    if hook == "training_step" and not module.automatic_optimization:
         return {}
     probe = StepProbe(module, [], repeats, context, context)
     try:
         with preserved_rng():
-            return probe.rates(batch, extract_batch_size(batch), threads, rounds, budget_s, hook)
+            return probe.rates(batch, samples, threads, rounds, budget_s, hook)
     except Exception:  # any step that needs the live fit: no rates rather than a failed tuning
         return {}
