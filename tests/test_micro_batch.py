@@ -399,6 +399,20 @@ def test_a_step_on_a_dataclass_batch_that_runs_out_of_memory_trains_the_same_mod
     assert [i for piece in model.seen[-8:] for i in piece] == list(range(64))  # the last epoch's
 
 
+def test_a_list_of_variable_length_sequences_beside_the_labels_is_cut_per_sample() -> None:
+    """`collate_fn` returning the sequences as a list (for `pack_sequence`) and the labels stacked:
+    the first sequence's length was taken for the batch's, its tokens cut and the labels kept whole."""
+    sequences = [torch.arange(n) for n in (5, 3, 7, 2)]
+    batch = (sequences, torch.tensor([0, 1, 0, 1]))
+    assert batch_length(batch) == 4
+    pieces, labels = slice_batch(batch, 1, 3, 4)
+    assert [p.tolist() for p in pieces] == [[0, 1, 2], [0, 1, 2, 3, 4, 5, 6]] and labels.tolist() == [1, 0]
+    fields = (torch.zeros(6, 2), torch.zeros(6), torch.ones(3))  # a class-weight tensor rides along
+    assert batch_length(fields) == 6
+    x, y, weights = slice_batch(fields, 0, 2, 6)
+    assert x.shape == (2, 2) and y.shape == (2,) and weights.shape == (3,)
+
+
 class Detector(L.LightningModule):
     """A box regressor on torchvision's detection batches; more than `limit` images run out of memory."""
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,17 +21,17 @@ from torch import Tensor
 
 
 def batch_length(batch: Any) -> int | None:
-    """The number of samples in `batch`: the length of its first list of one mapping per sample
-    (torchvision's detection targets), else the first dimension of its first tensor (``None`` when
-    it has neither). A detection batch's first tensor is an image: its first dimension, the
-    channels, is not the batch's.
+    """The number of samples in `batch`: the length of its list of samples (`listed_length`), else
+    the first dimension of its first tensor (``None`` when it has neither). A detection batch's
+    first tensor is an image, and a list of sequences' first is a sequence: their first dimension
+    (channels, tokens) is not the batch's.
 
     Example:
         >>> batch_length({"x": torch.zeros(8, 3), "y": torch.zeros(8)}), batch_length([1.0, 2.0])
         (8, None)
         >>> images, targets = (torch.zeros(3, 9, 9), torch.zeros(3, 7, 7)), ({"y": 1}, {"y": 0})
-        >>> batch_length((images, targets))
-        2
+        >>> batch_length((images, targets)), batch_length(([torch.zeros(5), torch.zeros(3)], torch.ones(2)))
+        (2, 2)
     """
     listed = listed_length(batch)
     return listed if listed is not None else _first_length(batch)
@@ -48,20 +48,49 @@ def _first_length(batch: Any) -> int | None:
 
 
 def listed_length(batch: Any) -> int | None:
-    """The length of `batch`'s first list or tuple of one mapping per sample, if any (then lists
-    of that length are lists of samples).
+    """The length of `batch`'s list of samples, if it has one (then lists of that length are
+    lists of samples): a list or tuple of one mapping per sample (torchvision's detection
+    targets), else one of tensors of different shapes (images of their own sizes, sequences of
+    their own lengths: they could not be stacked) as long as the first dimension of a tensor beside
+    it (the labels). The fields of a batch, `(x, y)`, differ in shape too, but nothing beside them
+    says they are samples.
 
     Example:
         >>> listed_length(((torch.zeros(3, 9, 9),), ({"boxes": torch.zeros(1, 4)},))), listed_length([1, 2])
         (1, None)
+        >>> listed_length((torch.zeros(4, 2), torch.zeros(4)))  # the fields x and y
     """
-    if _per_sample_mappings(batch):
-        return len(batch)
-    for item in _items(batch):
-        length = listed_length(item)
-        if length is not None:
-            return length
+    sequences = list(_sequences(batch))
+    mappings = next((s for s in sequences if all(isinstance(v, Mapping) for v in s)), None)
+    if mappings is not None:
+        return len(mappings)
+    for ragged in (s for s in sequences if _ragged(s)):
+        if len(ragged) in _first_dims(batch, besides=ragged):
+            return len(ragged)
     return None
+
+
+def _sequences(value: Any) -> Iterator[list[Any] | tuple[Any, ...]]:
+    """Every non-empty list and tuple in `value`, outermost first."""
+    if isinstance(value, list | tuple) and value:
+        yield value
+    for item in _items(value):
+        yield from _sequences(item)
+
+
+def _ragged(items: list[Any] | tuple[Any, ...]) -> bool:
+    """Two or more tensors, not all of one shape."""
+    shapes = {item.shape for item in items if isinstance(item, Tensor)}
+    return len(items) > 1 and all(isinstance(item, Tensor) for item in items) and len(shapes) > 1
+
+
+def _first_dims(value: Any, besides: object) -> set[int]:
+    """The first dimensions of the tensors in `value` outside the sequence `besides`."""
+    if value is besides:
+        return set()
+    if isinstance(value, Tensor):
+        return {value.shape[0]} if value.dim() > 0 else set()
+    return {dim for item in _items(value) for dim in _first_dims(item, besides)}
 
 
 def _per_sample_mappings(value: Any) -> bool:
