@@ -26,6 +26,7 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.apply_func import apply_to_collection
 from lightning.pytorch.utilities.memory import is_oom_error
+from lightning_utilities.core.apply_func import is_dataclass_instance
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset, IterableDataset
@@ -594,8 +595,8 @@ class _Peak:
 
 def split_batch(batch: Any, size: int) -> tuple[Any, Any] | None:
     """`batch` as two batches of its first and second halves: every tensor in it (in tuples,
-    lists, mappings and dataclasses) of first dimension `size` is cut (a batch that lists one
-    target dict a sample, as detection batches do, is cut per sample: `slice_batch`); ``None``
+    lists, mappings and dataclasses) of first dimension `size` is cut (a batch with a list of
+    samples, `listed_length`, as detection batches have, is cut per sample: `slice_batch`); ``None``
     for an odd or tiny `size`, or a batch holding anything else (a per-sample list of strings
     cannot be told from a setting).
 
@@ -607,7 +608,7 @@ def split_batch(batch: Any, size: int) -> tuple[Any, Any] | None:
     if size < 4 or size % 2:
         return None
     half = size // 2
-    if listed_length(batch) == size:  # one target dict a sample (detection): the samples are listed
+    if listed_length(batch) == size:  # a list of samples (detection targets, ragged sequences)
         return slice_batch(batch, 0, half, size), slice_batch(batch, half, size, size)
 
     def cut(value: Any) -> tuple[Any, Any] | None:
@@ -625,7 +626,7 @@ def split_batch(batch: Any, size: int) -> tuple[Any, Any] | None:
                 return None
             kind: Any = type(value)
             return _rebuild(pieces, kind._make if hasattr(kind, "_fields") else kind)  # namedtuples
-        if _is_dataclass(value):  # built again through its constructor, from its init fields
+        if is_dataclass_instance(value):  # built again through its constructor, from its init fields
             names = [f.name for f in dataclasses.fields(value) if f.init]
             parts = [cut(getattr(value, name)) for name in names]
             if any(part is None for part in parts):
@@ -650,13 +651,9 @@ def _tensors(value: Any) -> Iterator[Tensor]:
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _tensors(item)
-    elif _is_dataclass(value):
+    elif is_dataclass_instance(value):
         for field in dataclasses.fields(value):
             yield from _tensors(getattr(value, field.name))
-
-
-def _is_dataclass(value: Any) -> bool:
-    return dataclasses.is_dataclass(value) and not isinstance(value, type)
 
 
 def _with_fields(instance: Any, names: list[str], values: Iterable[Any]) -> Any:

@@ -61,7 +61,7 @@ def listed_length(batch: Any) -> int | None:
         >>> listed_length((torch.zeros(4, 2), torch.zeros(4)))  # the fields x and y
     """
     sequences = list(_sequences(batch))
-    mappings = next((s for s in sequences if all(isinstance(v, Mapping) for v in s)), None)
+    mappings = next((s for s in sequences if _per_sample_mappings(s)), None)
     if mappings is not None:
         return len(mappings)
     for ragged in (s for s in sequences if _ragged(s)):
@@ -110,8 +110,8 @@ def _items(value: Any) -> list[Any]:
 
 def slice_batch(batch: Any, start: int, stop: int, length: int) -> Any:
     """Samples ``start:stop`` of `batch` (whose length is `length`), with its structure and types.
-    Where the length is that of a list of one mapping per sample, lists and tuples of that length
-    that hold tensors or mappings are lists of samples too (a detection batch's images).
+    Where the length is that of a list of samples (`listed_length`), lists and tuples of that
+    length that hold tensors or mappings are lists of samples too (a detection batch's images).
 
     Example:
         >>> x, names = slice_batch((torch.arange(6), ["a", "b", "c", "d", "e", "f"]), 2, 4, 6)

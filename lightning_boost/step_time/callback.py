@@ -10,6 +10,7 @@ from typing import Annotated, Any
 import lightning as L
 import numpy as np
 import torch
+from lightning_utilities.core.apply_func import is_dataclass_instance
 from torch import Tensor
 from torch.utils.data import (
     DataLoader,
@@ -470,8 +471,9 @@ def dataset_kind(dataset: Any) -> str:
 
 def holds_images(batch: Any) -> bool:
     """Whether `batch` holds images: a float or ``uint8`` tensor of 4 dimensions or more (a batch
-    of images, channels first or last; video), or one of 3 dimensions per sample beside one target
-    dict per sample (torchvision's detection batches). Token ids, audio and feature rows have fewer.
+    of images, channels first or last; video), or a list of samples (`listed_length`) of one of
+    3 dimensions each (torchvision's detection batches). Token ids, audio and feature rows have
+    fewer.
 
     Example:
         >>> import torch
@@ -490,7 +492,7 @@ def _holds_images(batch: Any, listed: int | None) -> bool:
         return any(_holds_images(value, listed) for value in batch.values())
     if isinstance(batch, (list, tuple)):
         return any(_holds_images(value, listed) for value in batch)
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+    if is_dataclass_instance(batch):
         return any(_holds_images(getattr(batch, f.name), listed) for f in dataclasses.fields(batch))
     return False
 
