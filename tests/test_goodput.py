@@ -528,6 +528,27 @@ def test_dataclass_and_detection_batches_are_halved_for_the_noise_read() -> None
     assert [tuple(i.shape) for i in first_images] == [(4, 6, 6)] * 2 and len(first_targets) == 2
 
 
+@pytest.mark.usefixtures("fixed_cost_steps")
+def test_lightnings_learning_rate_finder_finds_the_rate_of_the_configured_size_which_is_scaled(
+    tmp_path: Path,
+) -> None:
+    """Lightning runs its tuner callbacks' `on_fit_start` first: `LearningRateFinder` searches at
+    the configured batch size, and the rate it sets is scaled for the size `AutoBatchSize` picks,
+    once, as the user's own would be."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    finder = LearningRateFinder(num_training_steps=20)
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", lr_warmup_steps=0, min_efficiency=0.5)
+    trainer = quiet_trainer(tmp_path, [callback, finder], max_epochs=1)
+    model = MLP(lr=1e-3)
+    trainer.fit(model, datamodule=Classes(samples=16384, batch_size=32))
+    decision = callback.decision
+    found = model.hparams["lr"]
+    assert finder.optimal_lr is not None and found == pytest.approx(finder.optimal_lr.suggestion())
+    assert decision is not None and decision.batch_size > 32 and decision.lr_factor > 1.0
+    assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(found * decision.lr_factor)
+
+
 class OneCycleMLP(MLP):
     """Lightning's documented schedule: OneCycleLR over ``trainer.estimated_stepping_batches``,
     which builds the training loader before the fit starts (at the configured batch size)."""
