@@ -131,6 +131,22 @@ def test_loaders_have_the_promised_settings(tmp_path: Path) -> None:
     assert datamodule.findings[0].area == "data" and "num_workers=" in datamodule.findings[0].title
 
 
+def test_from_datasets_builds_the_boosted_loaders(tmp_path: Path) -> None:
+    """Lightning's `from_datasets` (inherited) put plain loaders of its own on the instance, with
+    the size in a closure: `AutoBatchSize` then failed ("needs a training DataLoader") and nothing
+    was tuned. It now sets the datasets, as a subclass's `setup()` would."""
+    datamodule = BoostedDataModule.from_datasets(
+        train_dataset=IndexDataset(), val_dataset=IndexDataset(16), batch_size=8, worker_tuning=FAST
+    )
+    assert isinstance(datamodule, BoostedDataModule) and datamodule.num_workers is None  # measured
+    model = _fit(tmp_path, datamodule)
+    assert sorted(i for batch in model.seen for i in batch) == list(range(len(IndexDataset())))
+    assert len(datamodule.val_dataloader()) == 2  # 16 samples, batches of 8
+    assert datamodule.worker_tuner.choices  # the workers were searched
+    fixed = BoostedDataModule.from_datasets(train_dataset=IndexDataset(), batch_size=4, num_workers=0)
+    assert fixed.num_workers == 0 and fixed.batch_size == 4
+
+
 def test_settings_fixed_by_hand_are_kept_and_not_measured(tmp_path: Path) -> None:
     datamodule = Indexed(batch_size=8, num_workers=1, prefetch_factor=3, persistent_workers=False,
                          loader_kwargs={"timeout": 30.0})  # fmt: skip

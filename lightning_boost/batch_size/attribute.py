@@ -36,9 +36,10 @@ def not_tunable(pl_module: L.LightningModule, name: str, explicit: bool) -> Find
     where = f"AutoBatchSize found no `{name}` to tune on the model, its `hparams` or the datamodule."
     fix = (
         f"Give the datamodule a `{name}` attribute that `train_dataloader()` reads"
-        f" (`BoostedDataModule(batch_size=...)` has one), or take `{name}` in the model's `__init__`"
-        " with `self.save_hyperparameters()`. Loaders passed to `trainer.fit(train_dataloaders=...)`"
-        " cannot be re-batched: pass a datamodule instead."
+        f" (`BoostedDataModule(batch_size=...)` has one, as does `BoostedDataModule.from_datasets`"
+        " where `LightningDataModule.from_datasets` keeps the size inside its loaders), or take"
+        f" `{name}` in the model's `__init__` with `self.save_hyperparameters()`. Loaders passed to"
+        " `trainer.fit(train_dataloaders=...)` cannot be re-batched: pass a datamodule instead."
     )
     if explicit:
         raise AttributeError(f"{where} {fix}")

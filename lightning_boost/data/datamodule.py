@@ -131,6 +131,35 @@ class BoostedDataMixin(_DataModule):
         tuning = worker_tuning or WorkerTuning()
         self.worker_tuner = LoaderTuner(type(self).__name__, tuning, cache_dir, retune)
 
+    @classmethod
+    def from_datasets(  # type: ignore[override]
+        cls,
+        train_dataset: Dataset[Any] | None = None,
+        val_dataset: Datasets | None = None,
+        test_dataset: Datasets | None = None,
+        predict_dataset: Datasets | None = None,
+        batch_size: int = 1,
+        num_workers: int | None = None,
+        **datamodule_kwargs: Any,
+    ) -> Any:
+        """Lightning's ``from_datasets``, with this datamodule's loaders: the datasets are set as a
+        subclass's ``setup()`` sets them (several evaluation sets in a list or dict get a loader
+        each), `batch_size` is an attribute `AutoBatchSize` can tune and ``num_workers=None``
+        (the default, where Lightning's is 0) is measured. Lightning's own put plain loaders on the
+        instance, with the size in a closure, which nothing could tune.
+
+        Example:
+            >>> from torch.utils.data import TensorDataset
+            >>> samples = TensorDataset(torch.zeros(8, 2))
+            >>> data = BoostedDataModule.from_datasets(train_dataset=samples, batch_size=4)
+            >>> data.batch_size, data.num_workers, len(data.train_dataset)
+            (4, None, 8)
+        """
+        datamodule = cls(batch_size=batch_size, num_workers=num_workers, **datamodule_kwargs)
+        datamodule.train_dataset, datamodule.val_dataset = train_dataset, val_dataset
+        datamodule.test_dataset, datamodule.predict_dataset = test_dataset, predict_dataset
+        return datamodule
+
     @property
     def findings(self) -> list[Finding]:
         """What the loader decisions found, with their measurements."""
