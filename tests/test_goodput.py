@@ -27,7 +27,7 @@ from lightning_boost.batch_size.goodput import estimate_noise
 from lightning_boost.batch_size.plan import MIN_STEPS_PER_EPOCH, RunPlan
 from lightning_boost.batch_size.regrow import lr_ramp
 from lightning_boost.batch_size.search import Limits, choose, lr_capped, next_size, noise_of, search
-from lightning_boost.batch_size.watch import WINDOW, LossWatch, reference_of
+from lightning_boost.batch_size.watch import WINDOW, HostCopy, LossWatch, reference_of
 from lightning_boost.guards.sync_watch import SyncWatch
 from lightning_boost.step_probe import StepProbe, split_batch
 from lightning_boost.testing import BoringModel, RandomDataset, tiny_trainer
@@ -478,6 +478,22 @@ def test_the_loss_watch_reads_its_windows_without_waiting_for_the_device() -> No
     assert syncs == []
     assert watch.means == pytest.approx([2.0, 1.0, 1.2, 1.4, 1.6])
     assert verdicts[-1] == "the training loss rose for 3 windows in a row, from 1 to 1.6"
+
+
+def test_the_loss_watchs_windows_still_on_their_way_are_read_at_the_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU a window's mean is read once its copy has landed, a step or so later: the run's
+    last windows are read when training ends (outside the steps), not dropped with their verdict.
+    Copies that have not landed are simulated here (a CPU tensor's lands at once)."""
+    monkeypatch.setattr(HostCopy, "landed", lambda self: False)
+    watch = LossWatch(window=2)
+    verdicts = [
+        watch.add(torch.tensor(value)) for value in (2.0, 2.0, 1.0, 1.0, 1.2, 1.2, 1.4, 1.4, 1.6, 1.6)
+    ]
+    assert verdicts == [None] * 10 and watch.means == []
+    assert watch.flush() == "the training loss rose for 3 windows in a row, from 1 to 1.6"
+    assert watch.means == pytest.approx([2.0, 1.0, 1.2, 1.4, 1.6]) and watch.flush() is None
 
 
 @pytest.mark.gpu

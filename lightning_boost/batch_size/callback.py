@@ -429,6 +429,11 @@ class AutoBatchSize(BoostCallback):
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        watch = self._watch
+        verdict = watch.flush() if watch is not None else None  # the last windows' means
+        if watch is not None and verdict is not None and self.decision is not None:
+            self.findings.append(watch.finding(verdict, self.decision))
+            self._watch = None
         if self._growth is not None and self._growth.reads and self.decision is not None:
             self.findings.append(noise_reads_finding(self.decision, self._growth.reads))
 

@@ -92,6 +92,9 @@ class HostCopy:
         return self._landed is None or self._landed.query()
 
     def value(self) -> float:
+        """The copied value (waiting for the copy to land, where it has not)."""
+        if self._landed is not None:
+            self._landed.synchronize()
         return float(self._host)
 
 
@@ -126,8 +129,16 @@ class LossWatch:
         if self._count == self.window:
             self._copies.append(HostCopy(self._total / self._count))
             self._total, self._count = None, 0
+        return self._read(landed_only=True)
+
+    def flush(self) -> str | None:
+        """Read the windows still on their way (waiting for them: at the end of training, outside
+        the steps), with `add`'s verdict."""
+        return self._read(landed_only=False)
+
+    def _read(self, landed_only: bool) -> str | None:
         verdict = None
-        while self._copies and self._copies[0].landed():
+        while self._copies and (self._copies[0].landed() or not landed_only):
             self.means.append(self._copies.pop(0).value())
             verdict = verdict or loss_verdict(self.means) or self._above_reference()
         return verdict
