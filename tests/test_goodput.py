@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 from typing_extensions import override
 
 from lightning_boost import AutoBatchSize, BoostedDataModule, SyncGuard, boost_callbacks, step_probe
-from lightning_boost.batch_size.callback import _scale_learning_rates
+from lightning_boost.batch_size.callback import _scale_learning_rates, rates_followed
 from lightning_boost.batch_size.decision import BatchSizeDecision, decide
 from lightning_boost.batch_size.goodput import estimate_noise
 from lightning_boost.batch_size.plan import MIN_STEPS_PER_EPOCH, RunPlan
@@ -627,6 +627,20 @@ def test_rates_a_rerun_configure_optimizers_set_for_the_tuned_batch_are_not_scal
     assert peak == pytest.approx(0.05 * decision.batch_size / 32)  # the user's rule, once
     (finding,) = [f for f in callback.findings if "configure_optimizers" in f.title]
     assert "not scaled again" in finding.title
+
+
+def test_rates_follow_the_batch_only_when_they_moved_by_its_growth_or_its_root() -> None:
+    """Rates a rerun `configure_optimizers` sets otherwise than the optimizers held were taken for
+    the user's own batch-size rule whatever moved them: with Lightning < 2.6 `LearningRateFinder`
+    leaves the optimizers at the configured rate and the model at the rate it found, so the found
+    rate (0.0123 against 0.001) read as the user's rule and was not scaled for the tuned size."""
+    assert rates_followed([0.05, 0.005], [0.2, 0.02], growths=(4.0,))  # the linear rule, 32 -> 128
+    assert rates_followed([0.05], [0.1], growths=(4.0,))  # the square-root rule
+    assert not rates_followed([0.001], [0.0123], growths=(4.0,))  # something else moved them
+    assert not rates_followed([0.05, 0.005], [0.2, 0.01], growths=(4.0,))  # not by one factor
+    assert not rates_followed([0.05, 0.0], [0.2, 0.0], growths=(1.0,)) and rates_followed(
+        [0.05, 0.0], [0.2, 0.0], growths=(4.0,)
+    )
 
 
 #: torch < 2.6's SequentialLR steps its next schedule with `step(0)` at a milestone and warns about it.

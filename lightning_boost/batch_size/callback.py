@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -340,7 +341,8 @@ class AutoBatchSize(BoostCallback):
         decision's; ``configure_optimizers``, which counted its steps, runs again when the samples
         per optimizer step changed (a size and accumulation that trade places keep them). Rates it
         then sets otherwise than the first time were derived from the batch size by the user's own
-        rule: the decision takes them as they are (``lr_factor`` 1), not scaled a second time."""
+        rule (`rates_followed`): the decision takes them as they are (``lr_factor`` 1), not scaled
+        a second time."""
         loaders = train_loaders(trainer)
         if any(_other_size(loader, decision) for loader in loaders):
             forget_train_loader(trainer)  # its workers never started (`DeferredStartDataLoader`)
@@ -348,12 +350,14 @@ class AutoBatchSize(BoostCallback):
             for loader in loaders:
                 start_deferred_workers(loader)
         per_step = decision.batch_size * decision.accumulate_grad_batches
-        if per_step == decision.configured_batch_size * decision.configured_accumulate:
+        configured = decision.configured_batch_size * decision.configured_accumulate
+        if per_step == configured:
             return []
         before = learning_rates(trainer)
         redone = redo_optimizers(trainer)
         after = learning_rates(trainer)
-        if not redone or decision.lr_factor == 1.0 or not rates_followed(before, after):
+        growths = (decision.batch_size / decision.configured_batch_size, per_step / configured)
+        if not redone or decision.lr_factor == 1.0 or not rates_followed(before, after, growths):
             return [optimizers_finding(decision, redone)]
         self.decision = dataclasses.replace(decision, lr_factor=1.0, lr_warmup_steps=0)
         return [own_rates_finding(decision, before, after)]
@@ -766,18 +770,29 @@ def _growth_blocker(trainer: L.Trainer, decision: BatchSizeDecision) -> str:
     return ""
 
 
-def rates_followed(before: list[float], after: list[float]) -> bool:
-    """Whether ``configure_optimizers``, run again at another batch size, set other rates than it
-    did (`learning_rates` of both runs): its own rule follows the batch size. Rates that cannot be
-    paired (another count of them) say nothing.
+def rates_followed(before: list[float], after: list[float], growths: Sequence[float]) -> bool:
+    """Whether ``configure_optimizers``, run again at another batch size, set its rates by a rule
+    of its own that follows the batch size (`learning_rates` of the optimizers before, and of the
+    rerun): every rate moved by one factor, one of the batch's `growths` (its size's, its samples
+    per optimizer step's) or its square root. Rates moved otherwise were moved by something else
+    (Lightning < 2.6's `LearningRateFinder` leaves the optimizers at the configured rate and the
+    model at the one it found); rates that cannot be paired (another count of them) say nothing.
 
     Example:
-        >>> rates_followed([0.02, 0.02], [0.08, 0.08]), rates_followed([0.02], [0.02])
+        >>> rates_followed([0.02, 0.002], [0.08, 0.008], [4.0]), rates_followed([0.02], [0.02], [4.0])
         (True, False)
-        >>> rates_followed([0.02], [0.08, 0.08])
-        False
+        >>> rates_followed([0.02], [0.08, 0.08], [4.0]), rates_followed([0.001], [0.0123], [4.0])
+        (False, False)
     """
-    return len(before) == len(after) and not all(map(math.isclose, before, after))
+    if len(before) != len(after):
+        return False
+    pairs = [(b, a) for b, a in zip(before, after, strict=True) if b or a]  # a rate of 0 stays 0
+    if not pairs or any(b == 0 for b, _ in pairs):
+        return False
+    factor = pairs[0][1] / pairs[0][0]
+    rules = [rule for growth in growths if growth != 1.0 for rule in (growth, math.sqrt(growth))]
+    one_factor = all(math.isclose(a / b, factor, rel_tol=1e-3) for b, a in pairs)
+    return one_factor and any(math.isclose(factor, rule, rel_tol=0.01) for rule in rules)
 
 
 def learning_rates(trainer: L.Trainer) -> list[float]:
