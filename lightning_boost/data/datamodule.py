@@ -138,15 +138,16 @@ class BoostedDataMixin(_DataModule):
         val_dataset: Datasets | None = None,
         test_dataset: Datasets | None = None,
         predict_dataset: Datasets | None = None,
-        batch_size: int = 1,
+        batch_size: int = 32,
         num_workers: int | None = None,
         **datamodule_kwargs: Any,
     ) -> Any:
         """Lightning's ``from_datasets``, with this datamodule's loaders: the datasets are set as a
         subclass's ``setup()`` sets them (several evaluation sets in a list or dict get a loader
-        each), `batch_size` is an attribute `AutoBatchSize` can tune and ``num_workers=None``
-        (the default, where Lightning's is 0) is measured. Lightning's own put plain loaders on the
-        instance, with the size in a closure, which nothing could tune.
+        each), `batch_size` (32 by default, as the constructor's, where Lightning's is 1) is an
+        attribute `AutoBatchSize` can tune and ``num_workers=None`` (the default, where
+        Lightning's is 0) is measured; any other argument goes to the constructor. Lightning's own
+        put plain loaders on the instance, with the size in a closure, which nothing could tune.
 
         Example:
             >>> from torch.utils.data import TensorDataset
