@@ -411,6 +411,10 @@ def test_a_list_of_variable_length_sequences_beside_the_labels_is_cut_per_sample
     assert batch_length(fields) == 6
     x, y, weights = slice_batch(fields, 0, 2, 6)
     assert x.shape == (2, 2) and y.shape == (2,) and weights.shape == (3,)
+    targets = (torch.zeros(2, 8), (torch.zeros(2), torch.zeros(2, 4)))  # (x, (class, box)) at batch 2
+    assert batch_length(targets) == 2
+    x, (classes, boxes) = slice_batch(targets, 1, 2, 2)
+    assert x.shape == (1, 8) and classes.shape == (1,) and boxes.shape == (1, 4)
 
 
 class Detector(L.LightningModule):

@@ -53,7 +53,8 @@ def listed_length(batch: Any) -> int | None:
     targets), else one of tensors of different shapes (images of their own sizes, sequences of
     their own lengths: they could not be stacked) as long as the first dimension of a tensor beside
     it (the labels). The fields of a batch, `(x, y)`, differ in shape too, but nothing beside them
-    says they are samples.
+    says they are samples, and fields nested beside another, `(x, (classes, boxes))`, are each as
+    long as the batch (a batch of 3 RGB images listed without target dicts reads as fields).
 
     Example:
         >>> listed_length(((torch.zeros(3, 9, 9),), ({"boxes": torch.zeros(1, 4)},))), listed_length([1, 2])
@@ -79,9 +80,12 @@ def _sequences(value: Any) -> Iterator[list[Any] | tuple[Any, ...]]:
 
 
 def _ragged(items: list[Any] | tuple[Any, ...]) -> bool:
-    """Two or more tensors, not all of one shape."""
-    shapes = {item.shape for item in items if isinstance(item, Tensor)}
-    return len(items) > 1 and all(isinstance(item, Tensor) for item in items) and len(shapes) > 1
+    """Two or more tensors, not all of one shape, and not all as long as the list: fields of a
+    batch of 2, `(classes, boxes)`, are each 2 long."""
+    if len(items) < 2 or not all(isinstance(item, Tensor) and item.dim() > 0 for item in items):
+        return False
+    fields = all(item.shape[0] == len(items) for item in items)
+    return len({item.shape for item in items}) > 1 and not fields
 
 
 def _first_dims(value: Any, besides: object) -> set[int]:
