@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +76,8 @@ def _sequences(value: Any) -> Iterator[list[Any] | tuple[Any, ...]]:
     if isinstance(value, list | tuple) and value:
         yield value
     for item in _items(value):
-        yield from _sequences(item)
+        if not isinstance(item, _LEAVES):  # a per-sample list of names is not walked name by name
+            yield from _sequences(item)
 
 
 def _ragged(items: list[Any] | tuple[Any, ...]) -> bool:
@@ -101,15 +102,23 @@ def _per_sample_mappings(value: Any) -> bool:
     return isinstance(value, list | tuple) and len(value) > 0 and all(isinstance(v, Mapping) for v in value)
 
 
-def _items(value: Any) -> list[Any]:
+#: What holds nothing to walk into (checked first: most of a batch is tensors).
+_LEAVES = (Tensor, str, bytes, int, float, bool, type(None))
+
+
+def _items(value: Any) -> Iterable[Any]:
     """What a mapping, a sequence or a dataclass holds (nothing, for anything else)."""
+    if isinstance(value, _LEAVES):
+        return ()
+    if isinstance(value, list | tuple):
+        return value
     if isinstance(value, Mapping):
-        return list(value.values())
-    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
-        return list(value)
+        return value.values()
+    if isinstance(value, Sequence):
+        return value
     if _dataclass(value):
         return [getattr(value, f.name) for f in dataclasses.fields(value)]
-    return []
+    return ()
 
 
 def slice_batch(batch: Any, start: int, stop: int, length: int) -> Any:
