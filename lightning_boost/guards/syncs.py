@@ -945,10 +945,7 @@ class SyncGroup:
                 text += f" Inside {a.package} ({a.library.function} at {a.library.location}): {why}."
             elif a.package not in told:  # one sentence per library: its functions of no known cause
                 told.add(a.package)
-                firsts: dict[str, Site] = {}  # each function's first line
-                for frame in self._unexplained(a.package):
-                    firsts.setdefault(frame.function, frame)
-                places = [f"{f.function} at {f.location}" for f in firsts.values()]
+                places = [f"{f.function} at {f.location}" for f in self._unexplained(a.package)]
                 text += f" Inside {a.package} ({_listed(places)})."
         a = self.attribution
         if self.framework and a.site is not None:
@@ -978,7 +975,7 @@ class SyncGroup:
                 " keep the whole computation in tensor ops."
             )
         if a.library is not None and a.package not in (None, "lightning") and not self.framework:
-            functions = list(dict.fromkeys(f"`{f.function}`" for f in self._unexplained(a.package)))
+            functions = [f"`{f.function}`" for f in self._unexplained(a.package)]
             return (
                 f"It syncs inside {a.package} (in {_listed(functions)}): look for a {a.package} setting"
                 " that avoids it, or make this call less often (once per epoch, or every N steps)."
@@ -986,12 +983,13 @@ class SyncGroup:
         return " ".join(dict.fromkeys(PATTERNS[p].fix for p in counts))
 
     def _unexplained(self, package: str | None) -> list[Site]:
-        """The frames inside `package` where syncs of no known cause were made, first seen first."""
-        return [
-            a.library
-            for a, _ in self.reasons.values()
-            if a.library is not None and a.package == package and a.cause is None
-        ]
+        """The functions inside `package` where syncs of no known cause were made: each one's
+        first frame, first seen first."""
+        firsts: dict[str, Site] = {}
+        for a, _ in self.reasons.values():
+            if a.library is not None and a.package == package and a.cause is None:
+                firsts.setdefault(a.library.function, a.library)
+        return list(firsts.values())
 
     def to_data(self, steps: int) -> dict[str, Any]:
         a = self.attribution
