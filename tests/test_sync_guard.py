@@ -23,7 +23,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence, pad_sequence
 from torchmetrics import MeanMetric
-from torchmetrics.classification import BinaryAccuracy, MulticlassAccuracy
+from torchmetrics.classification import BinaryAccuracy, MulticlassAccuracy, MulticlassJaccardIndex
 
 from lightning_boost import (
     AutoBatchSize,
@@ -368,12 +368,13 @@ def test_a_sync_inside_a_library_is_reported_at_the_calling_line_with_its_settin
 
 
 class ClassAccuracy(BoringModel):
-    """A 2-class accuracy over the outputs' signs, built with `options` and fed as `call` says."""
+    """A 2-class accuracy (or another class `metric`) over the outputs' signs, built with
+    `options` and fed as `call` says."""
 
-    def __init__(self, call: str = "update", **options: Any) -> None:
+    def __init__(self, call: str = "update", metric: type = MulticlassAccuracy, **options: Any) -> None:
         super().__init__()
         self.call = call
-        self.accuracy = MulticlassAccuracy(2, **options)
+        self.accuracy = metric(2, **options)
 
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         inputs, targets = batch
@@ -384,6 +385,20 @@ class ClassAccuracy(BoringModel):
         else:
             self.accuracy(logits, classes)  # syncs: metric_forward
         return F.mse_loss(outputs, targets)
+
+
+@pytest.mark.parametrize("average", ["macro", "micro"])
+def test_a_confusion_matrix_metric_is_not_told_that_an_average_removes_its_count(
+    tmp_path: Path, average: str
+) -> None:
+    """`JaccardIndex` (as `ConfusionMatrix`, `CohenKappa`) counts a confusion matrix with
+    `torch.bincount` whatever its average: `average="micro"` removes nothing there, and counting
+    by comparison (deterministic mode) holds a table of values x classes², too large for masks."""
+    model = ClassAccuracy("update", MulticlassJaccardIndex, average=average, validate_args=False)
+    findings = [f for f in fit(model, tmp_path).findings if f.source == "SyncGuard"]
+    assert len(findings) == 1
+    assert findings[0].data["causes"] == ["metric_confusion_matrix"]
+    assert "micro" not in findings[0].fix and "segmentation" in findings[0].fix
 
 
 @pytest.mark.parametrize(

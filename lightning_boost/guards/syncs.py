@@ -612,16 +612,30 @@ CAUSES: tuple[Cause, ...] = (
         "torchmetrics aggregators (`MeanMetric`, `SumMetric`, ...) check every `update()` for NaN",
         'Build them with `nan_strategy="disable"`.',
     ),
+    Cause(  # before metric_bincount: the same count, which no average removes here
+        "metric_confusion_matrix",
+        "torchmetrics",
+        "/functional/classification/confusion_matrix.py",
+        ("*_confusion_matrix_update",),
+        False,
+        "torchmetrics counts a confusion matrix (`JaccardIndex`, `ConfusionMatrix`, `CohenKappa`,"
+        " `MatthewsCorrCoef`) with `torch.bincount`, which sizes its output from the GPU's values",
+        "The count is the metric, whatever its `average`: one wait per `update()`."
+        " `torch.use_deterministic_algorithms(True)` counts by"
+        " comparison instead, through a table of values x classes² (small for class labels, too large"
+        " for segmentation masks; it also changes other kernels).",
+    ),
     Cause(
         "metric_bincount",
         "torchmetrics",
         "/utilities/data.py",
         ("_bincount",),
         False,
-        "torchmetrics counts per class with `torch.bincount` (macro and weighted averages, confusion"
-        " matrices), which sizes its output from the GPU's values",
-        '`average="micro"` needs no per-class counts; `torch.use_deterministic_algorithms(True)` makes'
-        " torchmetrics count by comparison instead (it also changes other kernels).",
+        "torchmetrics counts per class with `torch.bincount` (macro and weighted averages), which sizes"
+        " its output from the GPU's values",
+        '`average="micro"` needs no per-class counts. For class labels (not segmentation masks),'
+        " `torch.use_deterministic_algorithms(True)` makes torchmetrics count by comparison instead,"
+        " through a table of values x classes² (it also changes other kernels).",
     ),
     Cause(  # the input checks only: a metric's update and compute run in `/functional/` too
         "metric_validation",
