@@ -829,6 +829,59 @@ def test_a_library_sync_of_no_known_cause_gets_a_fix_about_the_library(tmp_path:
     assert "inside torchvision" in finding.fix and "Keep it a tensor" not in finding.fix
 
 
+class Detector(L.LightningModule):
+    """torchvision's Faster R-CNN (a one-layer backbone, 64 px) on its detection batches, as
+    torchvision's references train it; `item` also reads a loss on the host, the user's own sync."""
+
+    def __init__(self, item: bool) -> None:
+        super().__init__()
+        from torchvision.models.detection import FasterRCNN
+        from torchvision.models.detection.anchor_utils import AnchorGenerator
+        from torchvision.ops import MultiScaleRoIAlign
+
+        backbone = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, stride=4, padding=1), torch.nn.ReLU())
+        backbone.out_channels = 8
+        anchors = AnchorGenerator(((16, 32),), ((0.5, 1.0, 2.0),))
+        self.model = FasterRCNN(
+            backbone, 3, min_size=64, max_size=64, rpn_anchor_generator=anchors,
+            box_roi_pool=MultiScaleRoIAlign(["0"], 7, 2), representation_size=32,
+        )  # fmt: skip
+        self.item = item
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        images, targets = batch
+        losses = self.model(images, targets)  # syncs: detection
+        if self.item:
+            self.value = losses["loss_objectness"].item()  # syncs: detection_item
+        return sum(losses.values())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+        box = {"boxes": torch.tensor([[4.0, 4.0, 30.0, 30.0]]), "labels": torch.tensor([1])}
+        items = [(torch.rand(3, 64, 64), box) for _ in range(6)]
+        return torch.utils.data.DataLoader(
+            items, batch_size=2, collate_fn=lambda b: tuple(zip(*b, strict=True))
+        )
+
+
+@pytest.mark.parametrize("item", [False, True])
+def test_a_detection_models_own_syncs_are_told_as_the_models_not_as_the_users_to_fix(
+    tmp_path: Path, item: bool
+) -> None:
+    """A detection model syncs by design (box counts known once computed; NMS): the guard says so
+    once, called from the user's line, with nothing to change there (it told the user to "look for a
+    torchvision setting ... or make this call less often"); the user's own `.item()` stays a warning."""
+    guard = SyncGuard(mode="report", every_n_steps=1)
+    tiny_trainer(tmp_path, callbacks=[guard], limit_train_batches=3, logger=False).fit(Detector(item))
+    (model,) = framework_syncs(guard).values()
+    assert model.data["causes"] == ["detection_model"] and model.severity is Severity.INFO
+    assert marked_line("detection") in model.detail and "Nothing" in model.fix
+    own = user_syncs(guard)
+    assert list(own) == ([marked_line("detection_item")] if item else [])
+
+
 class HostToDevice(BoringModel):
     """The three host-to-device copies a GPU run blocks on, each on its marked line."""
 

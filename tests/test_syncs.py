@@ -262,9 +262,10 @@ def test_a_group_counts_per_checked_step_and_gives_the_fix() -> None:
 
 
 def test_a_line_whose_syncs_are_all_inside_one_library_gets_one_sentence_for_it() -> None:
-    """torchvision's Faster R-CNN syncs in 16 of its functions under one user line: its finding
-    said "It syncs inside torchvision (in `...`): look for a torchvision setting ..." 16 times."""
-    files = {f"{VENV}/torchvision/models/detection/{name}.py": "torchvision" for name in ("a", "b", "c")}
+    """Syncs in several functions of a library of no known cause under one user line (torchvision's
+    Faster R-CNN made 16 before it had a cause of its own): its finding said "It syncs inside
+    torchvision (in `...`): look for a torchvision setting ..." once per function."""
+    files = {f"{VENV}/torchvision/ops/{name}.py": "torchvision" for name in ("a", "b", "c")}
 
     def packages(path: str) -> str | None:
         return files.get(path) or PACKAGES(path)
@@ -274,7 +275,7 @@ def test_a_line_whose_syncs_are_all_inside_one_library_gets_one_sentence_for_it(
     assert mine is not None
     group = SyncGroup("training", mine, code="losses = self.model(images)")
     for name, function in (("a", "normalize"), ("b", "decode_single"), ("c", "compute_loss")):
-        library = frame(f"torchvision/models/detection/{name}.py", 5, function)
+        library = frame(f"torchvision/ops/{name}.py", 5, function)
         group.add("bool", attribution=attribute([library, user, LOOP], packages))
     fix, detail = group.fix(), group.detail(1, cpu_run=False)
     assert fix.count("inside torchvision") == 1 and detail.count("Inside torchvision") == 1

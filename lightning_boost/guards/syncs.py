@@ -688,6 +688,18 @@ CAUSES: tuple[Cause, ...] = (
         " decay=0.99)` keeps about the average of `decay=0.999` at every step. Keeping it on the CPU"
         ' (`device="cpu"`) would copy every weight to the host instead.',
     ),
+    Cause(  # the model's own, as Lightning's are the framework's: nothing in the user's step makes them
+        "detection_model",
+        "torchvision",
+        "/models/detection/",
+        (),
+        True,
+        "torchvision's detection models (Faster R-CNN, RetinaNet, SSD, ...) sync by design: how many"
+        " boxes each image keeps (proposals, matched anchors, NMS) is known once the GPU has counted"
+        " them, and the model copies small constants to the GPU at each call",
+        "Nothing to change in your step: these are the model's own; the rest of the step can stay free"
+        " of syncs.",
+    ),
     Cause(
         "packed_sequence",
         "torch",
