@@ -313,6 +313,13 @@ class StepTimeMonitor(BoostCallback):
             for reason in choice.skipped
             if reason.startswith(NO_WORKERS)
         ]
+        unsearched = [  # the training loader's prior, kept unmeasured: its epoch or run too short
+            why
+            for c in choices
+            if c.source == "short run" and not c.trials
+            for why in [c.reason.partition(", not searched: ")[2]]
+            if "first epoch" in why or why.startswith("the run has")
+        ]
         dataset = dataset_kind(getattr(loader, "dataset", None))
         if dataset == "tensors" and getattr(loader, "collate_fn", None) not in DEFAULT_COLLATES:
             dataset = "collated tensors"  # the user's collate_fn takes the samples one by one
@@ -328,6 +335,7 @@ class StepTimeMonitor(BoostCallback):
             dataset=dataset,
             larger_batch=_larger_batch(trainer, self.times.fraction),
             no_workers=ruled_out[0] if ruled_out else "",
+            unsearched=unsearched[0] if unsearched else "",
         )
 
 

@@ -154,6 +154,7 @@ def input_bound_fixes(
     dataset: str = "samples",
     larger_batch: str | None = None,
     no_workers: str = "",
+    unsearched: str = "",
 ) -> list[str]:
     """What to try when a run waits for data, most likely payoff first, for the data at hand.
 
@@ -176,6 +177,8 @@ def input_bound_fixes(
             (``None``: none in the run, and the fix names it).
         no_workers: why the worker search ruled out every worker count without measuring one
             (``""``: it did not).
+        unsearched: why lightning-boost's worker tuning kept `num_workers` without searching (a
+            first epoch too short to time two settings), ``""`` where it searched.
 
     Example:
         >>> fixes = input_bound_fixes(
@@ -212,7 +215,13 @@ def input_bound_fixes(
             larger_batch
             or "A larger batch (`AutoBatchSize`) spreads the per-step loading cost over more samples."
         )
-    if num_workers < max_workers and not tuned_workers:
+    if num_workers < max_workers and unsearched:
+        fixes.append(
+            f"More DataLoader workers (now {num_workers}, up to {max_workers} here): the worker tuning"
+            f" kept {num_workers}, not searched: {unsearched}. Set `num_workers=` by hand (1 to"
+            f" {max_workers}; on a CPU run the model shares those CPUs with them)."
+        )
+    elif num_workers < max_workers and not tuned_workers:
         fixes.append(
             f"More DataLoader workers (now {num_workers}, up to {max_workers} here): "
             "`Trainer(callbacks=[AutoNumWorkers()])` or subclass `BoostedDataModule`."
