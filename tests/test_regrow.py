@@ -21,6 +21,7 @@ from typing_extensions import override
 from lightning_boost import AutoBatchSize
 from lightning_boost.batch_size.decision import BatchSizeDecision
 from lightning_boost.batch_size.regrow import MAX_HELD, MIN_PAIRS, Growth, NoiseMeter, lr_ramp
+from lightning_boost.batch_size.watch import WINDOW
 from lightning_boost.step_probe import StepProbe
 from lightning_boost.testing import tiny_trainer
 from lightning_boost.trials import Trial
@@ -191,6 +192,11 @@ def test_a_real_run_grows_its_batch_between_epochs_with_every_sample_once(tmp_pa
     assert any(t.startswith("Batch size grown from 64 to") for t in titles)
     assert any(t.startswith("Gradient noise scale re-read during the run") for t in titles)
     assert data.batch_size == 64  # put back for the next fit
+    # the divergence watch read the whole run, not from the growth on (where a loss near its
+    # lowest, wobbling, read as climbing back the whole way to the watch's first window)
+    watch = callback._watch
+    batches = sum(len(sizes) for sizes in model.sizes.values())
+    assert watch is not None and len(watch.means) == batches // WINDOW
 
 
 @pytest.mark.usefixtures("fixed_cost_steps")

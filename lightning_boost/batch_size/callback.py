@@ -251,6 +251,7 @@ class AutoBatchSize(BoostCallback):
         self._ramped: list[tuple[dict[str, Any], float | torch.Tensor]] = []
         self._after_step: RemovableHandle | None = None  # puts them back once the optimizer stepped
         self._watch: LossWatch | None = None
+        self._watch_reports = False  # whether the watch's verdict is said (the pack changed something)
         self._growth: Growth | None = None  # the noise scale read during the run (`grow`)
         self._explicit_attr = attr_name != "batch_size"
         self._not_tuned: Finding | None = None  # why this fit cannot be tuned, found in `setup`
@@ -330,11 +331,16 @@ class AutoBatchSize(BoostCallback):
         if not self._restored:  # a checkpoint's optimizer state already holds the scaled rates
             _scale_learning_rates(trainer, decision.lr_factor)
         changed = decision.batch_size != decision.configured_batch_size or decision.lr_factor != 1.0
-        self._watch = (
-            LossWatch(reference=reference_of(decision), batch_size=decision.batch_size) if changed else None
-        )
         self._restored = False
         self._growth = self._start_growth(trainer, pl_module, decision)
+        # watched from the first step where a growth may change the size later: a divergence is
+        # read against the run's whole loss (a verdict counts once the pack changed something)
+        self._watch = (
+            LossWatch(reference=reference_of(decision) if changed else None, batch_size=decision.batch_size)
+            if changed or self._growth is not None
+            else None
+        )
+        self._watch_reports = changed
 
     def _rebuild_early_loader(self, trainer: L.Trainer, decision: BatchSizeDecision) -> list[Finding]:
         """A training loader built before the fit started is built again when its size is not the
@@ -408,7 +414,7 @@ class AutoBatchSize(BoostCallback):
         if self._watch is not None and self.decision is not None:
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             verdict = self._watch.add(loss) if isinstance(loss, torch.Tensor) else None
-            if verdict is not None:
+            if verdict is not None and self._watch_reports:
                 self.findings.append(self._watch.finding(verdict, self.decision))
                 self._watch = None
 
@@ -428,14 +434,16 @@ class AutoBatchSize(BoostCallback):
         lightning_setattr(pl_module, self.attr_name, after.batch_size)
         forget_train_loader(trainer)  # built again at the new size before the next epoch
         _scale_learning_rates(trainer, after.lr_factor / before.lr_factor)
-        self._watch = LossWatch(batch_size=after.batch_size)
+        if self._watch is None:  # a divergence was reported: the new size is watched afresh
+            self._watch = LossWatch(batch_size=after.batch_size)
+        self._watch.batch_size, self._watch_reports = after.batch_size, True
         self.findings.append(growth_finding(after))
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         watch = self._watch
         verdict = watch.flush() if watch is not None else None  # the last windows' means
-        if watch is not None and verdict is not None and self.decision is not None:
+        if watch is not None and verdict is not None and self._watch_reports and self.decision is not None:
             self.findings.append(watch.finding(verdict, self.decision))
             self._watch = None
         if self._growth is not None and self._growth.reads and self.decision is not None:
