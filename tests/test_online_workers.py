@@ -861,6 +861,19 @@ def test_a_short_first_epoch_is_not_searched(tmp_path: Path) -> None:
     assert choice.source == "short run" and "cannot time two settings" in choice.reason
 
 
+def test_lightnings_lr_finder_leaves_the_fits_own_loader_to_be_searched(tmp_path: Path) -> None:
+    """`LearningRateFinder` runs the fit's loop for 30 steps before the fit: the loader asked for
+    that short run was kept unsearched ("the run has 30 batches"), and the fit reused the choice
+    for its whole run, which was never searched."""
+    from lightning.pytorch.callbacks import LearningRateFinder
+
+    data = Data()
+    finder = LearningRateFinder(num_training_steps=30, early_stop_threshold=None)
+    _fit(tmp_path, data, max_epochs=1, callbacks=[finder])
+    assert _searched(data).trials
+    assert not any("the run has 30 batches" in f.title for f in data.findings)
+
+
 def _driver(
     shuffle: bool, **options: Any
 ) -> tuple[Dataset[Any], SegmentedDataLoader, OnlineSearch, list[WorkerChoice]]:

@@ -109,6 +109,7 @@ class LoaderTuner:
         self.searches: dict[str, OnlineSearch] = {}
         self.findings: list[Finding] = []  # the last run's (a fit, validate, ...): see `restore`
         self.restored: set[str] = set()
+        self._short_runs: dict[str, int | None] = {}  # a short run's choice: the samples it was for
         self._told: set[str] = set()  # the choices whose findings this run's list holds
         self._ended = False
         self._threads_before: int | None = None
@@ -165,7 +166,7 @@ class LoaderTuner:
         pending = self.searches.get(key)
         if pending is not None and pending.choice is None:
             return pending_choice(pending), pending
-        choice = self.choices.get(key)
+        choice = self._choice_for(key, workload_samples, loader)
         if choice is None:
             online = (epoch_batches, workload_samples, unit) if self.tuning.online else None
 
@@ -192,6 +193,8 @@ class LoaderTuner:
                 return pending_choice(search), search
             choice = WorkerChoice.from_dict(result)
             self.choices[key] = choice
+            if choice.source == "short run":
+                self._short_runs[key] = workload_samples
             self.findings += choice_findings(self.source, choice, loader) + bound
         elif key in self.restored:
             self.restored.discard(key)
@@ -410,6 +413,22 @@ class LoaderTuner:
         self._begin_run()
         if finding not in self.findings:
             self.findings.append(finding)
+
+    def _choice_for(self, key: str, workload_samples: int | None, loader: str) -> WorkerChoice | None:
+        """The choice made for `key`, but not a short run's where this run loads more (Lightning's
+        `LearningRateFinder` runs 30 or 100 steps of the fit's loop before the fit; a
+        `fast_dev_run` may come before the real fit): that run decides again, and the short
+        run's finding goes (`loader` names it)."""
+        choice = self.choices.get(key)
+        if choice is None or key not in self._short_runs:
+            return choice
+        decided_for = self._short_runs[key]
+        if decided_for is None or (workload_samples is not None and workload_samples <= decided_for):
+            return choice
+        del self.choices[key], self._short_runs[key]
+        title = choice_findings(self.source, choice, loader)[0].title
+        self.findings = [f for f in self.findings if f.title != title]
+        return None
 
     def _begin_run(self) -> None:
         """After a run's teardown, the next decision starts the next run's findings (those of the
