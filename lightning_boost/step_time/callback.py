@@ -48,6 +48,7 @@ from lightning_boost.step_time.timing import (
 from lightning_boost.workers.callback import AutoNumWorkers
 from lightning_boost.workers.loaders import loader_batch_size
 from lightning_boost.workers.online import NO_WORKERS
+from lightning_boost.workers.search import WorkerChoice
 from lightning_boost.workers.whole_batches import WholeBatches, collate_whole
 
 #: A verdict rests on at least this many timed steps and seconds (fewer: an INFO that says so).
@@ -313,13 +314,6 @@ class StepTimeMonitor(BoostCallback):
             for reason in choice.skipped
             if reason.startswith(NO_WORKERS)
         ]
-        unsearched = [  # the training loader's prior, kept unmeasured: its epoch or run too short
-            why
-            for c in choices
-            if c.source == "short run" and not c.trials
-            for why in [c.reason.partition(", not searched: ")[2]]
-            if "first epoch" in why or why.startswith("the run has")
-        ]
         dataset = dataset_kind(getattr(loader, "dataset", None))
         if dataset == "tensors" and getattr(loader, "collate_fn", None) not in DEFAULT_COLLATES:
             dataset = "collated tensors"  # the user's collate_fn takes the samples one by one
@@ -335,8 +329,24 @@ class StepTimeMonitor(BoostCallback):
             dataset=dataset,
             larger_batch=_larger_batch(trainer, self.times.fraction),
             no_workers=ruled_out[0] if ruled_out else "",
-            unsearched=unsearched[0] if unsearched else "",
+            unsearched=_unsearched(choices),
         )
+
+
+def _unsearched(choices: list[WorkerChoice]) -> str:
+    """Why the training loader's worker count was kept unsearched (its first epoch or run too short
+    to time two settings), ``""`` where it was searched.
+
+    Example:
+        >>> short = "0 workers, not searched: the first epoch has 75 batches: 10% of it cannot time ..."
+        >>> _unsearched([WorkerChoice(0, None, short, source="short run")])
+        'the first epoch has 75 batches: 10% of it cannot time ...'
+    """
+    for choice in choices:
+        why = choice.reason.partition(", not searched: ")[2]
+        if choice.source == "short run" and not choice.trials and ("first epoch" in why or "run has" in why):
+            return why
+    return ""
 
 
 def _larger_batch(trainer: L.Trainer, wait_fraction: float) -> str | None:
