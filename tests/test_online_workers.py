@@ -39,6 +39,7 @@ from lightning_boost.workers.online import (
 )
 from lightning_boost.workers.search import WorkerChoice, WorkerTrial
 from lightning_boost.workers.segments import OnlineSearch, SegmentedDataLoader, _Timing, probe_first
+from tests.conftest import minor_version
 
 #: At most 2 workers whatever the machine, so the candidates (0, 1, 2) are the same on every CI box.
 TUNING = WorkerTuning(max_workers=2, timeout_s=20.0)
@@ -861,6 +862,10 @@ def test_a_short_first_epoch_is_not_searched(tmp_path: Path) -> None:
     assert choice.source == "short run" and "cannot time two settings" in choice.reason
 
 
+@pytest.mark.skipif(
+    minor_version(L.__version__) < (2, 6),
+    reason="Lightning 2.4's lr_find leaves its own training loader in the fit loop: the fit trains on it",
+)
 def test_lightnings_lr_finder_leaves_the_fits_own_loader_to_be_searched(tmp_path: Path) -> None:
     """`LearningRateFinder` runs the fit's loop for 30 steps before the fit: the loader asked for
     that short run was kept unsearched ("the run has 30 batches"), and the fit reused the choice
