@@ -882,6 +882,60 @@ def test_a_detection_models_own_syncs_are_told_as_the_models_not_as_the_users_to
     assert list(own) == ([marked_line("detection_item")] if item else [])
 
 
+class Encoder(L.LightningModule):
+    """A `nn.TransformerEncoder` over padded token rows with their padding mask, as a text
+    classifier runs one; `nested` is its `enable_nested_tensor` (torch's default: True)."""
+
+    def __init__(self, nested: bool) -> None:
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(8, 2, 16, batch_first=True)
+        self.embed = torch.nn.Embedding(20, 8, padding_idx=0)
+        self.encoder = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=nested)
+
+    def _loss(self, tokens: Tensor) -> Tensor:
+        hidden = self.encoder(self.embed(tokens), src_key_padding_mask=tokens == 0)  # syncs: encoder
+        return hidden.square().mean()
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return self._loss(batch)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self._loss(batch))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+        return self.val_dataloader()
+
+    def val_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+        rows = [torch.randint(1, 20, (6,)) for _ in range(12)]
+        return torch.utils.data.DataLoader(pad_sequence([r[: n % 5 + 2] for n, r in enumerate(rows)], True))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors:UserWarning")  # torch, unchecked
+@pytest.mark.parametrize("nested", [True, False])
+def test_a_transformer_encoders_nested_tensor_path_is_found_in_evaluation(
+    tmp_path: Path, nested: bool
+) -> None:
+    """In evaluation `nn.TransformerEncoder` packs a padded batch as nested tensors, which reads the
+    mask from the GPU every forward; the guard's checks run its regular path, so a text model's
+    validation was reported free of syncs. The mask's left-alignment check, which runs first, is
+    found at the user's line with the setting that removes it."""
+    guard = SyncGuard(mode="report", every_n_steps=1)
+    trainer = tiny_trainer(
+        tmp_path, callbacks=[guard], limit_train_batches=2, limit_val_batches=2, logger=False
+    )
+    trainer.fit(Encoder(nested))
+    found = user_syncs(guard)
+    if not nested:
+        assert found == {}
+        return
+    (finding,) = found.values()
+    assert finding.location == marked_line("encoder") and finding.data["causes"] == ["nested_tensor"]
+    assert "validation" in finding.title and "enable_nested_tensor=False" in finding.fix
+
+
 class HostToDevice(BoringModel):
     """The three host-to-device copies a GPU run blocks on, each on its marked line."""
 

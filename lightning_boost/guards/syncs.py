@@ -162,6 +162,13 @@ PATTERNS: dict[str, Pattern] = {
             " compare once per epoch.",
         ),
         Pattern(
+            "nested_mask",
+            "`nn.TransformerEncoder` checks the padding mask on the GPU before it packs the batch as"
+            " nested tensors",
+            "`nn.TransformerEncoder(..., enable_nested_tensor=False)`: evaluation runs on the padded"
+            " batch, as training does.",
+        ),
+        Pattern(
             "synchronize", "`torch.cuda.synchronize()` blocks the host until the GPU is idle", _NO_SYNC_CALL
         ),
         Pattern("stream_sync", "`Event.synchronize()`/`Stream.synchronize()` blocks the host", _NO_SYNC_CALL),
@@ -341,6 +348,7 @@ def _rules() -> dict[Callable[..., Any], Rule]:
                 rules[function] = rule
     rules[torch.where] = _where
     rules[T.index_put_] = rules[T.index_put] = lambda args, kwargs, cuda: _setitem(args, kwargs, cuda)
+    rules[torch._nested_tensor_from_mask_left_aligned] = _always("nested_mask")
     rules[F.one_hot] = _one_hot
     rules[F.ctc_loss] = rules[torch.ctc_loss] = _ctc
     return rules
@@ -699,6 +707,18 @@ CAUSES: tuple[Cause, ...] = (
         " them, and the model copies small constants to the GPU at each call",
         "Nothing to change in your step: these are the model's own; the rest of the step can stay free"
         " of syncs.",
+    ),
+    Cause(  # the guard's own checks turn the fast path off: the check before it is what it sees
+        "nested_tensor",
+        "torch",
+        "/nn/modules/transformer.py",
+        ("forward",),
+        False,
+        "`nn.TransformerEncoder(enable_nested_tensor=True)`, torch's default, packs each evaluation"
+        " batch as nested tensors, which also reads the rows' lengths from the GPU",
+        "`nn.TransformerEncoder(..., enable_nested_tensor=False)`: evaluation runs on the padded batch,"
+        " as training does (nested tensors skip the padding's work: on batches mostly padding, time"
+        " both).",
     ),
     Cause(
         "packed_sequence",
