@@ -49,6 +49,7 @@ from lightning_boost.workers.callback import AutoNumWorkers
 from lightning_boost.workers.loaders import loader_batch_size
 from lightning_boost.workers.online import NO_WORKERS
 from lightning_boost.workers.search import WorkerChoice
+from lightning_boost.workers.tuner import NOT_SEARCHED
 from lightning_boost.workers.whole_batches import WholeBatches, collate_whole
 
 #: A verdict rests on at least this many timed steps and seconds (fewer: an INFO that says so).
@@ -343,7 +344,7 @@ def _unsearched(choices: list[WorkerChoice]) -> str:
         'the first epoch has 75 batches: 10% of it cannot time ...'
     """
     for choice in choices:
-        why = choice.reason.partition(", not searched: ")[2]
+        why = choice.reason.partition(NOT_SEARCHED)[2]
         if choice.source == "short run" and not choice.trials and ("first epoch" in why or "run has" in why):
             return why
     return ""

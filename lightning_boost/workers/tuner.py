@@ -63,6 +63,8 @@ from lightning_boost.workers.segments import OnlineSearch
 CACHE_FILE = "workers.json"
 #: The most samples a batch of a loader trial holds (a larger tuned batch is timed at this size).
 MEASURE_BATCH_CAP = 1024
+#: What follows the prior's worker count in a short run's reason, before why (StepTimeMonitor reads it).
+NOT_SEARCHED = ", not searched: "
 
 
 @dataclasses.dataclass(frozen=True)
@@ -277,7 +279,7 @@ class LoaderTuner:
                     return {"online": dataclasses.asdict(plan)}
                 workers, factor, _ = prior_setting(hardware, tuning)
                 why = plan.why_not or untimeable_reason(hardware, tuning, plan)
-                reason = f"{workers} workers, not searched: {why}"
+                reason = f"{workers} workers{NOT_SEARCHED}{why}"
                 return WorkerChoice(workers, factor, reason, source="short run").to_dict()
             choice = self._measure(ask)
             if choice.source == "measured":  # a short run's shortcut would shortchange a long one
