@@ -266,6 +266,28 @@ def test_patched_clock_gives_the_exact_data_wait_fraction(
     assert finding.cost == "1.0 s over 24 steps"  # the wait; the title gives its share
 
 
+def test_the_verdict_is_decided_on_the_fraction_the_report_shows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A wait of 10.0004 % against the default threshold of 10 % (input-bound *above* it): the
+    report's figure is 0.1 (4 places), so the verdict is the one 0.1 gives. Decided on the unrounded
+    value, it was "Input-bound" with 0.1 in its data, and a reader checking the figure against the
+    threshold disagreed with it (CI's run of Lightning's GAN example hit this boundary)."""
+    clock = FakeClock()
+    monkeypatch.setattr(step_time, "_now", clock.now)
+    monitor = StepTimeMonitor(warmup_steps=0)
+    loader = DataLoader(SlowDataset(0.100004 / 4, clock, length=96), batch_size=4)  # wait 0.100004 s
+    trainer = tiny_trainer(tmp_path, callbacks=[monitor], limit_train_batches=None, limit_val_batches=0)
+    trainer.fit(TimedModel(0.899996, clock), train_dataloaders=loader, val_dataloaders=NO_VAL)
+    assert monitor.times.fraction == pytest.approx(0.100004, abs=1e-9)
+    (finding,) = monitor.findings
+    assert finding.data["data_wait_fraction"] == finding.data["threshold"] == 0.1
+    assert (
+        finding.severity is Severity.INFO
+        and finding.title == "Compute-bound: 10% of step time waiting for data"
+    )
+
+
 class SlowLoop(Callback):
     """Work Lightning's loop does between steps (a hook, logged values read back): each batch's
     end moves the clock `seconds` (listed after the monitor, as the loop's own work runs there)."""

@@ -221,13 +221,14 @@ class StepTimeMonitor(BoostCallback):
 
     def _finding(self, trainer: L.Trainer, pl_module: L.LightningModule, end: float) -> Finding:
         times = self.times
-        fraction = times.fraction
+        # the verdict is decided on the figures the report shows (4 places), so it agrees with them
+        fraction, between = round(times.fraction, 4), round(times.between_fraction, 4)
         history = times.history
         data: dict[str, Any] = {
-            "data_wait_fraction": round(fraction, 4),
+            "data_wait_fraction": fraction,
             "wait_s": round(times.wait_s, 4),
             "between_s": round(times.between_s, 4),
-            "between_fraction": round(times.between_fraction, 4),
+            "between_fraction": between,
             "tuning_s": round(times.tuning_s, 4),
             "step_s": round(times.step_s, 4),
             "steps": times.counted,
@@ -242,7 +243,7 @@ class StepTimeMonitor(BoostCallback):
                 {"data-wait fraction": [round(w.fraction, 4) for w in history]},
                 reference=("input-bound above", self.threshold),
             )
-        share = f"{fraction:.0%} of step time waiting for data"
+        share = f"{times.fraction:.0%} of step time waiting for data"  # one rounding, not two
         detail = (
             f"{times.wait_s:.1f} s waiting for data, {times.step_s:.1f} s computing and"
             f" {times.between_s:.1f} s ({times.between_fraction:.0%}) between steps on other work"
@@ -281,7 +282,7 @@ class StepTimeMonitor(BoostCallback):
         model = _model_step(trainer) if self._on_gpu else None
         if fraction <= self.threshold and model and times.step_s >= HOST_BOUND * model[1] * times.counted:
             return _host_bound(times, model, detail, data)
-        if fraction <= self.threshold and self._on_gpu and times.between_fraction > self.threshold:
+        if fraction <= self.threshold and self._on_gpu and between > self.threshold:
             loader = trainer.train_dataloader
             size = loader_batch_size(loader) if isinstance(loader, DataLoader) else None
             return _idle_between_steps(times, size, detail, data)
