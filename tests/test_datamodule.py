@@ -484,6 +484,41 @@ def test_an_iterable_dataset_trains_in_its_own_order_with_the_reasons(tmp_path: 
     assert datamodule.train_dataloader().num_workers == 0  # its sharding across workers is its own
 
 
+class Weighted(Indexed):
+    """An imbalanced set drawn by weight: `setup()` assigns the sampler beside the dataset, as a
+    Lightning user builds a `WeightedRandomSampler` from the labels it just loaded."""
+
+    def __init__(self, draws: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.draws = draws
+
+    @override
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self.train_sampler = _weighted(self.draws)
+
+
+def _weighted(draws: int) -> torch.utils.data.WeightedRandomSampler:
+    weights = torch.linspace(0.1, 1.0, 64)  # the later samples drawn about 10x as often as the first
+    return torch.utils.data.WeightedRandomSampler(weights, draws, generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize("tensors", [False, True], ids=["dataset", "tensor_dataset"])
+def test_a_sampler_set_in_setup_draws_the_training_batches(tmp_path: Path, tensors: bool) -> None:
+    """The batches trained are the sampler's, in its order, epoch after epoch, with the workers
+    searched on them (a `TensorDataset` too, loaded one gather a batch); an epoch is the sampler's
+    96 draws, not the dataset's 64 samples."""
+    dataset: Dataset[Any] = IndexDataset()
+    if tensors:
+        dataset = torch.utils.data.TensorDataset(IndexDataset().inputs, torch.arange(64))
+    datamodule = Weighted(96, dataset=dataset, batch_size=8, retune=True)
+    seen = _fit(tmp_path, datamodule, epochs=2).seen
+    order = torch.utils.data.BatchSampler(_weighted(96), batch_size=8, drop_last=False)
+    assert seen == [*order, *order]  # 12 batches an epoch, the second epoch the sampler's next draws
+    assert datamodule.train_dataloader().sampler is datamodule.train_sampler
+    assert datamodule.worker_tuner.choices  # searched
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
@@ -494,6 +529,21 @@ def test_an_iterable_dataset_trains_in_its_own_order_with_the_reasons(tmp_path: 
         ({"collate_fn": "stack"}, TypeError, r"`collate_fn` expected a callable or None, got 'stack'"),
         ({"loader_kwargs": {"num_workers": 2}}, ValueError, "pass `num_workers=...` instead"),
         ({"loader_kwargs": {"timeuot": 2}}, ValueError, "Did you mean 'timeout'"),
+        (
+            {"loader_kwargs": {"sampler": None}},
+            ValueError,
+            r"assign `self.train_sampler = ...` in `setup\(\)`",
+        ),
+        (
+            {"loader_kwargs": {"dataset": None}},
+            ValueError,
+            r"assign `self.train_dataset = ...` in `setup\(\)`",
+        ),
+        (
+            {"loader_kwargs": {"batch_sampler": None}},
+            ValueError,
+            r"batches by `batch_size`.*`AutoNumWorkers`",
+        ),
     ],
 )
 def test_bad_arguments_are_named_with_the_fix(kwargs: dict[str, Any], error: type, match: str) -> None:

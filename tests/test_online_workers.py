@@ -862,6 +862,25 @@ def test_a_short_first_epoch_is_not_searched(tmp_path: Path) -> None:
     assert choice.source == "short run" and "cannot time two settings" in choice.reason
 
 
+def test_an_epoch_is_the_samplers_draws_not_the_datasets_length(tmp_path: Path) -> None:
+    """64 samples drawn 960 times an epoch by a `WeightedRandomSampler` (an imbalanced set
+    oversampled): 240 batches, long enough to search. Counted by the dataset's length (16 batches)
+    it was kept unsearched as a short run, in `AutoNumWorkers` as in `BoostedDataModule`."""
+    weights = torch.linspace(0.1, 1.0, 64)
+    sampler = torch.utils.data.WeightedRandomSampler(
+        weights, SAMPLES, generator=torch.Generator().manual_seed(3)
+    )
+    loader = DataLoader(IndexedData(64, load_s=0.001), batch_size=4, sampler=sampler)
+    tuner = AutoNumWorkers(TUNING)
+    options = {"logger": False, "enable_checkpointing": False, "callbacks": [tuner]}
+    trainer = tiny_trainer(tmp_path, max_epochs=1, limit_train_batches=1.0, limit_val_batches=0, **options)
+    model = Recorder()
+    trainer.fit(model, train_dataloaders=loader, val_dataloaders=DataLoader(IndexedData(16), batch_size=4))
+    (choice,) = [c for c in tuner.worker_tuner.choices.values() if c.source != "short run"]
+    assert choice.source == "searched", choice.reason
+    assert len(model.seen[0]) == SAMPLES
+
+
 @pytest.mark.skipif(
     minor_version(L.__version__) < (2, 6),
     reason="Lightning 2.4's lr_find leaves its own training loader in the fit loop: the fit trains on it",

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.seed import pl_worker_init_function
-from torch.utils.data import DataLoader, Dataset, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 from typing_extensions import override
 
 from lightning_boost._lightning import (
@@ -42,6 +42,15 @@ Loaders = DataLoader[Any] | list[DataLoader[Any]] | dict[Any, DataLoader[Any]]
 _MANAGED = {"dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "collate_fn",
             "num_workers", "prefetch_factor", "pin_memory", "persistent_workers"}  # fmt: skip
 _SPLITS = ("train", "val", "test", "predict")
+#: Where a managed argument that has no parameter of its own goes instead.
+_ELSEWHERE = {
+    "dataset": "assign `self.train_dataset = ...` in `setup()` (and `val_dataset`, ...)",
+    "sampler": "assign `self.train_sampler = ...` in `setup()` (a `WeightedRandomSampler` of the set"
+    " you just built)",
+    "batch_sampler": "BoostedDataModule batches by `batch_size`, which tuning may change; a batch"
+    " sampler of your own goes in a DataLoader you build (override `train_dataloader()`), and"
+    " `AutoNumWorkers` tunes its workers",
+}
 
 if TYPE_CHECKING:  # the mixin is typed as the datamodule it is mixed into
     _DataModule = L.LightningDataModule
@@ -88,6 +97,7 @@ class BoostedDataMixin(_DataModule):
     """
 
     train_dataset: Dataset[Any] | None = None
+    train_sampler: Sampler[Any] | None = None  # draws the training batches' samples in place of `shuffle`
     val_dataset: Datasets | None = None  # several: a loader each (`several`)
     test_dataset: Datasets | None = None
     predict_dataset: Datasets | None = None
@@ -250,6 +260,12 @@ class BoostedDataMixin(_DataModule):
         """The loader of `dataset`; `tuning` is the dataset an evaluation pass run alone is tuned
         on (the first of several), and only the `lead` loader of such a pass runs its search."""
         if isinstance(dataset, IterableDataset):
+            if split == "train" and self.train_sampler is not None:
+                raise TypeError(
+                    f"`{type(self).__name__}.train_sampler` is set, but `train_dataset`"
+                    f" ({type(dataset).__name__}) is an IterableDataset, which orders its own samples:"
+                    " draw them inside its `__iter__`, or leave `train_sampler` as None."
+                )
             shuffle = self._stream_order(split, dataset, shuffle)
         elif not hasattr(dataset, "__len__"):
             raise TypeError(
@@ -266,6 +282,8 @@ class BoostedDataMixin(_DataModule):
         if cap is not None and cap < settings["num_workers"]:
             settings = self._capped(split, settings, cap)
         batching: dict[str, Any] = {"batch_size": size, "shuffle": shuffle, "drop_last": drop_last}
+        if split == "train" and self.train_sampler is not None:  # it orders the samples, not `shuffle`
+            batching = batching | {"shuffle": None, "sampler": self.train_sampler}
         gathered, collate_fn = whole_batches(dataset, settings["collate_fn"])  # the same batches, sooner
         if gathered is not dataset:
             self.worker_tuner.add_finding(whole_batches_finding("BoostedDataModule"))
@@ -358,9 +376,12 @@ class BoostedDataMixin(_DataModule):
             train = tuning_dataset is self.train_dataset and own_split is None
             split = own_split or ("train" if train else "evaluation")
             size = self.batch_size if own_split is None else self.evaluation_batch_size
-            samples = workload(trainer, split, tuning_dataset, size)
+            sampler = self.train_sampler if train else None  # an epoch is its draws
+            samples = workload(trainer, split, tuning_dataset, size, sampler)
             searched = train or own_split is not None
-            batches = epoch_batches(trainer, tuning_dataset, size, drop_last, split) if searched else None
+            batches = (
+                epoch_batches(trainer, tuning_dataset, size, drop_last, split, sampler) if searched else None
+            )
             # an evaluation pass's workers past its batches never get one (`_eval_cap`): none is tried
             stream = isinstance(tuning_dataset, IterableDataset)
             most = batches if own_split is not None and not stream else None
@@ -402,6 +423,8 @@ class BoostedDataMixin(_DataModule):
 def _checked_loader_kwargs(loader_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     allowed = set(inspect.signature(DataLoader).parameters) - _MANAGED
     for key in loader_kwargs:
+        if key in _ELSEWHERE:
+            raise ValueError(f"`loader_kwargs` got {key!r}: {_ELSEWHERE[key]}.")
         if key in _MANAGED:
             raise ValueError(
                 f"`loader_kwargs` got {key!r}, which has its own argument: pass `{key}=...` instead."
@@ -463,7 +486,9 @@ class BoostedDataModule(BoostedDataMixin, L.LightningDataModule):
         eval_batch_size: samples per validation, test and predict batch, fixed by hand. ``None``
             (default): the size `AutoBatchSize` measured for evaluation steps on an accelerator
             (no gradients are kept, so usually several times `batch_size`), else `batch_size`.
-        shuffle: shuffle the training set (evaluation sets are never shuffled).
+        shuffle: shuffle the training set (evaluation sets are never shuffled). A
+            ``self.train_sampler`` that ``setup()`` assigns (a ``WeightedRandomSampler``) draws the
+            training samples instead; the batches are then its draws, in its order.
         drop_last: drop the last incomplete training batch.
         collate_fn: merges samples into a batch (default: PyTorch's).
         num_workers: fix the worker count by hand instead of measuring it.

@@ -145,9 +145,9 @@ class AutoNumWorkers(BoostCallback):
             self._cannot(split, why_not or "no batch size")
             return loader
         settings = {name: getattr(loader, name, None) for name in MEASURED_SETTINGS}
-        samples = workload(trainer, split, loader.dataset, batch_size)
+        samples = workload(trainer, split, loader.dataset, batch_size, loader.sampler)
         alone = own_pass(trainer, split)  # an evaluation stage run alone: searched on its own pass
-        per_pass = epoch_batches(trainer, loader.dataset, batch_size, loader.drop_last, split)
+        per_pass = epoch_batches(trainer, loader.dataset, batch_size, loader.drop_last, split, loader.sampler)
         searched = per_pass if split == "train" or alone else None
         cap = per_pass if split != "train" else None  # a worker past a pass's batches never gets one
         choice, search = self.worker_tuner.decide(

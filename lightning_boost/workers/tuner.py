@@ -18,7 +18,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, DistributedSampler
 
 from lightning_boost import cache
 from lightning_boost._lightning import debugging_mode, hardware_for, preserved_rng
@@ -595,13 +595,44 @@ def own_pass(trainer: L.Trainer | None, split: str) -> bool:
     return trainer is not None and split in _STAGES and trainer.state.fn == _STAGES[split]
 
 
-def workload(trainer: L.Trainer | None, split: str, dataset: Dataset[Any], batch_size: int) -> int | None:
-    """Samples the run will load from its `split` loader over `dataset` (`run_samples`); ``None``
-    when unknown (no trainer, no length, validation by steps). ``trainer.validate()``, ``test()``
-    and ``predict()`` load one pass (``limit_<split>_batches`` of it), whatever the fit's epochs."""
-    try:
-        length = len(dataset)  # type: ignore[arg-type]
-    except TypeError:
+def epoch_length(dataset: Dataset[Any], sampler: Iterable[Any] | None = None) -> int | None:
+    """Samples a pass over `dataset` draws, over every rank: the `sampler`'s draws where there is
+    one (a ``WeightedRandomSampler(weights, num_samples)`` draws `num_samples`; a
+    ``DistributedSampler`` its rank's share on each rank); ``None`` without a length.
+
+    Example:
+        >>> from torch.utils.data import TensorDataset, WeightedRandomSampler
+        >>> data = TensorDataset(torch.zeros(64, 2))
+        >>> epoch_length(data), epoch_length(data, WeightedRandomSampler(torch.ones(64), 96))
+        (64, 96)
+        >>> epoch_length(data, DistributedSampler(data, num_replicas=2, rank=0))
+        64
+        >>> epoch_length(iter([1, 2])) is None
+        True
+    """
+    if isinstance(sampler, DistributedSampler):
+        return len(sampler) * sampler.num_replicas
+    for sized in (sampler, dataset):  # a stream's loader has a sampler of no length
+        try:
+            return len(sized)  # type: ignore[arg-type]
+        except TypeError:
+            continue
+    return None
+
+
+def workload(
+    trainer: L.Trainer | None,
+    split: str,
+    dataset: Dataset[Any],
+    batch_size: int,
+    sampler: Iterable[Any] | None = None,
+) -> int | None:
+    """Samples the run will load from its `split` loader over `dataset` (`run_samples`), an epoch
+    being the `sampler`'s draws where there is one (`epoch_length`); ``None`` when unknown (no
+    trainer, no length, validation by steps). ``trainer.validate()``, ``test()`` and
+    ``predict()`` load one pass (``limit_<split>_batches`` of it), whatever the fit's epochs."""
+    length = epoch_length(dataset, sampler)
+    if length is None:
         return None
     if own_pass(trainer, split):
         limit = getattr(trainer, f"limit_{split}_batches")
@@ -636,15 +667,18 @@ def val_checks_per_epoch(interval: object) -> int:
 
 
 def epoch_batches(
-    trainer: L.Trainer | None, dataset: Dataset[Any], batch_size: int, drop_last: bool, split: str = "train"
+    trainer: L.Trainer | None,
+    dataset: Dataset[Any],
+    batch_size: int,
+    drop_last: bool,
+    split: str = "train",
+    sampler: Iterable[Any] | None = None,
 ) -> int | None:
-    """Batches per pass of `split` on each rank (the distributed sampler's share, Lightning's
-    ``limit_<split>_batches``); ``None`` without a trainer or a dataset length."""
-    try:
-        length = len(dataset)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-    if trainer is None:
+    """Batches per pass of `split` on each rank (the distributed sampler's share of the `sampler`'s
+    draws or the dataset, `epoch_length`; Lightning's ``limit_<split>_batches``); ``None`` without
+    a trainer or a length."""
+    length = epoch_length(dataset, sampler)
+    if length is None or trainer is None:
         return None
     per_rank = -(-length // max(trainer.world_size, 1))
     batches = per_rank // batch_size if drop_last else -(-per_rank // batch_size)
