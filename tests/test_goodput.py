@@ -389,6 +389,28 @@ def test_a_fractional_limit_never_leaves_an_epoch_without_batches(tmp_path: Path
     assert callback.decision is not None and callback.decision.trials  # it did tune
 
 
+class Oversampled(Classes):
+    """512 samples drawn 7168 times an epoch (`train_sampler`): an epoch is 112 batches of 64."""
+
+    @override
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        weights = torch.ones(len(self.train_dataset))  # type: ignore[arg-type]
+        self.train_sampler = torch.utils.data.WeightedRandomSampler(weights, 7168)
+
+
+def test_the_run_plan_counts_an_epoch_as_the_samplers_draws(tmp_path: Path) -> None:
+    """Counted by the dataset's 512 samples, the epoch was 8 batches and the size kept as
+    configured ("fewer than 16 batches"); it is the sampler's 7168 draws, so the size is tuned,
+    bounded as the quickstart's 7168 samples are."""
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache")
+    trainer = quiet_trainer(tmp_path, [callback], max_epochs=2)
+    trainer.fit(MLP(), datamodule=Oversampled(samples=512, batch_size=64))
+    decision = callback.decision
+    assert decision is not None and not decision.kept and decision.trials
+    assert decision.batch_size <= 7168 // MIN_STEPS_PER_EPOCH
+
+
 def test_the_quickstart_never_takes_the_whole_dataset_and_refits_from_the_written_size(
     tmp_path: Path,
 ) -> None:

@@ -58,6 +58,7 @@ from lightning_boost.batch_size.decision import (
 from lightning_boost.batch_size.goodput import NoiseScale, lr_rule
 from lightning_boost.batch_size.measure import (
     SeveralLoaders,
+    SplitData,
     autocast_trial,
     evaluated_samples,
     measured,
@@ -469,7 +470,7 @@ class AutoBatchSize(BoostCallback):
         data = split_data(trainer, "train")
         if data is None:
             return None
-        plan = run_plan(trainer, data[0], trainer.world_size)
+        plan = run_plan(trainer, data, trainer.world_size)
         steps, epoch = plan.optimizer_steps(decision.batch_size), plan.batches_per_epoch(decision.batch_size)
         if (
             steps is None
@@ -477,7 +478,7 @@ class AutoBatchSize(BoostCallback):
             or steps - epoch // decision.accumulate_grad_batches < GROW_AFTER_STEPS
         ):
             return None
-        limits = self._limits(trainer, pl_module, data[0], trainer.world_size, decision.configured_batch_size)
+        limits = self._limits(trainer, pl_module, data, trainer.world_size, decision.configured_batch_size)
         cap = lr_capped(limits, decision.lr_scaling, decision.configured_batch_size).max_size
         if not could_grow(decision.trials, growth_limits(decision, self.tolerance), decision.batch_size, cap):
             return None
@@ -534,8 +535,8 @@ class AutoBatchSize(BoostCallback):
         train_data = split_data(trainer, "train")
         if train_data is None:
             raise RuntimeError("AutoBatchSize needs a training DataLoader to take batches from.")
-        limits = self._limits(trainer, pl_module, train_data[0], world, configured)
-        plan = run_plan(trainer, train_data[0], world)
+        limits = self._limits(trainer, pl_module, train_data, world, configured)
+        plan = run_plan(trainer, train_data, world)
         why = plan.keep_reason(configured, target=self.target_global_batch_size is not None)
         if why:
             return kept(configured, trainer.accumulate_grad_batches, limits, why)
@@ -554,8 +555,10 @@ class AutoBatchSize(BoostCallback):
         probe = self._probe(trainer, pl_module)
         validates = self.check_validation and overrides(pl_module, "validation_step")
         val_data = split_data(trainer, "val") if validates else None
-        train_data = (remembered(train_data[0]), train_data[1])  # each trial loads only what is new
-        val_data = None if val_data is None else (remembered(val_data[0]), val_data[1])
+        train_data = train_data._replace(
+            dataset=remembered(train_data.dataset)
+        )  # each trial loads only what is new
+        val_data = None if val_data is None else val_data._replace(dataset=remembered(val_data.dataset))
         rule = lr_rule(self.lr_scaling)
         limits = lr_capped(limits, rule, configured)  # no size the rule's learning rates fail at
         start = self.init_batch_size or configured
@@ -643,10 +646,10 @@ class AutoBatchSize(BoostCallback):
         return None if entry is None else BatchSizeDecision.from_dict({**entry["result"], "source": "cache"})
 
     def _limits(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, dataset: Any, world: int, configured: int
+        self, trainer: L.Trainer, pl_module: L.LightningModule, data: SplitData, world: int, configured: int
     ) -> Limits:
         bounds = [self.max_batch_size or math.inf]
-        largest_for_run = run_plan(trainer, dataset, world).largest_size()
+        largest_for_run = run_plan(trainer, data, world).largest_size()
         if largest_for_run is not None:
             bounds.append(largest_for_run)
         if self.target_global_batch_size is not None:
@@ -733,7 +736,7 @@ def _short_run_autotuning(trainer: L.Trainer, decision: BatchSizeDecision) -> Fi
     data = split_data(trainer, "train")
     if rate is None or data is None:
         return None
-    run = run_plan(trainer, data[0], trainer.world_size)
+    run = run_plan(trainer, data, trainer.world_size)
     if run.repays_autotuning(decision.batch_size, rate):
         return None
     torch.backends.cudnn.benchmark = False

@@ -9,7 +9,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator, Mapping, Sized
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning as L
 import torch
@@ -32,6 +32,7 @@ from lightning_boost.micro_batch.split import batch_length
 from lightning_boost.presets.autocast import AutocastTrial, MeasuredAutocastMixin
 from lightning_boost.step_probe import StepProbe, first_batch, is_oom, sample_batches
 from lightning_boost.trials import StepFailed, Trial, merge
+from lightning_boost.workers.tuner import epoch_length
 
 
 class SeveralLoaders(TypeError):
@@ -39,9 +40,17 @@ class SeveralLoaders(TypeError):
     trial times one loader's batches, so the batch sizes stay as written."""
 
 
-def split_data(trainer: L.Trainer, split: str) -> tuple[Any, Any] | None:
-    """The dataset and collate function of the run's `split` loader (the first evaluation loader
-    if several).
+class SplitData(NamedTuple):
+    """What a split's loader loads: its dataset, collate function and, for training, its sampler."""
+
+    dataset: Any
+    collate_fn: Any
+    sampler: Any = None  # the training loader's: its draws are an epoch (`epoch_length`)
+
+
+def split_data(trainer: L.Trainer, split: str) -> SplitData | None:
+    """The dataset, collate function and training sampler of the run's `split` loader (the first
+    evaluation loader if several).
 
     Raises:
         SeveralLoaders: when the run trains on several loaders at once.
@@ -51,7 +60,8 @@ def split_data(trainer: L.Trainer, split: str) -> tuple[Any, Any] | None:
         dataset = getattr(datamodule, f"{split}_dataset")
         if several(dataset):  # a loader each: the first, as for a user's list of loaders
             dataset = first_of(dataset)
-        return None if dataset is None else (dataset, datamodule.collate_fn)
+        sampler = datamodule.train_sampler if split == "train" else None
+        return None if dataset is None else SplitData(dataset, datamodule.collate_fn, sampler)
     loaders = user_dataloaders(trainer, split)
     several_loaders = isinstance(loaders, (list, tuple, Mapping)) and len(loaders) > 1
     if split == "train" and (several_loaders or type(loaders).__name__ == "CombinedLoader"):
@@ -65,18 +75,20 @@ def split_data(trainer: L.Trainer, split: str) -> tuple[Any, Any] | None:
             f"AutoBatchSize takes batches from one DataLoader per split, but the {split} loader is a"
             f" {type(loaders).__name__}: return a DataLoader, or set the batch size by hand."
         )
-    return loaders.dataset, loaders.collate_fn
+    return SplitData(loaders.dataset, loaders.collate_fn, loaders.sampler if split == "train" else None)
 
 
-def run_plan(trainer: L.Trainer, dataset: Any, world: int) -> RunPlan:
-    """What the run will train: the Trainer's limits over the training data, per rank."""
+def run_plan(trainer: L.Trainer, data: SplitData, world: int) -> RunPlan:
+    """What the run will train: the Trainer's limits over the training data (an epoch the
+    sampler's draws), per rank."""
     datamodule = datamodule_of(trainer)
     drop_last = (
         bool(getattr(datamodule, "drop_last", False)) if isinstance(datamodule, BoostedDataMixin) else False
     )
     max_epochs = trainer.max_epochs if trainer.max_epochs is not None and trainer.max_epochs >= 0 else None
+    length = epoch_length(data.dataset, data.sampler)
     return RunPlan(
-        samples=len(dataset) // world if isinstance(dataset, Sized) else None,
+        samples=None if length is None else length // world,
         max_epochs=max_epochs,
         max_steps=trainer.max_steps,
         limit_batches=trainer.limit_train_batches,
@@ -89,7 +101,7 @@ def run_plan(trainer: L.Trainer, dataset: Any, world: int) -> RunPlan:
 
 
 def autocast_trial(
-    trainer: L.Trainer, data: tuple[Any, Any], size: int, run_steps: int | None
+    trainer: L.Trainer, data: SplitData, size: int, run_steps: int | None
 ) -> AutocastTrial | None:
     """A CPU's measured bf16 autocast (`MeasuredAutocast`) decides before the batch-size trials
     time other sizes, so they time the step at the precision the run trains at (it would decide
@@ -108,7 +120,7 @@ def autocast_trial(
 def train_trial(
     trainer: L.Trainer,
     probe: StepProbe,
-    data: tuple[Any, Any],
+    data: SplitData,
     size: int,
     split: bool,
     alternate: AutocastTrial | None = None,
@@ -130,7 +142,7 @@ def train_trial(
     return trial
 
 
-def val_trial(trainer: L.Trainer, probe: StepProbe, data: tuple[Any, Any], size: int) -> Callable[[], Trial]:
+def val_trial(trainer: L.Trainer, probe: StepProbe, data: SplitData, size: int) -> Callable[[], Trial]:
     return lambda: probe.validate(trainer.strategy.batch_to_device(first_batch(data[0], data[1], size)), size)
 
 
@@ -173,7 +185,7 @@ def evaluated_samples(trainer: L.Trainer, dataset: Any, runs: int | None) -> flo
 def with_eval_size(
     trainer: L.Trainer,
     probe: StepProbe,
-    val_data: tuple[Any, Any],
+    val_data: SplitData,
     decision: BatchSizeDecision,
     budget: int,
     evaluated: float | None = None,
