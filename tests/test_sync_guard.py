@@ -119,6 +119,14 @@ class Print(OneSync):
         print(loss)  # noqa: T201  # syncs: print
 
 
+class MoreAtFirst(OneSync):
+    """Syncs 3x in its first step, then once a step: a `MetricCollection` before it merges its
+    compute groups updates each metric on its own, then the group once."""
+
+    def sync(self, loss: Tensor, batch: Any) -> None:
+        self.values = [loss.item() for _ in range(3 if self.global_step == 0 else 1)]  # syncs: first
+
+
 class Cpu(OneSync):
     def sync(self, loss: Tensor, batch: Any) -> None:
         self.value = loss.detach().cpu()  # syncs: cpu
@@ -632,7 +640,22 @@ def test_warn_mode_warns_once_per_line_at_that_line(tmp_path: Path) -> None:
     ours = [w for w in caught if issubclass(w.category, BoostWarning)]
     assert len(ours) == 1
     assert f"{ours[0].filename}:{ours[0].lineno}" == marked_line("print")
-    assert "SyncGuard: `print(loss)` syncs 1x per training step" in str(ours[0].message)
+    assert "SyncGuard: `print(loss)` syncs 1x in the first training step it was found in" in str(
+        ours[0].message
+    )
+
+
+def test_the_warning_counts_the_step_it_was_found_in_and_the_report_every_step(tmp_path: Path) -> None:
+    """The warning comes at the first step a line syncs in, so its count is that step's: "3x per
+    training step" there, against the report's 1.5x over 4 steps, read as a contradiction."""
+    guard = SyncGuard(every_n_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit(MoreAtFirst(), tmp_path, guard=guard, limit_train_batches=4)
+    (ours,) = [w for w in caught if issubclass(w.category, BoostWarning)]
+    assert "syncs 3x in the first training step it was found in" in str(ours.message)
+    (finding,) = [f for f in guard.findings if f.location == marked_line("first")]
+    assert "syncs 1.5x per training step" in finding.title
 
 
 def test_report_mode_is_silent(tmp_path: Path) -> None:

@@ -268,7 +268,7 @@ class SyncGuard(Guard):
             for group in self._new:
                 site = group.attribution.site
                 where = dataclasses.replace(site, code=group.code) if site else None
-                self._warn(trainer, f"SyncGuard: {group.title(1)}. {group.fix()}", where)
+                self._warn(trainer, f"SyncGuard: {group.title(None)}. {group.fix()}", where)
         self._new = []
 
     def _on_sync(self, pattern: str, frame: FrameType | None) -> None:

@@ -970,14 +970,24 @@ class SyncGroup:
     def per_step(self, steps: int) -> float:
         return sum(self.counts.values()) / max(steps, 1)
 
-    def title(self, steps: int) -> str:
-        rate = f"{self.per_step(steps):.3g}x per {self.phase} step"
+    def title(self, steps: int | None) -> str:
+        """The finding's title over `steps` checked steps; ``None``: the warning's, in the step
+        the group was first found in, whose count alone it knows (a `MetricCollection` syncs more
+        in its first step, before it merges its compute groups, than in the rest)."""
+        first = f"in the first {self.phase} step it was found in"
+        rate = (
+            f"{self.per_step(steps):.3g}x per {self.phase} step"
+            if steps
+            else f"{self.per_step(1):.3g}x {first}"
+        )
         a = self.attribution
         if self.framework:
             where = f"{a.package} syncs in `{a.library.function}`" if a.library else "The framework syncs"
             what = a.cause.says(self.phase)[0] if a.cause else where
             return f"{what} ({rate})"
-        return f"`{self.code}` syncs {rate} in {a.hook}"
+        return (
+            f"`{self.code}` syncs {rate} in {a.hook}" if steps else f"`{self.code}` syncs {rate} ({a.hook})"
+        )
 
     def detail(self, steps: int, cpu_run: bool) -> str:
         parts = [f"{PATTERNS[p].what} ({n}x)" for p, n in self.counts.items()]
