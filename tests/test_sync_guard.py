@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.loggers import CSVLogger
 from torch import Tensor
+from torch.distributions import Normal
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence, pad_sequence
 from torchmetrics import MeanMetric
 from torchmetrics.classification import BinaryAccuracy, MulticlassAccuracy, MulticlassJaccardIndex
@@ -479,6 +480,36 @@ def test_a_packed_sequence_rnn_syncs_only_to_sort(tmp_path: Path, sorted_batches
     assert found.keys() == {marked_line("pack"), marked_line("pad")}
     for finding in found.values():
         assert finding.data["causes"] == ["packed_sequence"] and "enforce_sorted=True" in finding.fix
+
+
+class GaussianHead(BoringModel):
+    """A VAE's or a policy's step: a `Normal` from the model's outputs, sampled and scored.
+    `validate` is the distributions' `validate_args` (torch's default: on, as `__debug__`)."""
+
+    def __init__(self, validate: bool) -> None:
+        super().__init__()
+        self.validate = validate
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        mean, log_std = self(batch[0]).chunk(2, dim=1)
+        dist = Normal(mean, log_std.exp(), validate_args=self.validate)  # syncs: normal
+        return -dist.log_prob(dist.rsample()).mean()  # syncs: log_prob
+
+
+@pytest.mark.parametrize("validate", [True, False])
+def test_a_distributions_argument_checks_are_named_with_the_setting(tmp_path: Path, validate: bool) -> None:
+    """`torch.distributions` checks each parameter (and `log_prob`'s value) against its
+    constraint with a Python branch on the GPU's answer: found at the user's lines with
+    `validate_args=False` as the fix, where it said only "look for a torch setting"."""
+    guard = fit(GaussianHead(validate), tmp_path)
+    found = user_syncs(guard)
+    if not validate:
+        assert found == {}
+        return
+    assert found.keys() == {marked_line("normal"), marked_line("log_prob")}
+    for finding in found.values():
+        assert finding.data["causes"] == ["distribution_validation"]
+        assert "validate_args=False" in finding.fix and "set_default_validate_args(False)" in finding.fix
 
 
 class MacroAccuracy(BoringModel):

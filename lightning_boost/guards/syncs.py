@@ -721,6 +721,20 @@ CAUSES: tuple[Cause, ...] = (
         " both).",
     ),
     Cause(
+        "distribution_validation",
+        "torch",
+        "/distributions/distribution.py",
+        ("__init__", "_validate_sample"),
+        False,
+        "`torch.distributions` checks each parameter when a distribution is built, and each value"
+        " `log_prob` scores, against its constraint (`validate_args`, on by default), branching on"
+        " the GPU's answer",
+        "`Normal(..., validate_args=False)` for each distribution the step builds, or"
+        " `torch.distributions.Distribution.set_default_validate_args(False)` once before training"
+        " (`python -O` too). The checks stop NaN or out-of-range parameters with an error: keep them"
+        " while debugging.",
+    ),
+    Cause(
         "packed_sequence",
         "torch",
         "/nn/utils/rnn.py",
