@@ -250,9 +250,15 @@ def input_bound_fixes(
         )
     elif len(set(measured_workers)) > 1:
         counts = ", ".join(str(n) for n in sorted(set(measured_workers)))
+        rest = (
+            "and the batches are already loaded one gather a batch: what is left is the DataLoader's own"
+            " work per batch, not work per sample"
+            if dataset == "batched tensors"
+            else "so the per-sample work itself has to get cheaper"
+        )
         fixes.append(
             f"num_workers={num_workers} was the fastest of the counts measured ({counts}); more workers did"
-            " not help, so the per-sample work itself has to get cheaper."
+            f" not help, {rest}."
         )
     elif no_workers and num_workers == 0:
         fixes.append(
