@@ -334,6 +334,8 @@ def test_the_shrink_is_reported_and_logged(tmp_path: Path) -> None:
     titles = [f["title"] for f in findings]
     assert "Training ran out of memory: batches of 32 now run as micro-batches of 8" in titles
     assert "How micro-batched steps combine their losses" in titles
+    (combined,) = [f for f in findings if f["title"] == "How micro-batched steps combine their losses"]
+    assert "in-batch negatives" in combined["detail"]  # a contrastive loss is neither a mean nor a sum
     (shrunk,) = [f for f in findings if f["title"].startswith("Training")]
     assert shrunk["severity"] == "warn" and "step 0: 32 → 16 (forward, this rank)" in shrunk["detail"]
     (metrics,) = Path(trainer.logger.log_dir).glob("metrics.csv")  # type: ignore[union-attr]

@@ -779,6 +779,9 @@ def _what_changes(module: torch.nn.Module, loss_reduction: str) -> Finding:
     detail = (
         f"The losses of the micro-batches are combined as {combined} (`loss_reduction={loss_reduction!r}`); "
         f"if your loss is a {other} over the batch, pass `AutoMicroBatch(loss_reduction={other!r})`."
+        " A loss that compares the batch's samples with each other (a contrastive loss's in-batch"
+        " negatives, hard-example mining) is neither: each micro-batch compares fewer samples, which"
+        " changes the loss, as a smaller batch would."
     )
     if norms:
         return Finding(
