@@ -738,6 +738,20 @@ def test_the_larger_batch_fix_follows_autobatchsizes_decision(decision: Any, fix
     assert fixes[0].startswith(fix)
 
 
+@pytest.mark.parametrize("on_gpu", [True, False])
+def test_the_batched_augmentation_fix_says_what_it_changes(on_gpu: bool) -> None:
+    """torchvision's v2 transforms draw one set of random parameters per call: on a batch, one
+    crop and one flip for every sample. Followed as it was written, the fix would change the
+    model's augmentation (a contrastive model's two views of each image alike), so it says so and
+    what to move instead."""
+    fixes = input_bound_fixes(
+        num_workers=2, max_workers=2, pin_memory=True, on_gpu=on_gpu, tuned_workers=True
+    )
+    (augment,) = [fix for fix in fixes if "device_transforms" in fix]
+    assert "one set of random parameters per call" in augment
+    assert "the deterministic steps" in augment
+
+
 def test_batches_gathered_whole_are_not_told_to_make_per_sample_work_cheaper() -> None:
     """A `TensorDataset` loaded one gather a batch has no per-sample work: after a worker search
     that found none faster, what is left is the DataLoader's own work per batch (the MLP with a

@@ -291,15 +291,22 @@ def host_bound_fixes(batch_size: int | None) -> list[str]:
 
 def _sample_work_fixes(on_gpu: bool) -> list[str]:
     """Fixes for per-sample work: augmentation and decoding."""
+    caveat = (
+        " torchvision's v2 transforms draw one set of random parameters per call, so on a batch every"
+        " sample gets the same crop and flip: move the deterministic steps (dtype, resize to a fixed"
+        " size, normalize) and keep per-sample random ones in the dataset, or use a batched library"
+        " that draws per sample (Kornia)."
+    )
     if on_gpu:
         augment = (
             "Move augmentation to the GPU: `BoostedDataModule(device_transforms=...)` runs batched "
-            "torchvision transforms.v2 after the transfer, off the workers."
+            "torchvision transforms.v2 after the transfer, off the workers." + caveat
         )
     else:
         augment = (
             "Augment whole batches instead of single samples: "
             "`BoostedDataModule(device_transforms=...)` applies batched transforms.v2 once per batch."
+            + caveat
         )
     decode = (
         "Decode faster: store images pre-resized to the training size, decode JPEGs with "
