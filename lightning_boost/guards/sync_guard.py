@@ -52,6 +52,7 @@ class _Phase:
     last_begin: float | None = None
     last_checked: bool = False
     plain_s: deque[float] = field(default_factory=lambda: deque(maxlen=16))
+    batches: set[int] = field(default_factory=set)  # the batch indices (in their epoch) checked
 
     def begin(self, now: float) -> bool:
         """Count a step starting at `now`; return whether to check it."""
@@ -106,7 +107,9 @@ class SyncGuard(Guard):
     watches: results are the same with or without it.
 
     Args:
-        mode: ``"warn"`` (a `BoostWarning` on rank zero, once per line, at that line),
+        mode: ``"warn"`` (a `BoostWarning` on rank zero, once per line, at that line, once the
+            line has synced at two batch indices of its epoch or at the end of the fit; a line
+            that syncs at one batch index alone, such as ``if batch_idx == 0:``, is a note),
             ``"error"`` (raise `SyncError` at the first sync in the user's code; for CI; under
             DDP every rank raises at the end of that step) or ``"report"`` (findings only).
             Framework syncs are only reported.
@@ -153,7 +156,8 @@ class SyncGuard(Guard):
             for name in ("training", "validation")
         }
         self._groups: dict[tuple[str, ...], SyncGroup] = {}
-        self._new: list[SyncGroup] = []
+        self._unwarned: list[SyncGroup] = []  # user lines found, warned of once seen at two batches
+        self._batch = 0  # the current step's batch index in its epoch
         self._allocator: dict[str, int] = {}
         self._window: tuple[str, float, bool] | None = None  # phase, start, a new input shape
         self._shapes: set[tuple[tuple[int, ...], ...]] = set()
@@ -188,7 +192,7 @@ class SyncGuard(Guard):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._close(trainer)
-        self._begin("training", trainer, batch)
+        self._begin("training", trainer, batch, batch_idx)
 
     @override
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -206,7 +210,7 @@ class SyncGuard(Guard):
         if trainer.sanity_checking:
             return
         self._close(trainer)
-        self._begin("validation", trainer, batch)
+        self._begin("validation", trainer, batch, batch_idx)
 
     @override
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -224,6 +228,7 @@ class SyncGuard(Guard):
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._close(trainer, interrupted=True)
+        self._warn_unwarned(trainer, final=True)
         self._finish(pl_module)
 
     # -- windows -------------------------------------------------------------------------------
@@ -236,10 +241,12 @@ class SyncGuard(Guard):
         for tensor in host_side(module or torch.nn.Module(), trainer.optimizers):
             self._watch.mark_host(tensor)
 
-    def _begin(self, phase: str, trainer: L.Trainer, batch: Any) -> None:
-        self._phase = phase
+    def _begin(self, phase: str, trainer: L.Trainer, batch: Any, batch_idx: int) -> None:
+        self._phase, self._batch = phase, batch_idx
         now = time.perf_counter()
         checked = self._phases[phase].begin(now) and self._watch is not None
+        if checked:
+            self._phases[phase].batches.add(batch_idx)
         if phase == "training" and (checked or self.scope == "fit"):  # unchecked steps: no work
             self._mark_host_side(trainer)
         if checked and self._watch is not None:
@@ -265,11 +272,25 @@ class SyncGuard(Guard):
         if self.mode == "error":
             self._raise_if_found(trainer, self._phases[phase])
         elif self.mode == "warn":
-            for group in self._new:
-                site = group.attribution.site
-                where = dataclasses.replace(site, code=group.code) if site else None
-                self._warn(trainer, f"SyncGuard: {group.title(None)}. {group.fix()}", where)
-        self._new = []
+            self._warn_unwarned(trainer)
+
+    def _warn_unwarned(self, trainer: L.Trainer, final: bool = False) -> None:
+        """Warn of each user line once it synced at a second batch index of its epoch (a line seen
+        at one index alone may run once a pass, `SyncGroup.only_at`); at the `final` end of the fit,
+        of the rest that are not that."""
+        if self.mode != "warn":
+            return
+        for group in list(self._unwarned):
+            phase = self._phases[group.phase]
+            if len(group.batches) < 2 and not (final and group.only_at(phase.batches) is None):
+                continue
+            self._unwarned.remove(group)
+            site = group.attribution.site
+            where = dataclasses.replace(site, code=group.code) if site else None
+            title = group.title(phase.checked - group.first_checked, so_far=True)
+            self._warn(trainer, f"SyncGuard: {title}. {group.fix()}", where)
+        if final:
+            self._unwarned = []
 
     def _on_sync(self, pattern: str, frame: FrameType | None) -> None:
         assert self._packages is not None  # set with the watch that calls this, at train start
@@ -280,10 +301,12 @@ class SyncGuard(Guard):
         group = self._groups.get(key)
         if group is None:
             code = code_at(attribution.site) if attribution.site else ""
-            group = self._groups[key] = SyncGroup(self._phase, attribution, code)
+            checked = self._phases[self._phase].checked  # before this step's: it counts from here
+            group = self._groups[key] = SyncGroup(self._phase, attribution, code, first_checked=checked)
             if not attribution.framework:
-                self._new.append(group)
+                self._unwarned.append(group)
         group.add(pattern, attribution=attribution)
+        group.batches.add(self._batch)
         if self.mode == "error" and not group.framework and self._error is None:
             self._error = _error_message(group, pattern)
             if self._world_size == 1:  # alone: stop right at the user's line
@@ -323,15 +346,16 @@ class SyncGuard(Guard):
         source = type(self).__name__
         findings = []
         for group in sorted(self._groups.values(), key=lambda g: (g.framework, g.phase, g.location or "")):
-            steps = self._phases[group.phase].checked
+            phase = self._phases[group.phase]
+            steps, once = phase.checked, None if group.framework else group.only_at(phase.batches)
             findings.append(
                 Finding(
                     source,
                     "syncs",
-                    Severity.INFO if group.framework else Severity.WARN,
-                    group.title(steps),
-                    group.detail(steps, cpu_run=not self._cuda),
-                    group.fix(steps),
+                    Severity.INFO if group.framework or once is not None else Severity.WARN,
+                    group.title(steps) if once is None else group.once_title(steps, once),
+                    group.detail(steps, cpu_run=not self._cuda, checked_batches=phase.batches),
+                    group.fix(steps) if once is None else "",
                     group.location,
                     data=group.to_data(steps),
                 )

@@ -18,7 +18,7 @@ import os
 import sys
 import sysconfig
 import tokenize
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -937,12 +937,16 @@ class SyncGroup:
         code: the text of the user's line (empty for the framework's own).
         reasons: what made them (`reason`: a library's known cause, a library's other code, or the
             user's own call) -> that attribution and its own counts.
+        first_checked: the phase's checked steps before the one it was first seen in.
+        batches: the batch indices (in their epoch) of the steps it was seen in.
     """
 
     phase: str
     attribution: Attribution
     code: str = ""
     reasons: dict[str, tuple[Attribution, dict[str, int]]] = field(default_factory=dict)
+    first_checked: int = 0
+    batches: set[int] = field(default_factory=set)
 
     @staticmethod
     def key(phase: str, attribution: Attribution) -> tuple[str, ...]:
@@ -984,28 +988,52 @@ class SyncGroup:
     def per_step(self, steps: int) -> float:
         return sum(self.counts.values()) / max(steps, 1)
 
-    def title(self, steps: int | None) -> str:
-        """The finding's title over `steps` checked steps; ``None``: the warning's, in the step
-        the group was first found in, whose count alone it knows (a `MetricCollection` syncs more
-        in its first step, before it merges its compute groups, than in the rest)."""
-        first = f"in the first {self.phase} step it was found in"
-        rate = (
-            f"{self.per_step(steps):.3g}x per {self.phase} step"
-            if steps
-            else f"{self.per_step(1):.3g}x {first}"
-        )
+    def title(self, steps: int, so_far: bool = False) -> str:
+        """The finding's title over `steps` checked steps; `so_far`: the warning's, over the
+        `steps` checked since the group was first seen (the report counts every checked step, and
+        a `MetricCollection` syncs more in its first step, before it merges its compute groups)."""
+        rate = f"{self.per_step(steps):.3g}x per {self.phase} step"
+        if so_far:
+            rate += f" over the {steps} checked since it was first seen"
         a = self.attribution
         if self.framework:
             where = f"{a.package} syncs in `{a.library.function}`" if a.library else "The framework syncs"
             what = a.cause.says(self.phase)[0] if a.cause else where
             return f"{what} ({rate})"
+        return f"`{self.code}` syncs {rate} in {a.hook}"
+
+    def only_at(self, checked_batches: set[int]) -> int | None:
+        """The one batch index of its epoch the group synced at, where steps at other indices were
+        checked and did not sync there (``if batch_idx == 0:`` logging a sample image, reading a
+        value once a pass); ``None`` otherwise.
+
+        Example:
+            >>> mine = Attribution(None, "validation_step", None, None, None, framework=False)
+            >>> group = SyncGroup("validation", mine, batches={0})
+            >>> group.only_at({0, 1, 2}), group.only_at({0})
+            (0, None)
+        """
+        if len(self.batches) != 1 or not checked_batches - self.batches:
+            return None
+        return next(iter(self.batches))
+
+    def once_title(self, steps: int, batch: int) -> str:
+        """The title of a user line that synced only at `batch` of its epoch (`only_at`)."""
         return (
-            f"`{self.code}` syncs {rate} in {a.hook}" if steps else f"`{self.code}` syncs {rate} ({a.hook})"
+            f"`{self.code}` syncs only at batch_idx {batch} of a {self.phase} epoch, in"
+            f" {self.attribution.hook} ({sum(self.counts.values())}x over {steps} checked steps)"
         )
 
-    def detail(self, steps: int, cpu_run: bool) -> str:
+    def detail(self, steps: int, cpu_run: bool, checked_batches: Collection[int] = ()) -> str:
         parts = [f"{PATTERNS[p].what} ({n}x)" for p, n in self.counts.items()]
         text = "; ".join(parts) + f", over {steps} checked {self.phase} step(s)."
+        batch = None if self.framework else self.only_at(set(checked_batches))
+        if batch is not None:
+            text += (
+                f" Only steps at batch_idx {batch} synced here, of the checked batch indices"
+                f" {_listed([str(b) for b in sorted(checked_batches)])}: one wait a pass at most, which"
+                " costs next to nothing; nothing to change."
+            )
         told: set[str] = set()
         for a, _ in self.reasons.values():
             if a.library is None or a.package in (None, "lightning"):
@@ -1075,6 +1103,7 @@ class SyncGroup:
             "checked_steps": steps,
             "causes": [r.cause.key for r in reasons if r.cause],
             "libraries": [f"{r.package}.{r.library.function}" for r in reasons if r.library],
+            "batches": sorted(self.batches),
         }
 
 
