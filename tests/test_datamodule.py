@@ -519,6 +519,23 @@ def test_a_sampler_set_in_setup_draws_the_training_batches(tmp_path: Path, tenso
     assert datamodule.worker_tuner.choices  # searched
 
 
+def test_a_sampler_that_cannot_draw_the_samples_is_named_with_the_fix() -> None:
+    """A `BatchSampler` yields lists of indices: as `train_sampler` each "sample" would be a batch
+    (a `TensorDataset` indexed with a list, or an error deep in the dataset's `__getitem__`). A
+    stream orders its own samples: torch's own error says only "incompatible"."""
+    datamodule = Indexed(batch_size=8)
+    datamodule.setup("fit")
+    sampler = torch.utils.data.RandomSampler(range(64))
+    datamodule.train_sampler = torch.utils.data.BatchSampler(sampler, 8, drop_last=False)  # type: ignore[assignment]
+    with pytest.raises(TypeError, match=r"`Indexed.train_sampler` is a BatchSampler.*its `sampler`"):
+        datamodule.train_dataloader()
+    stream = Indexed(_Stream(), batch_size=8)
+    stream.setup("fit")
+    stream.train_sampler = sampler
+    with pytest.raises(TypeError, match=r"`train_dataset` \(_Stream\) is an IterableDataset.*`__iter__`"):
+        stream.train_dataloader()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import lightning as L
 import torch
 from lightning.fabric.utilities.seed import pl_worker_init_function
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, Sampler
 from typing_extensions import override
 
 from lightning_boost._lightning import (
@@ -259,8 +259,9 @@ class BoostedDataMixin(_DataModule):
     ) -> DataLoader[Any]:
         """The loader of `dataset`; `tuning` is the dataset an evaluation pass run alone is tuned
         on (the first of several), and only the `lead` loader of such a pass runs its search."""
+        sampler = self._train_sampler() if split == "train" else None
         if isinstance(dataset, IterableDataset):
-            if split == "train" and self.train_sampler is not None:
+            if sampler is not None:
                 raise TypeError(
                     f"`{type(self).__name__}.train_sampler` is set, but `train_dataset`"
                     f" ({type(dataset).__name__}) is an IterableDataset, which orders its own samples:"
@@ -282,8 +283,8 @@ class BoostedDataMixin(_DataModule):
         if cap is not None and cap < settings["num_workers"]:
             settings = self._capped(split, settings, cap)
         batching: dict[str, Any] = {"batch_size": size, "shuffle": shuffle, "drop_last": drop_last}
-        if split == "train" and self.train_sampler is not None:  # it orders the samples, not `shuffle`
-            batching = batching | {"shuffle": None, "sampler": self.train_sampler}
+        if sampler is not None:  # it orders the samples, not `shuffle`
+            batching = batching | {"shuffle": None, "sampler": sampler}
         gathered, collate_fn = whole_batches(dataset, settings["collate_fn"])  # the same batches, sooner
         if gathered is not dataset:
             self.worker_tuner.add_finding(whole_batches_finding("BoostedDataModule"))
@@ -309,6 +310,17 @@ class BoostedDataMixin(_DataModule):
         if search is not None:  # an evaluation loader built while the training loader searches
             search.follow(loader)
         return loader
+
+    def _train_sampler(self) -> Sampler[Any] | None:
+        """``self.train_sampler``, checked: it draws samples, not batches."""
+        sampler = self.train_sampler
+        if isinstance(sampler, BatchSampler):
+            raise TypeError(
+                f"`{type(self).__name__}.train_sampler` is a BatchSampler, which draws whole batches:"
+                " BoostedDataModule batches by `batch_size`, which tuning may change. Assign its"
+                " `sampler` (the one it batches) instead."
+            )
+        return sampler
 
     def _eval_cap(self, split: str, dataset: Dataset[Any], batch_size: int) -> int | None:
         """The most workers an evaluation loader of `split` can use: its batches per pass on each
