@@ -729,7 +729,8 @@ CAUSES: tuple[Cause, ...] = (
         "`torch.distributions` checks each parameter when a distribution is built, and each value"
         " `log_prob` scores, against its constraint (`validate_args`, on by default), branching on"
         " the GPU's answer",
-        "`Normal(..., validate_args=False)` for each distribution the step builds, or"
+        "`validate_args=False` where the step builds each distribution (`Normal(mean, std,"
+        " validate_args=False)`, `Categorical(logits=..., validate_args=False)`), or"
         " `torch.distributions.Distribution.set_default_validate_args(False)` once before training"
         " (`python -O` too). The checks stop NaN or out-of-range parameters with an error: keep them"
         " while debugging.",
