@@ -119,22 +119,58 @@ class _Stream(IterableDataset[tuple[Tensor, Tensor]]):
         return iter(IndexDataset(64))
 
 
+class _Rollouts(IterableDataset[tuple[Tensor, Tensor]]):
+    """A reinforcement-learning stream, as Lightning's PPO and DQN examples build theirs: its
+    `__iter__` runs the live policy (the LightningModule it holds) to make each sample."""
+
+    def __init__(self, module: L.LightningModule) -> None:
+        self.module = module
+
+    def __iter__(self) -> Iterator[tuple[Tensor, Tensor]]:
+        for index in range(64):
+            with torch.no_grad():
+                state = self.module(torch.randn(32))
+            yield torch.randn(32) + state.sum(), torch.tensor(index)
+
+
+class _Policy(SeenIndices):
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(_Rollouts(self), batch_size=8)
+
+
 @pytest.mark.parametrize(
-    ("loader", "why"),
+    ("loader", "why", "fix"),
     [
-        (_OwnLoader(IndexDataset(64), batch_size=8), "_OwnLoader is a DataLoader subclass"),
-        (DataLoader(_Stream(), batch_size=8), "_Stream is an IterableDataset"),
+        (
+            _OwnLoader(IndexDataset(64), batch_size=8),
+            "_OwnLoader is a DataLoader subclass",
+            "BoostedDataModule",
+        ),
+        (DataLoader(_Stream(), batch_size=8), "_Stream is an IterableDataset", "get_worker_info()"),
     ],
 )
 def test_what_cannot_be_rebuilt_is_left_alone_and_explained(
-    tmp_path: Path, loader: DataLoader[Any], why: str
+    tmp_path: Path, loader: DataLoader[Any], why: str, fix: str
 ) -> None:
+    """A stream is not told to use `BoostedDataModule`, which leaves streams untuned too."""
     callback = AutoNumWorkers(FAST)
     trainer = tiny_trainer(tmp_path, callbacks=[callback], logger=False, enable_checkpointing=False)
     trainer.fit(SeenIndices(), train_dataloaders=loader, val_dataloaders=_loaders()[1])
     assert trainer.train_dataloader is loader
     (finding,) = [finding for finding in callback.findings if finding.severity.value == "warn"]
-    assert finding.severity.value == "warn" and why in finding.title and "BoostedDataModule" in finding.fix
+    assert why in finding.title and fix in finding.fix
+    assert ("BoostedDataModule" in finding.fix) == (fix == "BoostedDataModule")
+
+
+def test_a_stream_that_runs_the_model_is_told_to_stay_in_the_main_process(tmp_path: Path) -> None:
+    """Workers would each run a copy of the policy made when they start, never updated by training:
+    "set `num_workers` by hand" was a fix that trains on a stale policy. It is a note, no fix."""
+    callback = AutoNumWorkers(FAST)
+    trainer = tiny_trainer(tmp_path, callbacks=[callback], logger=False, enable_checkpointing=False)
+    trainer.fit(_Policy(), val_dataloaders=_loaders()[1])
+    (finding,) = [f for f in callback.findings if "_Rollouts" in f.title]
+    assert finding.severity.value == "info" and not finding.fix
+    assert "`self.module`" in finding.detail and "a copy" in finding.detail
 
 
 def test_a_datamodule_twice_and_then_validate(tmp_path: Path) -> None:

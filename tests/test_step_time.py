@@ -752,6 +752,24 @@ def test_the_batched_augmentation_fix_says_what_it_changes(on_gpu: bool) -> None
     assert "the deterministic steps" in augment
 
 
+def test_a_stream_of_rollouts_is_told_to_batch_them_not_to_add_workers() -> None:
+    """A stream that runs the model it holds to make its samples (a policy's rollouts): workers
+    would each run an untrained copy of it, so the fix is fewer, batched forwards."""
+
+    class Rollouts(IterableDataset[Tensor]):
+        def __init__(self, policy: torch.nn.Module) -> None:
+            self.policy = policy
+
+        def __iter__(self) -> Iterator[Tensor]:
+            return iter(())
+
+    assert step_time_callback.dataset_kind(Rollouts(torch.nn.Linear(4, 2))) == "rollouts"
+    fixes = input_bound_fixes(num_workers=0, max_workers=8, pin_memory=True, on_gpu=True, tuned_workers=False,
+                              dataset="rollouts")  # fmt: skip
+    assert fixes[0].startswith("Batch the rollouts") and "`gymnasium.vector`" in fixes[0]
+    assert not any("More DataLoader workers" in fix or "Decode" in fix for fix in fixes)
+
+
 def test_batches_gathered_whole_are_not_told_to_make_per_sample_work_cheaper() -> None:
     """A `TensorDataset` loaded one gather a batch has no per-sample work: after a worker search
     that found none faster, what is left is the DataLoader's own work per batch (the MLP with a

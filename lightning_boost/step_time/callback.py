@@ -46,7 +46,7 @@ from lightning_boost.step_time.timing import (
     input_bound_fixes,
 )
 from lightning_boost.workers.callback import AutoNumWorkers
-from lightning_boost.workers.loaders import loader_batch_size
+from lightning_boost.workers.loaders import holds_module, loader_batch_size
 from lightning_boost.workers.online import NO_WORKERS
 from lightning_boost.workers.search import WorkerChoice
 from lightning_boost.workers.tuner import NOT_SEARCHED
@@ -483,7 +483,7 @@ def dataset_kind(dataset: Any) -> str:
     if isinstance(dataset, TensorDataset):
         return "tensors"
     if isinstance(dataset, IterableDataset):
-        return "stream"
+        return "stream" if holds_module(dataset) is None else "rollouts"
     if isinstance(getattr(dataset, "data", None), (Tensor, np.ndarray)):  # torchvision's MNIST, CIFAR
         return "arrays"
     return "samples"

@@ -172,7 +172,9 @@ def input_bound_fixes(
             whole batches of, `WholeBatches`), ``"collated tensors"`` (a `TensorDataset` under a
             ``collate_fn`` of the user's own, which takes samples one by one), ``"records"``
             (samples or a stream whose batches hold no image: tokens, audio, rows) or
-            ``"samples"`` (any other: images to decode, augment).
+            ``"samples"`` (any other: images to decode, augment), or ``"rollouts"`` (a stream that
+            runs the model it holds to make its samples, a policy's rollouts: workers would run
+            untrained copies of it).
         larger_batch: what to say of a larger batch where the run's `AutoBatchSize` chose the size
             (``None``: none in the run, and the fix names it).
         no_workers: why the worker search ruled out every worker count without measuring one
@@ -195,6 +197,13 @@ def input_bound_fixes(
         False
     """
     fixes = []
+    if dataset == "rollouts":
+        fixes.append(
+            "Batch the rollouts: the stream runs the model one sample at a time; step several"
+            " environments at once (a vectorized environment, `gymnasium.vector`) so that each forward"
+            " makes a batch of samples. Keep them in the main process: DataLoader workers would each run"
+            " a copy of the model made when they start, which training never updates."
+        )
     if dataset == "tensors":
         fixes.append(
             "Index whole batches: a `TensorDataset` is gathered and collated sample by sample;"
@@ -215,13 +224,13 @@ def input_bound_fixes(
             larger_batch
             or "A larger batch (`AutoBatchSize`) spreads the per-step loading cost over more samples."
         )
-    if num_workers < max_workers and unsearched:
+    if num_workers < max_workers and unsearched and dataset != "rollouts":
         fixes.append(
             f"More DataLoader workers (now {num_workers}, up to {max_workers} here): the worker tuning"
             f" kept {num_workers}, not searched: {unsearched}. Set `num_workers=` by hand (1 to"
             f" {max_workers}; on a CPU run the model shares those CPUs with them)."
         )
-    elif num_workers < max_workers and not tuned_workers:
+    elif num_workers < max_workers and not tuned_workers and dataset != "rollouts":
         fixes.append(
             f"More DataLoader workers (now {num_workers}, up to {max_workers} here): "
             "`Trainer(callbacks=[AutoNumWorkers()])` or subclass `BoostedDataModule`."
@@ -239,7 +248,7 @@ def input_bound_fixes(
             " sample every epoch (tokenizing, parsing, features) done once ahead of training and stored"
             " (tensors, memory-mapped arrays), so loading a sample is an index into it."
         )
-    elif dataset not in ("tensors", "batched tensors", "collated tensors"):
+    elif dataset not in ("tensors", "batched tensors", "collated tensors", "rollouts"):
         fixes += _sample_work_fixes(on_gpu)
     if on_gpu and not pin_memory:
         fixes.append("Pin host memory: `DataLoader(pin_memory=True)` (BoostedDataModule does it on GPU).")

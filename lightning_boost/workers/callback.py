@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import lightning as L
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_boost._lightning import (
@@ -26,6 +26,7 @@ from lightning_boost.workers.loaders import (
     SameOrderDataLoader,
     cannot_rebuild,
     draws_each_iteration,
+    holds_module,
     keep_workers_alive,
     loader_batch_size,
     rebuild_loader,
@@ -142,7 +143,7 @@ class AutoNumWorkers(BoostCallback):
         why_not = cannot_rebuild(loader)
         batch_size = loader_batch_size(loader)
         if why_not is not None or batch_size is None:
-            self._cannot(split, why_not or "no batch size")
+            self._cannot(split, why_not or "no batch size", loader.dataset)
             return loader
         settings = {name: getattr(loader, name, None) for name in MEASURED_SETTINGS}
         samples = workload(trainer, split, loader.dataset, batch_size, loader.sampler)
@@ -178,16 +179,32 @@ class AutoNumWorkers(BoostCallback):
             rebuilt.workers_cap = cap  # for the search's winner (`apply_setting`)
         return rebuilt
 
-    def _cannot(self, split: str, why: str) -> None:
-        self.worker_tuner.add_finding(
-            Finding(
+    def _cannot(self, split: str, why: str, dataset: object = None) -> None:
+        name = type(dataset).__name__
+        model = holds_module(dataset) if isinstance(dataset, IterableDataset) else None
+        if model is not None:  # workers would run copies of the model, never trained
+            finding = Finding(
+                type(self).__name__,
+                "data",
+                Severity.INFO,
+                f"The {split} DataLoader loads in the main process: {name} runs the model it holds",
+                f"{name}'s samples come from the module in `self.{model}` (rollouts of a policy): each"
+                " worker would run a copy of it made when the worker starts, which training never"
+                " updates, so its `num_workers` is left as you set it.",
+            )
+        else:
+            stream = isinstance(dataset, IterableDataset)
+            finding = Finding(
                 type(self).__name__,
                 "data",
                 Severity.WARN,
                 f"The {split} DataLoader was not tuned: {why}",
-                fix="Use `BoostedDataModule`, or set `num_workers` on this loader by hand.",
+                fix="Set `num_workers` on this loader by hand, each worker reading its own shard"
+                " (`torch.utils.data.get_worker_info()`)."
+                if stream
+                else "Use `BoostedDataModule`, or set `num_workers` on this loader by hand.",
             )
-        )
+        self.worker_tuner.add_finding(finding)
 
     @override
     def state_dict(self) -> dict[str, Any]:

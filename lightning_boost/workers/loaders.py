@@ -79,6 +79,21 @@ def cannot_measure(dataset: object) -> str | None:
     return None
 
 
+def holds_module(dataset: object) -> str | None:
+    """The attribute of `dataset` holding a torch module, as a stream that runs the model to make
+    its samples holds it (reinforcement-learning rollouts: Lightning's PPO and DQN examples), or
+    ``None``. A worker would run a copy of it, made when the worker starts and never trained.
+
+    Example:
+        >>> class Rollouts(IterableDataset):
+        ...     def __init__(self, policy): self.policy = policy
+        >>> holds_module(Rollouts(torch.nn.Linear(2, 2))), holds_module(Rollouts(None))
+        ('policy', None)
+    """
+    attributes = getattr(dataset, "__dict__", {})
+    return next((name for name, value in attributes.items() if isinstance(value, torch.nn.Module)), None)
+
+
 def cannot_rebuild(loader: DataLoader[Any]) -> str | None:
     """Why `loader` cannot be rebuilt with tuned worker settings, or ``None`` when it can."""
     if type(loader) is not DataLoader:
