@@ -763,7 +763,9 @@ def test_a_stream_of_rollouts_is_told_to_batch_them_not_to_add_workers() -> None
         def __iter__(self) -> Iterator[Tensor]:
             return iter(())
 
-    assert step_time_callback.dataset_kind(Rollouts(torch.nn.Linear(4, 2))) == "rollouts"
+    policy = torch.nn.Linear(4, 2)
+    assert step_time_callback.dataset_kind(Rollouts(policy), policy) == "rollouts"
+    assert step_time_callback.dataset_kind(Rollouts(torch.nn.Linear(4, 2)), policy) == "stream"  # not trained
     fixes = input_bound_fixes(num_workers=0, max_workers=8, pin_memory=True, on_gpu=True, tuned_workers=False,
                               dataset="rollouts")  # fmt: skip
     assert fixes[0].startswith("Batch the rollouts") and "`gymnasium.vector`" in fixes[0]

@@ -316,7 +316,7 @@ class StepTimeMonitor(BoostCallback):
             for reason in choice.skipped
             if reason.startswith(NO_WORKERS)
         ]
-        dataset = dataset_kind(getattr(loader, "dataset", None))
+        dataset = dataset_kind(getattr(loader, "dataset", None), pl_module)
         if dataset == "tensors" and getattr(loader, "collate_fn", None) not in DEFAULT_COLLATES:
             dataset = "collated tensors"  # the user's collate_fn takes the samples one by one
         if dataset in ("samples", "stream") and self._images is False:
@@ -464,7 +464,7 @@ def _idle_between_steps(times: StepTimes, size: int | None, detail: str, data: d
     )
 
 
-def dataset_kind(dataset: Any) -> str:
+def dataset_kind(dataset: Any, model: torch.nn.Module | None = None) -> str:
     """What `input_bound_fixes` calls `dataset` (through `Subset`s, as `random_split` makes them).
 
     Example:
@@ -483,7 +483,7 @@ def dataset_kind(dataset: Any) -> str:
     if isinstance(dataset, TensorDataset):
         return "tensors"
     if isinstance(dataset, IterableDataset):
-        return "stream" if holds_module(dataset) is None else "rollouts"
+        return "rollouts" if model is not None and holds_module(dataset, model) else "stream"
     if isinstance(getattr(dataset, "data", None), (Tensor, np.ndarray)):  # torchvision's MNIST, CIFAR
         return "arrays"
     return "samples"

@@ -143,7 +143,7 @@ class AutoNumWorkers(BoostCallback):
         why_not = cannot_rebuild(loader)
         batch_size = loader_batch_size(loader)
         if why_not is not None or batch_size is None:
-            self._cannot(split, why_not or "no batch size", loader.dataset)
+            self._cannot(split, why_not or "no batch size", loader.dataset, trainer.lightning_module)
             return loader
         settings = {name: getattr(loader, name, None) for name in MEASURED_SETTINGS}
         samples = workload(trainer, split, loader.dataset, batch_size, loader.sampler)
@@ -179,9 +179,12 @@ class AutoNumWorkers(BoostCallback):
             rebuilt.workers_cap = cap  # for the search's winner (`apply_setting`)
         return rebuilt
 
-    def _cannot(self, split: str, why: str, dataset: object = None) -> None:
+    def _cannot(
+        self, split: str, why: str, dataset: object = None, module: L.LightningModule | None = None
+    ) -> None:
         name = type(dataset).__name__
-        model = holds_module(dataset) if isinstance(dataset, IterableDataset) else None
+        stream = isinstance(dataset, IterableDataset)
+        model = holds_module(dataset, module) if stream and module is not None else None
         if model is not None:  # workers would run copies of the model, never trained
             finding = Finding(
                 type(self).__name__,
@@ -193,7 +196,6 @@ class AutoNumWorkers(BoostCallback):
                 " updates, so its `num_workers` is left as you set it.",
             )
         else:
-            stream = isinstance(dataset, IterableDataset)
             finding = Finding(
                 type(self).__name__,
                 "data",

@@ -79,19 +79,25 @@ def cannot_measure(dataset: object) -> str | None:
     return None
 
 
-def holds_module(dataset: object) -> str | None:
-    """The attribute of `dataset` holding a torch module, as a stream that runs the model to make
-    its samples holds it (reinforcement-learning rollouts: Lightning's PPO and DQN examples), or
-    ``None``. A worker would run a copy of it, made when the worker starts and never trained.
+def holds_module(dataset: object, model: torch.nn.Module) -> str | None:
+    """The attribute of `dataset` holding the `model` being trained or a part of it, as a stream
+    that runs the model to make its samples holds it (reinforcement-learning rollouts: Lightning's
+    PPO and DQN examples), or ``None``. A worker would run a copy of it, made when the worker
+    starts and never trained. Other modules (transforms.v2 pipelines, a frozen feature extractor
+    of its own) are not the model: a worker's copy of those is what it needs.
 
     Example:
-        >>> class Rollouts(IterableDataset):
-        ...     def __init__(self, policy): self.policy = policy
-        >>> holds_module(Rollouts(torch.nn.Linear(2, 2))), holds_module(Rollouts(None))
+        >>> class Rollouts:  # an IterableDataset's attributes
+        ...     def __init__(self, policy, transform=None): self.policy, self.transform = policy, transform
+        >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.ReLU())
+        >>> holds_module(Rollouts(model[0]), model), holds_module(Rollouts(None, torch.nn.ReLU()), model)
         ('policy', None)
     """
-    attributes = getattr(dataset, "__dict__", {})
-    return next((name for name, value in attributes.items() if isinstance(value, torch.nn.Module)), None)
+    trained = {id(parameter) for parameter in model.parameters()}
+    for name, value in getattr(dataset, "__dict__", {}).items():
+        if isinstance(value, torch.nn.Module) and any(id(p) in trained for p in value.parameters()):
+            return name
+    return None
 
 
 def cannot_rebuild(loader: DataLoader[Any]) -> str | None:
