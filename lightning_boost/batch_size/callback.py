@@ -555,9 +555,8 @@ class AutoBatchSize(BoostCallback):
         probe = self._probe(trainer, pl_module)
         validates = self.check_validation and overrides(pl_module, "validation_step")
         val_data = split_data(trainer, "val") if validates else None
-        train_data = train_data._replace(
-            dataset=remembered(train_data.dataset)
-        )  # each trial loads only what is new
+        # each trial loads only what is new
+        train_data = train_data._replace(dataset=remembered(train_data.dataset))
         val_data = None if val_data is None else val_data._replace(dataset=remembered(val_data.dataset))
         rule = lr_rule(self.lr_scaling)
         limits = lr_capped(limits, rule, configured)  # no size the rule's learning rates fail at

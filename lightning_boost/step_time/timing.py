@@ -171,8 +171,8 @@ def input_bound_fixes(
             `IterableDataset`), ``"batched tensors"`` (a `TensorDataset` the loader already gathers
             whole batches of, `WholeBatches`), ``"collated tensors"`` (a `TensorDataset` under a
             ``collate_fn`` of the user's own, which takes samples one by one), ``"records"``
-            (samples or a stream whose batches hold no image: tokens, audio, rows) or
-            ``"samples"`` (any other: images to decode, augment), or ``"rollouts"`` (a stream that
+            (samples or a stream whose batches hold no image: tokens, audio, rows),
+            ``"samples"`` (any other: images to decode, augment) or ``"rollouts"`` (a stream that
             runs the model it holds to make its samples, a policy's rollouts: workers would run
             untrained copies of it).
         larger_batch: what to say of a larger batch where the run's `AutoBatchSize` chose the size
