@@ -354,7 +354,7 @@ class SyncGuard(Guard):
                     "syncs",
                     Severity.INFO if group.framework or once is not None else Severity.WARN,
                     group.title(steps) if once is None else group.once_title(steps, once),
-                    group.detail(steps, cpu_run=not self._cuda, checked_batches=phase.batches),
+                    group.detail(steps, cpu_run=not self._cuda, batch=once, checked_batches=phase.batches),
                     group.fix(steps) if once is None else "",
                     group.location,
                     data=group.to_data(steps),

@@ -1025,10 +1025,13 @@ class SyncGroup:
             f" {self.attribution.hook} ({sum(self.counts.values())}x over {steps} checked steps)"
         )
 
-    def detail(self, steps: int, cpu_run: bool, checked_batches: Collection[int] = ()) -> str:
+    def detail(
+        self, steps: int, cpu_run: bool, batch: int | None = None, checked_batches: Collection[int] = ()
+    ) -> str:
+        """What the group's syncs are, over `steps` checked steps; `batch`: the one batch index it
+        synced at (`only_at` over `checked_batches`), said so."""
         parts = [f"{PATTERNS[p].what} ({n}x)" for p, n in self.counts.items()]
         text = "; ".join(parts) + f", over {steps} checked {self.phase} step(s)."
-        batch = None if self.framework else self.only_at(set(checked_batches))
         if batch is not None:
             text += (
                 f" Only steps at batch_idx {batch} synced here, of the checked batch indices"
