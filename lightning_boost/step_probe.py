@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_boost._lightning import call_step, detached_copy, preserved_rng
+from lightning_boost.batch_size.finetuning import make_trainable
 from lightning_boost.instrumented import own_steps
 from lightning_boost.micro_batch.split import listed_length, slice_batch
 from lightning_boost.trials import Trial, cautious_grad_sq
@@ -156,6 +157,8 @@ class StepProbe:
         move: moves a batch from the host to the module's device as the run's loop does
             (``trainer.strategy.batch_to_device``); the batches of `train`'s `following` are loaded
             before the timed steps and moved in them. Without it they are used as they come.
+        unfreeze: names of frozen parameters each copy trains (in the first optimizer), as a
+            fine-tuning callback will train them later in the run (`finetuning.unfrozen_later`).
     """
 
     def __init__(
@@ -166,6 +169,7 @@ class StepProbe:
         train_context: Callable[[], AbstractContextManager[Any]],
         eval_context: Callable[[], AbstractContextManager[Any]],
         move: Callable[[Any], Any] | None = None,
+        unfreeze: Sequence[str] = (),
     ) -> None:
         self.module = module
         self.optimizers = list(optimizers)
@@ -173,6 +177,7 @@ class StepProbe:
         self.train_context = train_context
         self.eval_context = eval_context
         self.move = move or _as_it_comes
+        self.unfreeze = list(unfreeze)
         self.device = module.device
 
     def train(
@@ -345,6 +350,7 @@ class StepProbe:
             id(p): q for p, q in zip(self.module.parameters(), clone.parameters(), strict=True)
         }
         optimizers = [copy.deepcopy(optimizer, memo) for optimizer in self.optimizers]
+        make_trainable(clone, optimizers, self.unfreeze)
         if memory_format is not None:  # in place: the optimizers' copies hold the same parameters
             clone.to(memory_format=memory_format)
         return clone, optimizers

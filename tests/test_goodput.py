@@ -850,7 +850,7 @@ def test_each_torch_schedule_scaled_runs_as_written_at_the_scaled_rate(name: str
         optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=lr, momentum=0.9)
         schedule = SCHEDULES[name](optimizer, lr)
         trainer = SimpleNamespace(
-            optimizers=[optimizer], lr_scheduler_configs=[SimpleNamespace(scheduler=schedule)]
+            optimizers=[optimizer], lr_scheduler_configs=[SimpleNamespace(scheduler=schedule)], callbacks=[]
         )
         _scale_learning_rates(trainer, factor)  # type: ignore[arg-type]  # what it reads of a trainer
         rates = []

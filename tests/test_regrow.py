@@ -270,8 +270,8 @@ class FixedCostGrowth(AutoBatchSize):
     """`AutoBatchSize(grow=True)` whose trials in every rank are timed by `FixedCostProbe`."""
 
     @override
-    def _probe(self, trainer: L.Trainer, pl_module: L.LightningModule) -> StepProbe:
-        probe = super()._probe(trainer, pl_module)
+    def _probe(self, trainer: L.Trainer, pl_module: L.LightningModule, unfrozen: list[str]) -> StepProbe:
+        probe = super()._probe(trainer, pl_module, unfrozen)
         probe.__class__ = FixedCostProbe
         return probe
 

@@ -55,7 +55,9 @@ from lightning_boost.batch_size.decision import (
     own_rates_finding,
     restored_finding,
 )
+from lightning_boost.batch_size.finetuning import unfrozen_finding, unfrozen_later
 from lightning_boost.batch_size.goodput import NoiseScale, lr_rule
+from lightning_boost.batch_size.held_rates import ARGUMENTS, held_rates, put_back, scale_held_rates
 from lightning_boost.batch_size.measure import (
     SeveralLoaders,
     SplitData,
@@ -91,8 +93,9 @@ from lightning_boost.step_probe import StepProbe, remembered
 from lightning_boost.trials import Trial
 from lightning_boost.workers.loaders import loader_batch_size, start_deferred_workers
 
-#: Keys of an optimizer's param group that hold learning rates (schedulers such as OneCycleLR add some).
-LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr")
+#: Keys of an optimizer's param group that hold learning rates (schedulers such as OneCycleLR and
+#: SWALR add some).
+LR_KEYS = ("lr", "initial_lr", "max_lr", "min_lr", "swa_lr")
 #: A scheduler's lists of learning rates it computes from (CyclicLR keeps its peaks as `max_lrs`).
 SCHEDULE_KEYS = ("base_lrs", "max_lrs")
 
@@ -251,6 +254,7 @@ class AutoBatchSize(BoostCallback):
         # (param group, its lr) under warm-up
         self._ramped: list[tuple[dict[str, Any], float | torch.Tensor]] = []
         self._after_step: RemovableHandle | None = None  # puts them back once the optimizer stepped
+        self._held: list[tuple[Any, str, Any]] = []  # rates callbacks hold, as the user set them
         self._watch: LossWatch | None = None
         self._watch_reports = False  # whether the watch's verdict is said (the pack changed something)
         self._growth: Growth | None = None  # the noise scale read during the run (`grow`)
@@ -329,8 +333,11 @@ class AutoBatchSize(BoostCallback):
             self._autotuning_off = True
             self.findings.append(autotuning)
         self.findings += redone
+        self._held = held_rates(trainer)  # the callbacks' arguments, put back at teardown
         if not self._restored:  # a checkpoint's optimizer state already holds the scaled rates
             _scale_learning_rates(trainer, decision.lr_factor)
+        else:  # a callback's arguments are not in the checkpoint
+            scale_held_rates(trainer, decision.lr_factor, ARGUMENTS)
         changed = decision.batch_size != decision.configured_batch_size or decision.lr_factor != 1.0
         self._restored = False
         self._growth = self._start_growth(trainer, pl_module, decision)
@@ -459,6 +466,8 @@ class AutoBatchSize(BoostCallback):
         if stage == "fit" and self._configured is not None:
             lightning_setattr(pl_module, self.attr_name, self._configured)
             self._configured = None
+        put_back(self._held)
+        self._held = []
 
     def _start_growth(
         self, trainer: L.Trainer, pl_module: L.LightningModule, decision: BatchSizeDecision
@@ -495,7 +504,7 @@ class AutoBatchSize(BoostCallback):
                 )
             )
             return None
-        probe = self._probe(trainer, pl_module)
+        probe = self._probe(trainer, pl_module, unfrozen_later(trainer, pl_module))
 
         def measure(size: int) -> Trial:
             with preserved_rng():
@@ -506,8 +515,9 @@ class AutoBatchSize(BoostCallback):
 
         return Growth(NoiseMeter(decision.effective_batch_size), cap, self.tolerance, measure, share)
 
-    def _probe(self, trainer: L.Trainer, pl_module: L.LightningModule) -> StepProbe:
-        """Trial steps on a copy of the run's model and optimizers, in the run's precision."""
+    def _probe(self, trainer: L.Trainer, pl_module: L.LightningModule, unfrozen: list[str]) -> StepProbe:
+        """Trial steps on a copy of the run's model and optimizers, in the run's precision, with
+        the parameters a fine-tuning callback unfreezes later trainable."""
         plugin = trainer.precision_plugin
         return StepProbe(
             pl_module,
@@ -516,6 +526,7 @@ class AutoBatchSize(BoostCallback):
             plugin.train_step_context,
             plugin.val_step_context,
             move=trainer.strategy.batch_to_device,
+            unfreeze=unfrozen,
         )
 
     def _end_ramp(self) -> None:
@@ -546,13 +557,17 @@ class AutoBatchSize(BoostCallback):
             self.attr_name = read
             self._configured = configured = int(lightning_getattr(pl_module, read))  # type: ignore[arg-type]
             return self._tune(trainer, pl_module, configured)
+        unfrozen = unfrozen_later(trainer, pl_module)  # measured trainable: the batch must fit then
+        if unfrozen:
+            self.findings.append(unfrozen_finding(pl_module, unfrozen))
         path = Path(self.cache_dir or cache.default_cache_dir()) / CACHE_FILE
-        key = cache.fingerprint(self._cache_parts(trainer, pl_module, train_data[0], configured))
+        parts = self._cache_parts(trainer, pl_module, train_data[0], configured)
+        key = cache.fingerprint({**parts, "trained": _trained_parameters(pl_module, unfrozen)})
         cached = self._cached(trainer, path, key)
         if cached is not None:
             return cached
         limits = dataclasses.replace(limits, planned_samples=plan.samples_planned(configured))
-        probe = self._probe(trainer, pl_module)
+        probe = self._probe(trainer, pl_module, unfrozen)
         validates = self.check_validation and overrides(pl_module, "validation_step")
         val_data = split_data(trainer, "val") if validates else None
         # each trial loads only what is new
@@ -688,6 +703,12 @@ class AutoBatchSize(BoostCallback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.decision = BatchSizeDecision.from_dict(state_dict) if state_dict else None
         self._restored = self.decision is not None
+
+
+def _trained_parameters(pl_module: L.LightningModule, unfrozen: list[str]) -> int:
+    """Parameters the trials train: those that train now and those `unfrozen` later."""
+    wanted = set(unfrozen)
+    return sum(p.numel() for name, p in pl_module.named_parameters() if p.requires_grad or name in wanted)
 
 
 def _reads_cross_products(device: torch.device, parameter_bytes: int, budget_bytes: int) -> bool:
@@ -840,6 +861,7 @@ def _scale_learning_rates(trainer: L.Trainer, factor: float) -> None:
     seen: set[int] = set()
     for config in trainer.lr_scheduler_configs:
         _scale_schedule(config.scheduler, factor, seen)
+    scale_held_rates(trainer, factor)  # those a callback sets the optimizer's from later
 
 
 def _scale_schedule(scheduler: Any, factor: float, seen: set[int]) -> None:
