@@ -16,6 +16,7 @@ import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import BackboneFinetuning
 from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset, default_collate
@@ -318,6 +319,32 @@ def test_a_step_that_runs_out_of_memory_trains_the_same_model(
     assert logged.keys() == expected.keys()
     for key, value in expected.items():
         assert logged[key] == pytest.approx(value, rel=tolerance.get("rtol", 1e-5)), key
+
+
+class FineTuned(OOMModel):
+    """`OOMModel` whose first layer is the backbone Lightning's `BackboneFinetuning` freezes before
+    the fit and unfreezes at epoch 1 (its optimizer built over the parameters that train then)."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        super().__init__(limit)
+        self.backbone = self.layer1
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+
+
+def test_a_backbone_unfrozen_during_the_fit_gets_every_pieces_gradient(tmp_path: Path) -> None:
+    """The trainable parameters were read once, at the start of training: a backbone that
+    `BackboneFinetuning` unfroze later lost the earlier pieces' gradients to Lightning's
+    `zero_grad` and trained on the last piece's alone (its weights were 0.103 off after 3 epochs)."""
+    plain = FineTuned()
+    fit(tmp_path / "plain", plain, [BackboneFinetuning(unfreeze_backbone_at_epoch=1)], max_epochs=3)
+    model = FineTuned(limit=12)
+    callback = AutoMicroBatch()
+    fit(tmp_path / "tuned", model, [callback, BackboneFinetuning(unfreeze_backbone_at_epoch=1)], max_epochs=3)
+    assert callback.sizes["train"] == 8
+    assert_same_model(model, plain)
 
 
 def test_every_sample_is_run_once_and_in_order(tmp_path: Path) -> None:

@@ -138,7 +138,6 @@ class AutoMicroBatch(BoostCallback):
     def _reset(self) -> None:
         self._trainer: L.Trainer | None = None
         self._group: Any = None
-        self._params: list[torch.nn.Parameter] = []
         self._current: _Step | None = None
         self._on_cuda = False
         self._wrapped: list[tuple[object, str, object]] = []
@@ -146,7 +145,7 @@ class AutoMicroBatch(BoostCallback):
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        for name in ("_trainer", "_group", "_params", "_current", "_on_cuda", "_wrapped", "_signatures"):
+        for name in ("_trainer", "_group", "_current", "_on_cuda", "_wrapped", "_signatures"):
             state.pop(name, None)
         return state
 
@@ -175,7 +174,6 @@ class AutoMicroBatch(BoostCallback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._params = [p for p in pl_module.parameters() if p.requires_grad]
         self._on_cuda = pl_module.device.type == "cuda"  # read once: the step's end is a hot path
 
     @override
@@ -249,7 +247,8 @@ class AutoMicroBatch(BoostCallback):
         assert self._trainer is not None
         size = min(self.sizes[stage] or length, length)
         pieces = _Pieces(self._trainer, stage, step, batch, rest, kwargs, length, self.loss_reduction)
-        pieces.params = self._params
+        if stage == "train":  # each step's: a backbone may unfreeze during the fit
+            pieces.params = _trainable(self._trainer.lightning_module)
         # under DDP every backward of a split step runs within it, where the ranks agree on
         # out-of-memory errors; DDP's own backward (its gradient all-reduce) then has nothing to fail
         pieces.local_final = self._agreeing
@@ -323,7 +322,7 @@ class AutoMicroBatch(BoostCallback):
         """`micro_batches` for a single process: each piece's forward and ``manual_backward``."""
         if self._notes.pop("manual", None) is not None:  # the step opted in: it is retried
             self._refresh_findings()
-        params = self._params
+        params = _trainable(module)
         frozen: list[tuple[list[torch.nn.Parameter], int]] = []
         losses: list[tuple[Tensor, int]] = []
         logged: list[Logged] = []
@@ -578,6 +577,13 @@ class _Pieces:
             return loss
         combined = combine_outputs([{k: v for k, v in o.items() if k != "loss"} for o in outputs], samples)
         return {**combined, "loss": loss}
+
+
+def _trainable(module: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters that train at this step: read each step, since a fine-tuning callback
+    (`BackboneFinetuning`) or the module's own hook unfreezes some during the fit, and the earlier
+    pieces' gradients of one left out were lost to Lightning's ``zero_grad``."""
+    return [p for p in module.parameters() if p.requires_grad]
 
 
 @contextmanager
