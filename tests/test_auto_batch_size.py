@@ -691,6 +691,41 @@ def test_a_templates_per_device_size_derived_in_setup_is_found_and_tuned(tmp_pat
     assert datamodule.batch_size_per_device == 8 and datamodule.hparams["batch_size"] == 8  # put back
 
 
+class PrivateSizeData(L.LightningDataModule):
+    """Lightning's own fine-tuning example's shape (`computer_vision_fine_tuning.py`): the datamodule
+    keeps its size as ``self._batch_size``, and a CLI link copies it to the model's ``batch_size``."""
+
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__()
+        self._batch_size = batch_size
+        self._num_workers = 0
+
+    @override
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(RandomDataset(32, 256), batch_size=self._batch_size, shuffle=True)
+
+    @override
+    def val_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(RandomDataset(32, 64, seed=1), batch_size=self._batch_size)
+
+
+class SizedModel(BoringModel):
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__()
+        self.batch_size = batch_size  # what `parser.link_arguments("data.batch_size", ...)` sets
+
+
+def test_a_private_size_the_loader_reads_is_found_and_tuned(tmp_path: Path) -> None:
+    """The model's linked `batch_size` was taken for the size, and the fit stopped with "the
+    training DataLoader does not read it": only public attributes were candidates."""
+    datamodule = PrivateSizeData(batch_size=8)
+    callback = AutoBatchSize(max_batch_size=32, **FAST)
+    trainer, _ = fit(tmp_path, callback, SizedModel(batch_size=8), datamodule=datamodule)
+    assert callback.attr_name == "_batch_size"
+    assert trainer.train_dataloader.batch_size == callback.result["batch_size"] != 8
+    assert datamodule._batch_size == 8  # put back
+
+
 def test_an_attr_name_a_boosted_datamodule_does_not_read_is_an_error(tmp_path: Path) -> None:
     model = BoringModel()
     model.bs = 16  # the model has it, but the datamodule's loaders read `batch_size`

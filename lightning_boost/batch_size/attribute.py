@@ -112,17 +112,19 @@ def _built_with(trainer: L.Trainer, owner: Any, name: str, value: int) -> int | 
 
 
 def _derived_attribute(trainer: L.Trainer, datamodule: Any, name: str, built: int | None) -> str | None:
-    """The one public int attribute of `datamodule` equal to the loader's batch size that the
-    rebuilt loader follows when it changes, else ``None``."""
+    """The one int attribute of `datamodule` equal to the loader's batch size that the rebuilt
+    loader follows when it changes, else ``None``: a public one first, then a private one
+    (Lightning's own fine-tuning example keeps its size in ``self._batch_size``)."""
     if datamodule is None or built is None:
         return None
-    candidates = [
-        key
-        for key, value in vars(datamodule).items()
-        if type(value) is int and value == built and key != name and not key.startswith("_")
-    ]
-    read = [key for key in candidates if _built_with(trainer, datamodule, key, built + 1) == built + 1]
-    return read[0] if len(read) == 1 else None
+    ints = {key: value for key, value in vars(datamodule).items() if type(value) is int}
+    candidates = [key for key, value in ints.items() if value == built and key != name]
+    for private in (False, True):
+        tried = [key for key in candidates if key.startswith("_") == private]
+        read = [key for key in tried if _built_with(trainer, datamodule, key, built + 1) == built + 1]
+        if read:
+            return read[0] if len(read) == 1 else None
+    return None
 
 
 def adopted_finding(name: str, read: str) -> Finding:
