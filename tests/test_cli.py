@@ -14,13 +14,14 @@ import pytorch_lightning as pl
 from jsonargparse import Namespace, lazy_instance
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from pytorch_lightning.cli import LightningCLI as PlLightningCLI
+from torch.utils.data import DataLoader
 
 from lightning_boost import AutoBatchSize, Preset, StepTimeMonitor
 from lightning_boost import pytorch_lightning as pl_boost
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.presets import PresetDDPStrategy, PresetSingleDeviceStrategy
 from lightning_boost.report.tuned_config import NotWritten, tuned_changes, write_tuned_config
-from lightning_boost.testing import BoringDataModule, BoringModel, cpu_only, tiny_trainer
+from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, cpu_only, tiny_trainer
 
 
 @pytest.fixture(autouse=True)
@@ -168,3 +169,63 @@ def test_the_readmes_lightning_cli_config_runs(tmp_path: Path, monkeypatch: pyte
     assert type(made.trainer.strategy) is PresetSingleDeviceStrategy and made.trainer.state.finished
     names = {type(c).__name__ for c in made.trainer.callbacks}
     assert {"AutoBatchSize", "SyncGuard", "LossLoggingGuard", "StepTimeMonitor", "BoostReport"} <= names
+
+
+def test_a_size_derived_from_a_config_entry_is_written_to_that_entry() -> None:
+    """The loader read `batch_size_per_device` (or Lightning's fine-tuning example's
+    `self._batch_size`), which no config entry holds: the tuned size was not written and
+    AutoBatchSize was dropped, so "Repeat this run as it trained" trained at the configured size."""
+    flat = {"data.batch_size": 16}
+    per_device = tuned_changes(
+        flat, batch_size=16, attr_name="batch_size_per_device", derived_from=("batch_size", 2)
+    )
+    assert per_device == {"data.batch_size": 32}  # two devices
+    copied = tuned_changes(flat, batch_size=32, attr_name="_batch_size", derived_from=("batch_size", 1))
+    assert copied == {"data.batch_size": 32}
+    assert tuned_changes(flat, batch_size=8, attr_name="size", configured_batch_size=8) == {}  # kept
+    with pytest.raises(NotWritten, match=r"batch size 32 \(configured 8\).*no config entry holds `size`"):
+        tuned_changes(flat, batch_size=32, attr_name="size", configured_batch_size=8)
+
+
+class PrivateSizeData(BoringDataModule):
+    """Lightning's fine-tuning example's datamodule: its `batch_size` argument kept as `self._batch_size`."""
+
+    def __init__(self, batch_size: int = 8) -> None:
+        super().__init__(length=256)
+        del self.batch_size
+        self._batch_size = batch_size
+
+    def _loader(self, seed: int, shuffle: bool = False) -> Any:
+        return DataLoader(RandomDataset(self.features, self.length, seed), self._batch_size, shuffle=shuffle)
+
+
+class SizedModel(BoringModel):
+    def __init__(self, batch_size: int = 8, lr: float = 0.05) -> None:
+        super().__init__(lr=lr)  # its hyperparameters: this frame's arguments
+        self.batch_size = batch_size
+
+
+class LinkedCLI(LightningCLI):
+    """The example's CLI: the model's `batch_size` is a link to the datamodule's."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.link_arguments("data.batch_size", "model.batch_size")
+
+
+@pytest.mark.usefixtures("long_planned_run", "fixed_cost_steps")
+def test_the_tuned_config_of_a_private_size_repeats_the_run(tmp_path: Path) -> None:
+    trainer = {
+        "accelerator": "cpu", "max_epochs": 1, "default_root_dir": str(tmp_path), "limit_train_batches": 2,
+        "log_every_n_steps": 1, "enable_progress_bar": False, "enable_checkpointing": False,
+        "callbacks": [{"class_path": "lightning_boost.BoostReport"},
+                      {"class_path": "lightning_boost.AutoBatchSize",
+                       "init_args": {"retune": True, "max_batch_size": 32, "min_efficiency": 0.1}}],
+    }  # fmt: skip
+    made = LinkedCLI(SizedModel, PrivateSizeData, args={"fit": {"seed_everything": 0, "trainer": trainer}})
+    tuner = next(c for c in made.trainer.callbacks if isinstance(c, AutoBatchSize))
+    tuned_size = tuner.result["batch_size"]
+    assert tuner.attr_name == "_batch_size" and tuned_size != 8
+    (tuned,) = tmp_path.rglob("config.tuned.yaml")
+    again = LinkedCLI(SizedModel, PrivateSizeData, args=["fit", "--config", str(tuned)])
+    assert again.trainer.train_dataloader.batch_size == tuned_size  # the rerun trains at the tuned size
+    assert not [c for c in again.trainer.callbacks if isinstance(c, AutoBatchSize)]

@@ -255,6 +255,9 @@ class AutoBatchSize(BoostCallback):
         self._ramped: list[tuple[dict[str, Any], float | torch.Tensor]] = []
         self._after_step: RemovableHandle | None = None  # puts them back once the optimizer stepped
         self._held: list[tuple[Any, str, Any]] = []  # rates callbacks hold, as the user set them
+        #: The attribute `attr_name` was found derived from, and how many times larger that one is
+        #: (a template's global `batch_size` for its `batch_size_per_device`); for config files.
+        self.derived_from: tuple[str, float] | None = None
         self._watch: LossWatch | None = None
         self._watch_reports = False  # whether the watch's verdict is said (the pack changed something)
         self._growth: Growth | None = None  # the noise scale read during the run (`grow`)
@@ -554,9 +557,10 @@ class AutoBatchSize(BoostCallback):
         read = attribute_the_loader_reads(trainer, pl_module, self.attr_name, configured)
         if read != self.attr_name:  # a template's per-device size, derived from ours in `setup()`
             self.findings.append(adopted_finding(self.attr_name, read))
-            self.attr_name = read
-            self._configured = configured = int(lightning_getattr(pl_module, read))  # type: ignore[arg-type]
-            return self._tune(trainer, pl_module, configured)
+            adopted = int(lightning_getattr(pl_module, read))  # type: ignore[arg-type]
+            self.derived_from = (self.attr_name, configured / adopted)
+            self.attr_name, self._configured = read, adopted
+            return self._tune(trainer, pl_module, adopted)
         unfrozen = unfrozen_later(trainer, pl_module)  # measured trainable: the batch must fit then
         if unfrozen:
             self.findings.append(unfrozen_finding(pl_module, unfrozen))

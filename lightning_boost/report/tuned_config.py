@@ -19,6 +19,12 @@ import lightning as L
 from lightning_boost._lightning import callbacks_of, is_lightning
 
 TUNED_CONFIG = "config.tuned.yaml"
+
+
+class NotWritten(Exception):
+    """Why ``config.tuned.yaml`` cannot repeat the run: the message says what to change."""
+
+
 #: Callbacks whose work the tuned config already holds.
 TUNERS = ("AutoBatchSize", "AutoNumWorkers")
 _LR_KEYS = ("optimizer.init_args.lr", "optimizer.lr", "model.init_args.lr", "model.lr",
@@ -30,16 +36,26 @@ def tuned_changes(
     *,
     batch_size: int | None = None,
     attr_name: str = "batch_size",
+    configured_batch_size: int | None = None,
+    derived_from: tuple[str, float] | None = None,
     accumulate_grad_batches: int | None = None,
     lr_factor: float = 1.0,
     loader: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Dotted config key -> the value the run trained with, for the keys `flat` (the config as
-    dotted keys) has; tuning callbacks are dropped from ``trainer.callbacks``.
+    dotted keys) has; tuning callbacks are dropped from ``trainer.callbacks``. The batch size goes
+    to `attr_name`'s entry, else to that of the attribute it was derived from (`derived_from`: its
+    name and how many times larger it is, as a per-device size is derived from a global one).
+
+    Raises:
+        NotWritten: when the batch size changed from `configured_batch_size` and no entry holds it.
 
     Example:
         >>> tuned_changes({"data.batch_size": 32, "model.lr": 0.1}, batch_size=256, lr_factor=8.0)
         {'data.batch_size': 256, 'model.lr': 0.8}
+        >>> tuned_changes({"data.batch_size": 32}, batch_size=64, attr_name="_batch_size",
+        ...               derived_from=("batch_size", 1.0))
+        {'data.batch_size': 64}
     """
     changes: dict[str, Any] = {}
 
@@ -47,10 +63,19 @@ def tuned_changes(
         return next((key for key in keys if key in flat), None)
 
     if batch_size is not None:
-        key = first(f"data.init_args.{attr_name}", f"data.{attr_name}", f"model.init_args.{attr_name}",
-                    f"model.{attr_name}")  # fmt: skip
+        key = first(*_entries(attr_name))
+        derived = first(*_entries(derived_from[0])) if derived_from is not None else None
         if key is not None:
             changes[key] = batch_size
+        elif derived is not None and derived_from is not None and float(derived_from[1]).is_integer():
+            changes[derived] = batch_size * int(derived_from[1])
+        elif configured_batch_size is not None and batch_size != configured_batch_size:
+            raise NotWritten(
+                f"config.tuned.yaml not written: the run trained at batch size {batch_size} (configured"
+                f" {configured_batch_size}), and no config entry holds `{attr_name}`, the attribute the"
+                " training loader reads. Make it an `__init__` argument of the datamodule or model, or"
+                " keep AutoBatchSize in the config (its cache repeats the decision)."
+            )
     if accumulate_grad_batches is not None and flat.get("trainer.accumulate_grad_batches", 1) != (
         accumulate_grad_batches
     ):
@@ -70,16 +95,17 @@ def tuned_changes(
     return changes
 
 
+def _entries(name: str) -> tuple[str, ...]:
+    """The config entries an attribute `name` of the datamodule or model can be."""
+    return (f"data.init_args.{name}", f"data.{name}", f"model.init_args.{name}", f"model.{name}")
+
+
 def _class_name(entry: Any) -> str:
     """A callback entry's class name: a config's ``class_path`` or an instance's class."""
     class_path = getattr(entry, "class_path", None)
     if class_path is None and isinstance(entry, Mapping):
         class_path = entry.get("class_path")
     return str(class_path).rpartition(".")[2] if class_path is not None else type(entry).__name__
-
-
-class NotWritten(Exception):
-    """Why ``config.tuned.yaml`` cannot repeat the run: the message says what to change."""
 
 
 def repeat_command(trainer: L.Trainer, path: Path) -> str:
@@ -99,10 +125,13 @@ def write_tuned_config(trainer: L.Trainer, tuned: Mapping[str, Any]) -> Path | N
     config = copy.deepcopy(saver.config)
     tuner = next((c for c in callbacks_of(trainer) if type(c).__name__ == "AutoBatchSize"), None)
     loader = {key: tuned[key] for key in ("num_workers", "prefetch_factor") if key in tuned}
+    decision = getattr(tuner, "decision", None)
     changes = tuned_changes(
         dict(vars(config.as_flat())),
         batch_size=tuned.get("batch_size") if tuner is not None else None,
         attr_name=getattr(tuner, "attr_name", "batch_size"),
+        configured_batch_size=getattr(decision, "configured_batch_size", None),
+        derived_from=getattr(tuner, "derived_from", None),
         accumulate_grad_batches=tuned.get("accumulate_grad_batches"),
         lr_factor=float(tuned.get("lr_factor", 1.0)),
         loader=loader if is_boosted(trainer) else None,
