@@ -783,6 +783,14 @@ def test_batches_gathered_whole_are_not_told_to_make_per_sample_work_cheaper() -
     assert "one gather a batch" in fixes[-1]
     images = input_bound_fixes(num_workers=0, measured_workers=(0, 2), **options)
     assert images[-1].endswith("so the per-sample work itself has to get cheaper.")
+    # the worker search ruled every count out without measuring one (the model's step on the
+    # thread a worker leaves is slower than loading in the main process): the same holds there
+    none = "the model's step on the 1 thread(s) one worker leaves cannot beat loading in the main process"
+    ruled_out = input_bound_fixes(num_workers=0, no_workers=none, dataset="batched tensors", **options)
+    assert not any("per-sample work" in fix for fix in ruled_out)
+    assert ruled_out[-1].startswith("Not workers, on this machine") and "one gather a batch" in ruled_out[-1]
+    by_sample = input_bound_fixes(num_workers=0, no_workers=none, **options)
+    assert by_sample[-1].endswith("here the per-sample work itself has to get cheaper.")
 
 
 class ProbedData(Dataset[tuple[Tensor, Tensor]]):

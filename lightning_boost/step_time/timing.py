@@ -259,22 +259,28 @@ def input_bound_fixes(
         )
     elif len(set(measured_workers)) > 1:
         counts = ", ".join(str(n) for n in sorted(set(measured_workers)))
-        rest = (
-            "and the batches are already loaded one gather a batch: what is left is the DataLoader's own"
-            " work per batch, not work per sample"
-            if dataset == "batched tensors"
-            else "so the per-sample work itself has to get cheaper"
-        )
+        joiner = "and" if dataset == "batched tensors" else "so"
         fixes.append(
             f"num_workers={num_workers} was the fastest of the counts measured ({counts}); more workers did"
-            f" not help, {rest}."
+            f" not help, {joiner} {_what_is_left(dataset)}."
         )
     elif no_workers and num_workers == 0:
         fixes.append(
             f"Not workers, on this machine: {no_workers}. With more CPUs per process they could load"
-            " beside the model; here the per-sample work itself has to get cheaper."
+            f" beside the model; here {_what_is_left(dataset)}."
         )
     return fixes
+
+
+def _what_is_left(dataset: str) -> str:
+    """What loading cost is left to cut once workers do not help: a `TensorDataset` gathered whole
+    a batch (`WholeBatches`) has no work per sample to make cheaper."""
+    if dataset == "batched tensors":
+        return (
+            "the batches are already loaded one gather a batch: what is left is the DataLoader's own"
+            " work per batch, not work per sample"
+        )
+    return "the per-sample work itself has to get cheaper"
 
 
 def host_bound_fixes(batch_size: int | None) -> list[str]:
