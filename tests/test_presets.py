@@ -432,6 +432,58 @@ def test_a_preset_planned_on_a_gpu_machine_follows_the_trainers_accelerator(tmp_
     assert ranks[0]["weight"] == ranks[1]["weight"]
 
 
+class FineTunedRanks(L.LightningModule):
+    """A backbone `BackboneFinetuning` unfreezes at epoch 1, under DDP; each rank writes its
+    weights and whether the preset's findings say it averaged the unfrozen ones."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.out = out
+        self.backbone = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.ReLU())
+        self.head = torch.nn.Linear(16, 2)
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        return torch.nn.functional.mse_loss(self.head(self.backbone(inputs)), targets)
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1)
+
+    @override
+    def on_train_end(self) -> None:
+        findings = getattr(self.trainer.strategy, "findings", [])
+        record = {
+            "weights": [p.detach().flatten().tolist() for p in self.parameters()],
+            "averaged": [f.data.get("late_tensors") for f in findings if "late_tensors" in f.data],
+        }
+        Path(self.out, f"rank{self.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.ddp
+@pytest.mark.parametrize("boosted", [True, False], ids=["preset", "lightnings-ddp"])
+def test_a_backbone_unfrozen_under_ddp_trains_the_same_on_every_rank(tmp_path: Path, boosted: bool) -> None:
+    """DDP averages only the parameters that trained when it wrapped the model: a backbone
+    `BackboneFinetuning` unfroze later trained on each rank's own batches (Lightning issue #20340),
+    and the replicas drifted apart without an error, as Lightning's own DDP still lets them (the
+    control). The preset averages their gradients, and says so."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    strategy = preset("fast-ddp", hardware=EXAMPLES["cpu"], precision="32-true", start_method="spawn")
+    trainer = tiny_trainer(
+        tmp_path, devices=2, strategy=strategy if boosted else "ddp_spawn", logger=False,
+        enable_checkpointing=False, max_epochs=3, limit_train_batches=8,
+        callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
+    )  # fmt: skip
+    trainer.fit(FineTunedRanks(str(tmp_path)), datamodule=BoringDataModule(length=256, batch_size=8))
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    same = ranks[0]["weights"] == ranks[1]["weights"]
+    assert same is boosted
+    assert ranks[0]["averaged"] == ([2] if boosted else [])  # the backbone's weight and bias
+
+
 class _RecordAutocast(BoringModel):
     """Records the dtype a Linear computes in, and the speed flags, inside the training step."""
 

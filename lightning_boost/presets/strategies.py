@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
+from torch.nn import Module
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_boost._lightning import (
@@ -30,6 +32,7 @@ from lightning_boost.presets.data_parallel import (
     data_parallel_finding,
     data_parallel_wrappers,
 )
+from lightning_boost.presets.late_params import LateParams
 from lightning_boost.presets.memory_format import (
     MemoryFormatChoice,
     choose_memory_format,
@@ -283,6 +286,29 @@ class PresetDDP(PresetStrategy):
         if self.plan.channels_last is not None:
             self._lay_out(self.plan.channels_last)
         super().model_to_device()  # type: ignore[safe-super]
+
+    def _setup_model(self, model: Module) -> Any:
+        """DDP around `model`, noting which parameters its reducer holds (`LateParams`)."""
+        self._late = LateParams(model)
+        return super()._setup_model(model)
+
+    @override
+    def optimizer_step(
+        self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any
+    ) -> Any:
+        """Lightning's step, with the gradients of parameters unfrozen since DDP wrapped the model
+        averaged over the ranks inside the closure, after its backward (`presets.late_params`)."""
+        late = getattr(self, "_late", None)
+        if late is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def averaged() -> Any:
+            result = closure()
+            if late.average() and not any("late_parameters" in f.data for f in self.findings):
+                self.findings.append(late.finding())
+            return result
+
+        return super().optimizer_step(optimizer, averaged, model, **kwargs)
 
 
 class PresetFSDP(PresetStrategy):
