@@ -482,6 +482,55 @@ def test_a_packed_sequence_rnn_syncs_only_to_sort(tmp_path: Path, sorted_batches
         assert finding.data["causes"] == ["packed_sequence"] and "enforce_sorted=True" in finding.fix
 
 
+class CumulativeNorm(BoringModel):
+    """A BatchNorm with `momentum=None` (a cumulative average), as `StochasticWeightAveraging`
+    sets it for the epoch that recomputes the averaged weights' statistics."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(32, momentum=None)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        normed = self.norm(batch[0])  # syncs: batchnorm
+        return torch.nn.functional.mse_loss(self(normed), batch[1])
+
+
+def test_a_cumulative_batchnorm_is_named_with_its_momentum(tmp_path: Path) -> None:
+    """torch's BatchNorm reads `float(num_batches_tracked)` each training forward when its momentum
+    is None: found at the user's line with the momentum as the fix (and SWA's epoch named), where it
+    said only "look for a torch setting"."""
+    found = user_syncs(fit(CumulativeNorm(), tmp_path))
+    assert found.keys() == {marked_line("batchnorm")}
+    (finding,) = found.values()
+    assert finding.data["causes"] == ["batchnorm_cumulative"]
+    assert "momentum=0.1" in finding.fix and "StochasticWeightAveraging" in finding.fix
+
+
+class NormedModel(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(32)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return torch.nn.functional.mse_loss(self(self.norm(batch[0])), batch[1])
+
+
+def test_the_averaging_callbacks_own_batchnorm_epoch_is_its_own(tmp_path: Path) -> None:
+    """`StochasticWeightAveraging` sets the BatchNorms' momentum to None for its extra epoch (the
+    averaged weights' statistics): those syncs are the callback's, a note, and `mode="error"` does
+    not stop the fit's last epoch at the user's forward for them."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    guard = SyncGuard(mode="error", every_n_steps=1)
+    averaging = StochasticWeightAveraging(swa_lrs=0.01, swa_epoch_start=1)
+    options = {"limit_train_batches": 3, "limit_val_batches": 0, "logger": False, "max_epochs": 2}
+    trainer = tiny_trainer(tmp_path, callbacks=[guard, averaging], **options)
+    trainer.fit(NormedModel(), datamodule=BoringDataModule())
+    assert trainer.state.finished and trainer.current_epoch == 3  # with the averaging's extra epoch
+    assert user_syncs(guard) == {}
+    assert framework_syncs(guard)["batchnorm_cumulative"].severity is Severity.INFO
+
+
 class GaussianHead(BoringModel):
     """A VAE's or a policy's step: a `Normal` from the model's outputs, sampled and scored.
     `validate` is the distributions' `validate_args` (torch's default: on, as `__debug__`)."""

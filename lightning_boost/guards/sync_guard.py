@@ -16,6 +16,7 @@ import torch
 from typing_extensions import override
 
 from lightning_boost import instrumented
+from lightning_boost._lightning import has_callback
 from lightning_boost._validation import Matches, validated
 from lightning_boost.guards.base import EveryNSteps, Guard, GuardMode, Overhead
 from lightning_boost.guards.sampling import Sampler
@@ -168,6 +169,7 @@ class SyncGuard(Guard):
         self._packages: Packages | None = None
         self._watch: SyncWatch | None = None
         self._compiled = False
+        self._averaging = False  # a StochasticWeightAveraging callback: its own BatchNorm epoch
 
     @property
     def checked_steps(self) -> dict[str, int]:
@@ -183,6 +185,7 @@ class SyncGuard(Guard):
         self._packages = Packages()
         self._watch = SyncWatch(self._on_sync, cuda=self._cuda)
         self._compiled = _compiled(pl_module)
+        self._averaging = has_callback(trainer, "StochasticWeightAveraging")
         self._mark_host_side(trainer, pl_module)
         if self.scope == "fit":
             self._watch.start()
@@ -295,6 +298,8 @@ class SyncGuard(Guard):
     def _on_sync(self, pattern: str, frame: FrameType | None) -> None:
         assert self._packages is not None  # set with the watch that calls this, at train start
         attribution = attribute(frames_from(frame), self._packages)
+        if attribution is not None and self._averaging and _cause(attribution) == "batchnorm_cumulative":
+            attribution = dataclasses.replace(attribution, framework=True)  # SWA's, not the user's
         if attribution is None or (not attribution.framework and self._allowed(attribution)):
             return
         key = SyncGroup.key(self._phase, attribution)
@@ -389,6 +394,10 @@ class SyncGuard(Guard):
                 )
             )
         return findings
+
+
+def _cause(attribution: Attribution) -> str | None:
+    return attribution.cause.key if attribution.cause is not None else None
 
 
 def _compiled(module: torch.nn.Module) -> bool:

@@ -736,6 +736,19 @@ CAUSES: tuple[Cause, ...] = (
         " while debugging.",
     ),
     Cause(
+        "batchnorm_cumulative",
+        "torch",
+        "/nn/modules/batchnorm.py",
+        ("forward",),
+        False,
+        "A BatchNorm with `momentum=None` keeps a cumulative average of the batch statistics and reads"
+        " its count of batches from the GPU at each training forward (`float(num_batches_tracked)`)",
+        "Give it a momentum (`nn.BatchNorm2d(c, momentum=0.1)`, torch's default). Lightning's"
+        " `StochasticWeightAveraging` sets `momentum=None` itself for the extra epoch that recomputes"
+        " the statistics of the averaged weights: there it is one epoch of forward passes, nothing to"
+        " change.",
+    ),
+    Cause(
         "packed_sequence",
         "torch",
         "/nn/utils/rnn.py",
