@@ -243,15 +243,10 @@ def callbacks_of(trainer: L.Trainer) -> list[L.Callback]:
     return callbacks
 
 
-def is_kind(callback: object, name: str) -> bool:
-    """Whether `callback` is of Lightning's class `name`, under either namespace
-    (``lightning.pytorch`` or ``pytorch_lightning``: two classes of one name)."""
-    return name in {klass.__name__ for klass in type(callback).__mro__}
-
-
 def has_callback(trainer: L.Trainer, name: str) -> bool:
-    """Whether a callback of `trainer` is of Lightning's class `name` (`is_kind`)."""
-    return any(is_kind(callback, name) for callback in callbacks_of(trainer))
+    """Whether a callback of `trainer` is of Lightning's class `name`, under either namespace
+    (``lightning.pytorch`` or ``pytorch_lightning``: two classes of one name)."""
+    return any(name in {klass.__name__ for klass in type(c).__mro__} for c in callbacks_of(trainer))
 
 
 def datamodule_of(trainer: L.Trainer) -> L.LightningDataModule | None:

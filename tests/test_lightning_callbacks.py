@@ -84,7 +84,7 @@ def peak_at_8(tuner: AutoBatchSize) -> int:
 def test_a_backbone_unfrozen_during_the_fit_is_measured_as_it_trains_then(tmp_path: Path) -> None:
     """Frozen at the start, the backbone has no gradients or optimizer state and saves fewer
     activations: measured so, the batch fitted the epochs before `BackboneFinetuning` unfroze it
-    and could run out of memory after (peak 0.29x the trainable model's here). Measured with it
+    and could run out of memory after (peak about a quarter of the trainable model's here). Measured with it
     trainable, the trial peaks as the fully trainable model does."""
     trainable = peak_at_8(tuned(tmp_path / "trainable", Backboned()))
     probe = peak_at_8(tuned(tmp_path / "probe", FrozenByHand()))

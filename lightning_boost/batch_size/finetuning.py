@@ -8,7 +8,7 @@ from typing import Any
 import lightning as L
 from torch import nn
 
-from lightning_boost._lightning import callbacks_of, is_kind
+from lightning_boost._lightning import callbacks_of, is_lightning
 from lightning_boost.report import Finding, Severity
 
 
@@ -23,11 +23,11 @@ def unfrozen_later(trainer: L.Trainer, module: nn.Module) -> list[str]:
         return []
     unfrozen: set[int] = set()
     for callback in callbacks_of(trainer):
-        if is_kind(callback, "BackboneFinetuning"):
+        if is_lightning(callback, "BackboneFinetuning"):
             backbone = getattr(module, "backbone", None)
             if isinstance(backbone, nn.Module) and _unfreezes_in_run(trainer, callback):
                 unfrozen |= {id(p) for p in backbone.parameters()}
-        elif is_kind(callback, "BaseFinetuning"):
+        elif is_lightning(callback, "BaseFinetuning"):
             unfrozen |= set(frozen)
     return [name for key, name in frozen.items() if key in unfrozen]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import lightning as L
 
-from lightning_boost._lightning import callbacks_of, is_kind
+from lightning_boost._lightning import callbacks_of, is_lightning
 
 #: Each callback's rates: `BackboneFinetuning` sets the unfrozen backbone's group from its
 #: ``backbone_initial_lr``, then each epoch from ``previous_backbone_lr``; `StochasticWeightAveraging`
@@ -34,7 +34,7 @@ def held_rates(trainer: L.Trainer) -> list[tuple[Any, str, Any]]:
     found = []
     for callback in callbacks_of(trainer):
         for kind, names in HELD_RATES.items():
-            if is_kind(callback, kind):
+            if is_lightning(callback, kind):
                 found += [(callback, name, getattr(callback, name, None)) for name in names]
     return [(callback, name, value) for callback, name, value in found if _scaled(value, 1.0) is not None]
 

@@ -175,7 +175,7 @@ class AutoMicroBatch(BoostCallback):
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._params = list(pl_module.parameters())  # 0.5 ms for a ResNet-50's: once, not each step
+        self._params = list(pl_module.parameters())  # once: it walks every submodule
         self._on_cuda = pl_module.device.type == "cuda"  # read once: the step's end is a hot path
 
     @override
