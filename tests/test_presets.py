@@ -16,7 +16,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from typing_extensions import override
 
 import lightning_boost
-from lightning_boost import preset, presets
+from lightning_boost import BoostReport, preset, presets
 from lightning_boost._lightning import trainer_precision_flag
 from lightning_boost.hardware import EXAMPLES, HardwareInfo
 from lightning_boost.presets import (
@@ -454,10 +454,12 @@ class FineTunedRanks(L.LightningModule):
 
     @override
     def on_train_end(self) -> None:
-        findings = getattr(self.trainer.strategy, "findings", [])
+        findings = [*getattr(self.trainer.strategy, "findings", [])]
+        findings += [f for c in self.trainer.callbacks for f in getattr(c, "findings", [])]  # type: ignore[attr-defined]
         record = {
             "weights": [p.detach().flatten().tolist() for p in self.parameters()],
-            "averaged": [f.data.get("late_tensors") for f in findings if "late_tensors" in f.data],
+            "averaged": [f.data["late_tensors"] for f in findings if "late_tensors" in f.data],
+            "apart": [f.data["unaveraged_tensors"] for f in findings if "unaveraged_tensors" in f.data],
         }
         Path(self.out, f"rank{self.global_rank}.json").write_text(json.dumps(record))
 
@@ -468,20 +470,22 @@ def test_a_backbone_unfrozen_under_ddp_trains_the_same_on_every_rank(tmp_path: P
     """DDP averages only the parameters that trained when it wrapped the model: a backbone
     `BackboneFinetuning` unfroze later trained on each rank's own batches (Lightning issue #20340),
     and the replicas drifted apart without an error, as Lightning's own DDP still lets them (the
-    control). The preset averages their gradients, and says so."""
+    control). The preset averages their gradients, and says so; under Lightning's DDP the report
+    names the drift."""
     from lightning.pytorch.callbacks import BackboneFinetuning
 
     strategy = preset("fast-ddp", hardware=EXAMPLES["cpu"], precision="32-true", start_method="spawn")
     trainer = tiny_trainer(
         tmp_path, devices=2, strategy=strategy if boosted else "ddp_spawn", logger=False,
         enable_checkpointing=False, max_epochs=3, limit_train_batches=8,
-        callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
+        callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1), BoostReport(console=False)],
     )  # fmt: skip
     trainer.fit(FineTunedRanks(str(tmp_path)), datamodule=BoringDataModule(length=256, batch_size=8))
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     same = ranks[0]["weights"] == ranks[1]["weights"]
     assert same is boosted
     assert ranks[0]["averaged"] == ([2] if boosted else [])  # the backbone's weight and bias
+    assert ranks[0]["apart"] == ([] if boosted else [2])
 
 
 class _RecordAutocast(BoringModel):

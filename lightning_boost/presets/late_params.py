@@ -49,18 +49,42 @@ class LateParams:
         return len(late)
 
     def finding(self) -> Finding:
+        """INFO: the preset averages the late parameters."""
         late = self.late()
-        count = sum(p.numel() for p in late)
         return Finding(
             "preset",
             "precision and strategy",
             Severity.INFO,
-            f"{count:,} parameters unfrozen after DDP wrapped the model are averaged by the preset",
-            f"DDP averages the gradients of the parameters that trained when it wrapped the model;"
-            f" {len(late)} tensors were unfrozen since (a fine-tuning callback such as"
-            " `BackboneFinetuning`), whose gradients it leaves to each rank: the replicas would drift"
-            " apart without an error (Lightning issue #20340). The preset all-reduces them once per"
-            " optimizer step, after the backward: one more collective, not overlapped with the"
-            " backward as DDP's own buckets are.",
-            data={"late_parameters": count, "late_tensors": len(late)},
+            f"{_count(late):,} parameters unfrozen after DDP wrapped the model are averaged by the preset",
+            f"{_UNREDUCED.format(tensors=len(late))}: the replicas would drift apart without an error"
+            " (Lightning issue #20340). The preset all-reduces them once per optimizer step, after the"
+            " backward: one more collective, not overlapped with the backward as DDP's own buckets"
+            " are.",
+            data={"late_parameters": _count(late), "late_tensors": len(late)},
         )
+
+
+def unaveraged_finding(late: list[nn.Parameter]) -> Finding:
+    """WARN: under a DDP that does not average them (Lightning's own), `late` train apart."""
+    return Finding(
+        "BoostReport",
+        "precision and strategy",
+        Severity.WARN,
+        f"{_count(late):,} parameters unfrozen after DDP wrapped the model train apart on each rank",
+        f"{_UNREDUCED.format(tensors=len(late))}: each rank steps them with its own batches' gradients"
+        " and the replicas drift apart without an error (Lightning issue #20340, open).",
+        "`Trainer(strategy=preset('fast-ddp'))`, which averages them at each optimizer step, or"
+        " leave them trainable from the start of the fit",
+        data={"unaveraged_parameters": _count(late), "unaveraged_tensors": len(late)},
+    )
+
+
+_UNREDUCED = (
+    "DDP averages the gradients of the parameters that trained when it wrapped the model;"
+    " {tensors} tensors were unfrozen since (a fine-tuning callback such as `BackboneFinetuning`),"
+    " whose gradients it leaves to each rank"
+)
+
+
+def _count(params: list[nn.Parameter]) -> int:
+    return sum(p.numel() for p in params)

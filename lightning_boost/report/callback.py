@@ -24,6 +24,7 @@ from lightning_boost._lightning import (
     user_hyperparameters,
 )
 from lightning_boost._validation import Directory, validated
+from lightning_boost.presets.late_params import LateParams, unaveraged_finding
 from lightning_boost.report import BoostWarning, Finding, Report, ReportsFindings, ReportsTuned, make_console
 from lightning_boost.report.plots import matplotlib_missing, plot_specs, plots_fit, plots_skipped, write_plots
 
@@ -96,6 +97,9 @@ class BoostReport(L.Callback):
         self._user_hparams: dict[str, Any] = {}
         self._undo_hold: Callable[[], None] | None = None
         self._fit_started = time.perf_counter()
+        #: What it finds itself: parameters Lightning's DDP leaves to each rank (`_check_late`).
+        self.findings: list[Finding] = []
+        self._late: LateParams | None = None
 
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -105,6 +109,8 @@ class BoostReport(L.Callback):
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         destroy_process_group_at_exit()  # a DDP run with the pack ends without gloo's exit abort
+        self.findings = [f for f in self.findings if "unaveraged_tensors" not in f.data]
+        self._late = LateParams(pl_module) if _leaves_late_parameters(trainer) else None
         if self.log_hyperparams and trainer.loggers:
             self._user_hparams = user_hyperparameters(trainer)
             self._undo_hold = hold_hyperparameters(trainer)
@@ -118,6 +124,25 @@ class BoostReport(L.Callback):
                 logger.log_hyperparams({**self._user_hparams, **tuned})
                 if is_lightning(logger, "TensorBoardLogger"):  # its hparams.yaml was written at fit start
                     save_hparams_to_yaml(Path(str(logger.log_dir), "hparams.yaml"), logger.hparams)  # type: ignore[attr-defined]
+
+    @override
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_late(trainer)  # after a fine-tuning callback listed before it unfroze its part
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._check_late(trainer)  # one listed after it (or a module's own hook)
+
+    def _check_late(self, trainer: L.Trainer) -> None:
+        """Warn once when a parameter frozen as DDP wrapped the model trains: Lightning's DDP
+        leaves its gradients to each rank (`presets.late_params`; `preset('fast-ddp')` averages)."""
+        late = self._late.late() if self._late is not None else []
+        if not late:
+            return
+        self._late = None
+        finding = unaveraged_finding(late)
+        self.findings.append(finding)
+        rank_zero_warn(f"{finding.title}. {finding.detail} Fix: {finding.fix}.", category=BoostWarning)
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -198,6 +223,16 @@ class BoostReport(L.Callback):
 
 
 skip_unused_batch_hooks(BoostReport)  # its per-batch hooks are Callback's no-ops
+
+
+def _leaves_late_parameters(trainer: L.Trainer) -> bool:
+    """Whether `trainer` trains under a DDP over several processes that averages only the
+    parameters trainable when it wrapped the model: Lightning's own (the preset's averages all)."""
+    from lightning_boost.presets.strategies import PresetDDP
+
+    strategy = trainer.strategy
+    plain_ddp = is_lightning(strategy, "DDPStrategy") and not isinstance(strategy, PresetDDP)
+    return plain_ddp and trainer.world_size > 1
 
 
 def attach_report(trainer: L.Trainer) -> None:
