@@ -54,13 +54,20 @@ def _torch_flags_put_back() -> Iterator[None]:
     """The process-wide speed flags as each test found them: a program run whole may set them for
     its process, as Lightning's ``Trainer(benchmark=True)`` does (the imagenet example), and the
     next test must not start from its setting. Whether the pack puts back what it sets is tested
-    inside the tests of its presets. On a GPU, CUDA's sync debug mode goes back to off, its
-    default: a test that leaves it on would fail every later test of its process that syncs (one
-    did, on an H100, 2026-11-27); SyncGuard's tests assert inside themselves that it puts it back."""
+    inside the tests of its presets. `Trainer(deterministic=True)` turns torch's deterministic
+    algorithms on for the process: they go back as they were. On a GPU, CUDA's sync debug mode
+    goes back to off, its default: a test that leaves it on would fail every later test of its
+    process that syncs (one did, on an H100, 2026-11-27); SyncGuard's tests assert inside
+    themselves that it puts it back."""
     before = (torch.backends.cudnn.benchmark, torch.get_float32_matmul_precision())
+    deterministic = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )  # `Trainer(deterministic=True)` sets them for the process
     yield
     torch.backends.cudnn.benchmark = before[0]
     torch.set_float32_matmul_precision(before[1])
+    torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
     # reading or setting the mode would start CUDA otherwise; setting it warns once a process that
     # the mode is a prototype (an error here: the first CUDA test of each process failed at its
     # teardown on an H100, 2026-11-27), so it is set only where a test left it on

@@ -632,6 +632,57 @@ def test_a_warm_cache_starts_at_the_cached_setting(tmp_path: Path) -> None:
     assert model.seen[0] == _by_hand(tmp_path, max_epochs=1)[0]
 
 
+class _Augmented(IndexedData):
+    """`IndexedData` with a random augmentation: each sample draws from the RNG of the process that
+    loads it (a worker's, or the main process's at 0 workers)."""
+
+    @override
+    def __getitem__(self, index: int) -> tuple[Tensor, int]:
+        features, index = super().__getitem__(index)
+        return features + torch.rand(8), index
+
+
+class _Features(L.Callback):
+    """The features of every training batch, as the step got them."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[float]] = []
+
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, i: int) -> None:
+        self.batches.append(batch[0].sum(dim=1).tolist())
+
+
+def test_a_deterministic_run_trains_the_same_batches_when_repeated_from_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under `Trainer(deterministic=True)`, with workers seeded (`seed_everything(workers=True)`)
+    and a random augmentation: the run that tunes and its repeat from the cache train the same
+    batches, every epoch. A search on the first epoch's own batches loads them at several worker
+    counts, so their augmentation drew other numbers than a run at one count, and loading in the
+    main process moved its RNG: the repeat's first epoch and every later shuffle differed. The
+    search is made before the fit instead, with the run's RNG put back after it."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # Lightning sets it: put back after
+    monkeypatch.delenv("PL_SEED_WORKERS", raising=False)
+    runs = []
+    for name in ("tuning", "repeat"):
+        data, features = Data(_Augmented(load_s=0.001), shuffle=True), _Features()
+        L.seed_everything(0, workers=True, verbose=False)
+        trainer = tiny_trainer(
+            tmp_path / name, max_epochs=2, limit_train_batches=1.0, logger=False,
+            enable_checkpointing=False, deterministic=True, callbacks=[features],
+        )  # fmt: skip
+        trainer.fit(Recorder(), datamodule=data)
+        (choice,) = data.worker_tuner.choices.values()
+        runs.append((features.batches, choice, data.findings))
+    (tuned, tuning, said), (repeated, cached, _) = runs
+    assert tuning.source == "measured" and cached.source == "cache"  # before the fit, then reused
+    assert cached.num_workers == tuning.num_workers
+    assert len(tuned) == 2 * SAMPLES // 4
+    assert tuned == repeated
+    assert any("before the fit" in f.title and "deterministic" in f.detail for f in said)
+
+
 class _Threads(L.Callback):
     """torch's intra-op thread count at each training step."""
 

@@ -345,6 +345,22 @@ def capped_finding(source: str, split: str, cap: int, workers: int | None) -> Fi
     )
 
 
+def before_fit_finding(source: str, loader: str, unit: str) -> Finding:
+    """Why `loader` was searched before the fit, not on its `unit`'s own batches: the run asks to
+    be repeatable (`Trainer(deterministic=True)`)."""
+    return Finding(
+        source,
+        "data",
+        Severity.INFO,
+        f"{loader}: searched before the fit, not on the {unit}'s own batches",
+        f"`deterministic=True` asks for a run its repeat trains alike. A search on the {unit}'s"
+        " batches loads them at several worker counts, so a random augmentation draws other numbers"
+        " for them than a repeat at one count (from the cache or `config.tuned.yaml`) does, and"
+        " loading in the main process moves its RNG for every later shuffle. Timed on trial loaders"
+        " before the fit, the run's RNG put back, it trains at one setting from its first batch.",
+    )
+
+
 def open_files_finding(source: str, done: str, hardware: HardwareInfo) -> Finding:
     return Finding(
         source,

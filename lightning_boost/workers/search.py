@@ -77,7 +77,9 @@ class WorkerTuning:
         online: where a training loader's sampler allows it, search on the first epoch's own
             batches (`lightning_boost.workers.online`: no trial before the fit, every sample
             trained once); ``False`` times trials of the loader before the fit, as evaluation
-            loaders and streams always are.
+            loaders and streams always are, and as a run told ``deterministic=True`` is (a search
+            on its batches would load them at several worker counts, so a random augmentation's
+            draws, and the shuffles after, would differ from its repeat's).
 
     Raises:
         TypeError, ValueError: for a value that does not fit its field (a time that is not a

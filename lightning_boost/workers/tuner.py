@@ -29,6 +29,7 @@ from lightning_boost.report import BoostWarning, Finding
 from lightning_boost.step_probe import StepProbe
 from lightning_boost.workers.decision import (
     WorkerProbes,
+    before_fit_finding,
     capped_finding,
     choice_findings,
     decide_workers,
@@ -92,6 +93,12 @@ class LoaderAsk:
     hook: str = "training_step"
 
 
+def repeatable_run() -> bool:
+    """Whether the run asks to be repeatable: torch's deterministic algorithms are on, as
+    `Trainer(deterministic=True)` (or ``"warn"``) turns them on."""
+    return torch.are_deterministic_algorithms_enabled()
+
+
 class LoaderTuner:
     """Chooses `num_workers`/`prefetch_factor` per dataset and batch size, once per fingerprint.
 
@@ -146,6 +153,9 @@ class LoaderTuner:
         """
         hardware = hardware_for(trainer)
         tuning = bounded(self.tuning, most)
+        before_fit = repeatable_run() and tuning.online and epoch_batches is not None
+        if before_fit:  # a key of its own: a later run's search on its batches is not skipped for it
+            tuning = dataclasses.replace(tuning, online=False)
         split = loader
         unit = PASS_NAMES[loader] if own_pass(trainer, loader) else "first epoch"
         hook = CONSUMING_STEPS.get(loader, "training_step")  # what a measurement before the loop weighs
@@ -170,7 +180,7 @@ class LoaderTuner:
             return pending_choice(pending), pending
         choice = self._choice_for(key, workload_samples, loader)
         if choice is None:
-            online = (epoch_batches, workload_samples, unit) if self.tuning.online else None
+            online = (epoch_batches, workload_samples, unit) if tuning.online else None
 
             ask = LoaderAsk(tuning, hardware, dataset, batch_size, settings, trainer, workload_samples, hook)
 
@@ -198,6 +208,8 @@ class LoaderTuner:
             if choice.source == "short run":
                 self._short_runs[key] = workload_samples
             self.findings += choice_findings(self.source, choice, loader) + bound
+            if before_fit and choice.source == "measured":
+                self.findings.append(before_fit_finding(self.source, loader, unit))
         elif key in self.restored:
             self.restored.discard(key)
             self.findings += choice_findings(self.source, choice.replace(source="checkpoint"), loader)
