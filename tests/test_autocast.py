@@ -11,6 +11,7 @@ import re
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -143,7 +144,9 @@ class SlowUnder(BoringModel):
         return loss
 
 
-def fit(tmp_path: Path, model: SlowUnder, steps: int = 24) -> tuple[L.Trainer, MeasuredAutocast]:
+def fit(
+    tmp_path: Path, model: SlowUnder, steps: int = 24, **options: Any
+) -> tuple[L.Trainer, MeasuredAutocast]:
     strategy = preset("auto", hardware=CPU_BF16)
     trainer = tiny_trainer(
         tmp_path,
@@ -151,6 +154,7 @@ def fit(tmp_path: Path, model: SlowUnder, steps: int = 24) -> tuple[L.Trainer, M
         limit_train_batches=steps,
         callbacks=[BoostReport(console=False)],
         enable_checkpointing=False,
+        **options,
     )
     trainer.fit(model, datamodule=BoringDataModule(length=steps * 8))
     plugin = trainer.precision_plugin
@@ -269,6 +273,21 @@ def test_a_bf16_that_slows_down_after_the_trial_is_switched_off_mid_run(tmp_path
     _, plugin = fit(tmp_path / "again", again, steps=8)
     assert plugin.choice is not None and plugin.choice.cached and not plugin.choice.bf16
     assert again.autocast_seen == [False] * 8
+
+
+def test_a_deterministic_run_trains_every_batch_at_the_setting_chosen_before_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under `Trainer(deterministic=True)` a kept bf16 is not checked on the run's own steps: its
+    pairs train a batch in fp32 now and then, and a switch decided on the host's timing would leave
+    the run and its repeat from the cache (in fp32 from its first batch) trained apart. The model
+    whose bf16 slows down mid-run (switched off above) trains every batch in bf16."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)  # Lightning sets it: put back after
+    model = SlowUnder("fp32", flip_at=8)
+    trainer, plugin = fit(tmp_path, model, steps=30, deterministic=True)
+    assert model.autocast_seen == [True] * 30
+    assert plugin.choice is not None and plugin.choice.bf16 and plugin.switched_at is None
+    assert plugin.pairs == 0 and trainer.precision == "bf16-mixed"
 
 
 def test_a_resumed_fit_checks_bf16_from_its_own_first_batch(tmp_path: Path) -> None:

@@ -17,7 +17,9 @@ trial of a few steps: a warm-up pair at batch 4, pairs at 8 and 12, then one eve
 each one training batch in fp32 beside one in bf16 (`recheck_setting`), forward and backward
 timed; a pair that puts bf16 more than 5 % slower is followed at once by others until they
 settle. When the last pair and one of the two before it say so (`recheck_verdict`), the rest of
-the run trains in fp32, with a finding, and the cache keeps fp32 for the next run.
+the run trains in fp32, with a finding, and the cache keeps fp32 for the next run. A run told
+``deterministic=True`` is not checked: it trains every batch at the trial's setting, as its
+repeat from the cache does.
 """
 
 from __future__ import annotations
@@ -143,9 +145,11 @@ class MeasuredAutocastMixin(_Plugin):
         return recheck_setting(batch, self.next_pair, self.pairs)
 
     def _rechecking(self) -> bool:
-        """Whether the run's bf16 is still checked: kept by a trial (or the cache) and not
-        switched off."""
-        return self.choice is not None and self.choice.bf16 and self.autocast
+        """Whether the run's bf16 is still checked: kept by a trial (or the cache), not switched
+        off, and the run not told ``deterministic=True`` (its repeat must train alike: its pairs
+        train a batch in fp32 now and then, and a switch would follow the host's timing)."""
+        kept = self.choice is not None and self.choice.bf16 and self.autocast
+        return kept and not torch.are_deterministic_algorithms_enabled()
 
     def _end_pair(self) -> None:
         """Add the pair's ratio (none for the warm-up pair, or when the model's threads changed

@@ -93,12 +93,6 @@ class LoaderAsk:
     hook: str = "training_step"
 
 
-def repeatable_run() -> bool:
-    """Whether the run asks to be repeatable: torch's deterministic algorithms are on, as
-    `Trainer(deterministic=True)` (or ``"warn"``) turns them on."""
-    return torch.are_deterministic_algorithms_enabled()
-
-
 class LoaderTuner:
     """Chooses `num_workers`/`prefetch_factor` per dataset and batch size, once per fingerprint.
 
@@ -153,7 +147,10 @@ class LoaderTuner:
         """
         hardware = hardware_for(trainer)
         tuning = bounded(self.tuning, most)
-        before_fit = repeatable_run() and tuning.online and epoch_batches is not None
+        # `Trainer(deterministic=True)` turns torch's deterministic algorithms on: its repeat must
+        # train the same batches, so no search on them (`before_fit_finding`)
+        on_its_batches = tuning.online and epoch_batches is not None
+        before_fit = on_its_batches and torch.are_deterministic_algorithms_enabled()
         if before_fit:  # a key of its own: a later run's search on its batches is not skipped for it
             tuning = dataclasses.replace(tuning, online=False)
         split = loader
