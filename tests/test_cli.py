@@ -129,10 +129,21 @@ def test_with_subcommands_the_line_says_fit(tmp_path: Path, capsys: pytest.Captu
 
 def test_tuner_instances_are_left_out_of_the_tuned_config() -> None:
     kept = Namespace(class_path="lightning_boost.BoostReport")
-    flat = {
-        "trainer.callbacks": [AutoBatchSize(), kept, Namespace(class_path="lightning_boost.AutoNumWorkers")]
-    }
-    assert tuned_changes(flat) == {"trainer.callbacks": [kept]}
+    workers = Namespace(class_path="lightning_boost.AutoNumWorkers")
+    flat = {"trainer.callbacks": [AutoBatchSize(), kept, workers], "data.num_workers": 0}
+    boosted = {"num_workers": 2, "prefetch_factor": 4}  # a BoostedDataModule's, its arguments
+    assert tuned_changes(flat, loader=boosted) == {"trainer.callbacks": [kept], "data.num_workers": 2}
+    # loaders the config cannot set: AutoNumWorkers stays, and its cache repeats the choice
+    assert tuned_changes(flat) == {"trainer.callbacks": [kept, workers]}
+
+
+def test_the_tuned_config_of_plain_loaders_keeps_their_worker_tuning(tmp_path: Path) -> None:
+    """A plain datamodule's loaders were tuned by `AutoNumWorkers`, which the config cannot
+    replace: dropping it left the repeat loading at the loaders' own `num_workers`. It stays,
+    and the repeat takes the cached choice without measuring again."""
+    cli_run(tmp_path / "run", [{"class_path": "lightning_boost.AutoNumWorkers"}])
+    (tuned,) = (tmp_path / "run").rglob("config.tuned.yaml")
+    assert "lightning_boost.AutoNumWorkers" in tuned.read_text()
 
 
 def test_other_instances_get_no_tuned_config_and_a_reason(tmp_path: Path) -> None:

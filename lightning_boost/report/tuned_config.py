@@ -3,8 +3,8 @@
 LightningCLI saves the config it was given before anything is tuned, so a run tuned to batch 256
 and a learning rate x8 leaves a config that says 32 and 0.1. `tuned_changes` works out, as plain
 data, which config entries the run changed; `write_tuned_config` writes the whole config with
-them, and without the tuning callbacks, so ``fit --config config.tuned.yaml`` repeats the run
-exactly instead of tuning again.
+them, and without the tuning callbacks whose values it holds, so ``fit --config config.tuned.yaml``
+repeats the run exactly instead of tuning again.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class NotWritten(Exception):
     """Why ``config.tuned.yaml`` cannot repeat the run: the message says what to change."""
 
 
-#: Callbacks whose work the tuned config already holds.
+#: Callbacks whose work the tuned config can hold.
 TUNERS = ("AutoBatchSize", "AutoNumWorkers")
 _LR_KEYS = ("optimizer.init_args.lr", "optimizer.lr", "model.init_args.lr", "model.lr",
             "model.init_args.learning_rate", "model.learning_rate")  # fmt: skip
@@ -43,7 +43,9 @@ def tuned_changes(
     loader: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Dotted config key -> the value the run trained with, for the keys `flat` (the config as
-    dotted keys) has; tuning callbacks are dropped from ``trainer.callbacks``. The batch size goes
+    dotted keys) has; `AutoBatchSize` is dropped from ``trainer.callbacks``, and `AutoNumWorkers`
+    when the `loader` settings are the datamodule's arguments (``None``: loaders the config
+    cannot set, whose tuning stays, its cache repeating the choice). The batch size goes
     to `attr_name`'s entry, else to that of the attribute it was derived from (`derived_from`: its
     name and how many times larger it is, as a per-device size is derived from a global one).
 
@@ -87,9 +89,12 @@ def tuned_changes(
         key = first(f"data.init_args.{name}", f"data.{name}")
         if key is not None:
             changes[key] = value
+    # the worker settings of loaders the config cannot set (not a `BoostedDataModule`'s) stay
+    # with `AutoNumWorkers`, whose cache repeats them
+    tuners = TUNERS if loader is not None else ("AutoBatchSize",)
     callbacks = flat.get("trainer.callbacks")
     if isinstance(callbacks, list):
-        kept = [c for c in callbacks if _class_name(c) not in TUNERS]
+        kept = [c for c in callbacks if _class_name(c) not in tuners]
         if len(kept) != len(callbacks):
             changes["trainer.callbacks"] = kept
     return changes
