@@ -659,6 +659,66 @@ def test_a_schedule_sized_from_the_step_count_spans_the_tuned_run(tmp_path: Path
     assert any("configure_optimizers ran again" in f.title for f in callback.findings)
 
 
+class HandSizedMLP(MLP):
+    """A schedule sized by hand, as many programs size it: its steps counted in `setup()` from
+    the training set and the batch size the run was configured with."""
+
+    def __init__(self, schedule: str) -> None:
+        super().__init__(lr=0.05)
+        self.schedule = schedule
+        self.total_steps = 0
+        self.last_rates: list[float] = []
+
+    @override
+    def setup(self, stage: str) -> None:
+        data = self.trainer.datamodule  # type: ignore[attr-defined]
+        data.setup(stage)
+        self.total_steps = math.ceil(len(data.train_dataset) / data.batch_size) * self.trainer.max_epochs
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams["lr"])
+        lr_scheduler = torch.optim.lr_scheduler
+        schedule: Any = {
+            "one-cycle": lambda: lr_scheduler.OneCycleLR(optimizer, 0.05, total_steps=self.total_steps),
+            "cosine": lambda: lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.total_steps),
+            "linear": lambda: lr_scheduler.LinearLR(optimizer, 1.0, 0.01, total_iters=self.total_steps),
+        }[self.schedule]()
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.last_rates.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+
+@pytest.mark.usefixtures("fixed_cost_steps")
+@pytest.mark.parametrize("schedule", ["one-cycle", "cosine", "linear"])
+def test_a_schedule_sized_by_hand_for_the_configured_batch_spans_the_tuned_run(
+    tmp_path: Path, schedule: str
+) -> None:
+    """A schedule whose steps were counted before the fit, at the configured batch size (in
+    `setup()`, where `configure_optimizers` cannot count them again): the tuned run takes fewer
+    steps, so it ended part-way through its schedule, at a rate far from the annealed one a plain
+    run ends at. Its length is now the tuned run's, and the report says so."""
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", min_efficiency=0.5)
+    model = HandSizedMLP(schedule)
+    trainer = quiet_trainer(tmp_path, [callback], max_epochs=2)
+    trainer.fit(model, datamodule=Classes(samples=16384, batch_size=32))
+    decision = callback.decision
+    assert decision is not None and decision.batch_size > 32
+    assert model.total_steps == 1024  # as the program counted them
+    ran = trainer.global_step
+    assert ran == 2 * math.ceil(16384 / decision.batch_size)
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    horizon = {"one-cycle": "total_steps", "cosine": "T_max", "linear": "total_iters"}[schedule]
+    assert getattr(scheduler, horizon) == ran
+    peak = 0.05 * decision.lr_factor
+    assert model.last_rates[-1] < 0.02 * peak  # annealed by the end of the run, as plain's is
+    (finding,) = [f for f in callback.findings if "schedule" in f.data]
+    assert finding.title.startswith(f"{type(scheduler).__name__}'s {horizon}=1024 counted")
+    assert f"now {ran}, the tuned run's" in finding.title
+
+
 class LinearRuleMLP(OneCycleMLP):
     """`OneCycleMLP` whose peak rate follows its batch size by hand (the linear scaling rule)."""
 

@@ -58,6 +58,7 @@ from lightning_boost.batch_size.decision import (
 from lightning_boost.batch_size.finetuning import unfrozen_finding, unfrozen_later
 from lightning_boost.batch_size.goodput import NoiseScale, lr_rule
 from lightning_boost.batch_size.held_rates import ARGUMENTS, held_rates, put_back, scale_held_rates
+from lightning_boost.batch_size.horizons import resize, resized_finding
 from lightning_boost.batch_size.measure import (
     SeveralLoaders,
     SplitData,
@@ -339,6 +340,7 @@ class AutoBatchSize(BoostCallback):
         self._held = held_rates(trainer)  # the callbacks' arguments, put back at teardown
         if not self._restored:  # a checkpoint's optimizer state already holds the scaled rates
             _scale_learning_rates(trainer, decision.lr_factor)
+            self.findings += _fit_schedules(trainer, decision)  # and its schedulers' lengths
         else:  # a callback's arguments are not in the checkpoint
             scale_held_rates(trainer, decision.lr_factor, ARGUMENTS)
         changed = decision.batch_size != decision.configured_batch_size or decision.lr_factor != 1.0
@@ -866,6 +868,35 @@ def _scale_learning_rates(trainer: L.Trainer, factor: float) -> None:
     for config in trainer.lr_scheduler_configs:
         _scale_schedule(config.scheduler, factor, seen)
     scale_held_rates(trainer, factor)  # those a callback sets the optimizer's from later
+
+
+def _fit_schedules(trainer: L.Trainer, decision: BatchSizeDecision) -> list[Finding]:
+    """Step-interval schedules the program sized for the configured run's steps, made as long as
+    the tuned run (`batch_size.horizons`), each with a finding."""
+    data = split_data(trainer, "train")
+    if data is None:
+        return []
+    plan = run_plan(trainer, data, trainer.world_size)
+    configured = dataclasses.replace(plan, accumulate=decision.configured_accumulate)
+    tuned = dataclasses.replace(plan, accumulate=decision.accumulate_grad_batches)
+    steps = (
+        configured.optimizer_steps(decision.configured_batch_size),
+        tuned.optimizer_steps(decision.batch_size),
+    )
+    if steps[0] is None or steps[1] is None or steps[0] == steps[1]:
+        return []
+    slack = max(1, plan.max_epochs or 1)  # a count rounded down per epoch by hand
+    found = []
+    for config in trainer.lr_scheduler_configs:
+        if config.interval != "step":
+            continue
+        every = max(1, config.frequency)
+        resized = resize(config.scheduler, steps[0] // every, steps[1] // every, slack)
+        if resized is not None:
+            sizes = (decision.configured_batch_size, decision.batch_size)
+            name = type(config.scheduler).__name__
+            found.append(resized_finding(name, resized[0], resized[1], steps[1] // every, sizes))
+    return found
 
 
 def _scale_schedule(scheduler: Any, factor: float, seen: set[int]) -> None:
