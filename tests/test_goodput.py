@@ -32,6 +32,7 @@ from lightning_boost.guards.sync_watch import SyncWatch
 from lightning_boost.step_probe import StepProbe, split_batch
 from lightning_boost.testing import BoringModel, RandomDataset, tiny_trainer
 from lightning_boost.trials import Trial
+from tests.conftest import script_trials
 
 GIB = 1024**3
 H100 = Path(__file__).parents[1] / "benchmarks" / "data" / "h100-16cpu.json"
@@ -717,6 +718,23 @@ def test_a_schedule_sized_by_hand_for_the_configured_batch_spans_the_tuned_run(
     (finding,) = [f for f in callback.findings if "schedule" in f.data]
     assert finding.title.startswith(f"{type(scheduler).__name__}'s {horizon}=1024 counted")
     assert f"now {ran}, the tuned run's" in finding.title
+
+
+def test_a_one_cycle_counted_for_a_batch_that_does_not_fit_lasts_the_tuned_runs_steps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Configured at 128, a batch over the memory budget (peaks scripted: 1 MB a sample against
+    a 64 MB budget): the run trains at a smaller size and takes more steps than the one-cycle
+    schedule counted, which raised "Tried to step 257 times" at its end. It now lasts the run."""
+    script_trials(monkeypatch, lambda size: {"samples_per_s": 1000.0 * size, "peak_bytes": size * 10**6})
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", memory_budget_gib=64 / 1024)
+    model = HandSizedMLP("one-cycle")
+    trainer = quiet_trainer(tmp_path, [callback], max_epochs=2)
+    trainer.fit(model, datamodule=Classes(samples=16384, batch_size=128))
+    decision = callback.decision
+    assert decision is not None and decision.batch_size < 128 and model.total_steps == 256
+    assert trainer.global_step == 2 * math.ceil(16384 / decision.batch_size)
+    assert trainer.lr_scheduler_configs[0].scheduler.total_steps == trainer.global_step  # type: ignore[attr-defined]
 
 
 class LinearRuleMLP(OneCycleMLP):

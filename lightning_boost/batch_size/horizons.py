@@ -4,11 +4,12 @@ A program that counts its steps before the fit (in ``setup()`` or ``__init__``, 
 set and the batch size it was configured with) sizes a step-interval schedule for that many
 steps. At a larger tuned batch the run takes fewer, so it ended part-way through the schedule:
 a one-cycle schedule a quarter of the way through is still warming up, and the run ends near its
-peak rate instead of annealed (a test reads it). One counted in ``configure_optimizers`` from
+peak rate instead of annealed (a test reads it); at a smaller one (the configured batch did not
+fit) `OneCycleLR` raised past its end. One counted in ``configure_optimizers`` from
 ``trainer.estimated_stepping_batches`` is counted again at the tuned size (`AutoBatchSize` runs it
 again), so it never matches here.
 
-`resize` changes only a schedule whose length is the configured run's steps, give or take one an
+`resize` changes only a schedule whose length is the configured run's steps, give or take one per
 epoch (a count rounded down per epoch by hand): one sized otherwise is the program's choice and
 is left alone. Pure: torch's schedulers and plain numbers.
 """
