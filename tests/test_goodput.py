@@ -29,6 +29,7 @@ from lightning_boost.batch_size.regrow import lr_ramp
 from lightning_boost.batch_size.search import Limits, choose, lr_capped, next_size, noise_of, search
 from lightning_boost.batch_size.watch import WINDOW, HostCopy, LossWatch, loss_verdict, reference_of
 from lightning_boost.guards.sync_watch import SyncWatch
+from lightning_boost.report import Severity
 from lightning_boost.step_probe import StepProbe, split_batch
 from lightning_boost.testing import BoringModel, RandomDataset, tiny_trainer
 from lightning_boost.trials import Trial
@@ -735,6 +736,27 @@ def test_a_one_cycle_counted_for_a_batch_that_does_not_fit_lasts_the_tuned_runs_
     assert decision is not None and decision.batch_size < 128 and model.total_steps == 256
     assert trainer.global_step == 2 * math.ceil(16384 / decision.batch_size)
     assert trainer.lr_scheduler_configs[0].scheduler.total_steps == trainer.global_step  # type: ignore[attr-defined]
+
+
+@pytest.mark.usefixtures("fixed_cost_steps")
+def test_a_schedule_a_wrapping_strategy_cannot_make_again_still_spans_the_tuned_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the strategy wraps its optimizers (FSDP, DeepSpeed: simulated here, `redo_optimizers`
+    answering as theirs does), `configure_optimizers` cannot run again at the tuned size, and
+    the schedule counted from `estimated_stepping_batches` stopped part-way, with a WARN that
+    said so. The one-cycle schedule is made as long as the run, and the WARN is gone."""
+    import lightning_boost.batch_size.callback as batch_size_callback
+
+    monkeypatch.setattr(batch_size_callback, "redo_optimizers", lambda trainer: False)
+    callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", min_efficiency=0.5)
+    model = OneCycleMLP()
+    trainer = quiet_trainer(tmp_path, [callback], max_epochs=2)
+    trainer.fit(model, datamodule=Classes(samples=16384, batch_size=32))
+    assert model.total_steps == [1024]  # counted once, at the configured size
+    schedule = trainer.lr_scheduler_configs[0].scheduler
+    assert schedule.total_steps == trainer.global_step  # type: ignore[attr-defined]
+    assert not [f for f in callback.findings if f.severity is Severity.WARN]
 
 
 class LinearRuleMLP(OneCycleMLP):

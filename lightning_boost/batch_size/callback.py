@@ -340,7 +340,10 @@ class AutoBatchSize(BoostCallback):
         self._held = held_rates(trainer)  # the callbacks' arguments, put back at teardown
         if not self._restored:  # a checkpoint's optimizer state already holds the scaled rates
             _scale_learning_rates(trainer, decision.lr_factor)
-            self.findings += _fit_schedules(trainer, decision)  # and its schedulers' lengths
+            fitted, every = _fit_schedules(trainer, decision)  # and its schedulers' lengths
+            if every:  # a WARN that they count the configured size's steps no longer holds
+                self.findings = [f for f in self.findings if "unfitted_schedules" not in f.data]
+            self.findings += fitted
         else:  # a callback's arguments are not in the checkpoint
             scale_held_rates(trainer, decision.lr_factor, ARGUMENTS)
         changed = decision.batch_size != decision.configured_batch_size or decision.lr_factor != 1.0
@@ -870,12 +873,12 @@ def _scale_learning_rates(trainer: L.Trainer, factor: float) -> None:
     scale_held_rates(trainer, factor)  # those a callback sets the optimizer's from later
 
 
-def _fit_schedules(trainer: L.Trainer, decision: BatchSizeDecision) -> list[Finding]:
+def _fit_schedules(trainer: L.Trainer, decision: BatchSizeDecision) -> tuple[list[Finding], bool]:
     """Step-interval schedules the program sized for the configured run's steps, made as long as
-    the tuned run (`batch_size.horizons`), each with a finding."""
+    the tuned run (`batch_size.horizons`), each with a finding; and whether that was every one."""
     data = split_data(trainer, "train")
     if data is None:
-        return []
+        return [], False
     plan = run_plan(trainer, data, trainer.world_size)
     configured = dataclasses.replace(plan, accumulate=decision.configured_accumulate)
     tuned = dataclasses.replace(plan, accumulate=decision.accumulate_grad_batches)
@@ -884,19 +887,17 @@ def _fit_schedules(trainer: L.Trainer, decision: BatchSizeDecision) -> list[Find
         tuned.optimizer_steps(decision.batch_size),
     )
     if steps[0] is None or steps[1] is None or steps[0] == steps[1]:
-        return []
+        return [], False
     slack = max(1, plan.max_epochs or 1)  # a count rounded down per epoch by hand
-    found = []
-    for config in trainer.lr_scheduler_configs:
-        if config.interval != "step":
-            continue
+    found, stepped = [], [config for config in trainer.lr_scheduler_configs if config.interval == "step"]
+    for config in stepped:
         every = max(1, config.frequency)
         resized = resize(config.scheduler, steps[0] // every, steps[1] // every, slack)
         if resized is not None:
             sizes = (decision.configured_batch_size, decision.batch_size)
             name = type(config.scheduler).__name__
             found.append(resized_finding(name, resized[0], resized[1], steps[1] // every, sizes))
-    return found
+    return found, bool(stepped) and len(found) == len(stepped)
 
 
 def _scale_schedule(scheduler: Any, factor: float, seen: set[int]) -> None:

@@ -480,6 +480,7 @@ def optimizers_finding(decision: BatchSizeDecision, redone: bool) -> Finding:
             " `trainer.estimated_stepping_batches` ends at another step than the run."
         ),
         fix="Set the batch size by hand (drop AutoBatchSize), or size the schedule in epochs.",
+        data={"unfitted_schedules": True},
     )
 
 
