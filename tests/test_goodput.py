@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -661,6 +662,14 @@ def test_a_schedule_sized_from_the_step_count_spans_the_tuned_run(tmp_path: Path
     assert any("configure_optimizers ran again" in f.title for f in callback.findings)
 
 
+def _warmup_decay(step: int, warmup: int, total: int, cosine: bool) -> float:
+    """`transformers`' linear and cosine schedules with warm-up, as functions of the step."""
+    if step < warmup:
+        return step / max(1, warmup)
+    progress = (step - warmup) / max(1, total - warmup)
+    return max(0.0, 0.5 * (1 + math.cos(math.pi * progress)) if cosine else 1 - progress)
+
+
 class HandSizedMLP(MLP):
     """A schedule sized by hand, as many programs size it: its steps counted in `setup()` from
     the training set and the batch size the run was configured with."""
@@ -685,6 +694,13 @@ class HandSizedMLP(MLP):
             "one-cycle": lambda: lr_scheduler.OneCycleLR(optimizer, 0.05, total_steps=self.total_steps),
             "cosine": lambda: lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.total_steps),
             "linear": lambda: lr_scheduler.LinearLR(optimizer, 1.0, 0.01, total_iters=self.total_steps),
+            # as `transformers.get_{linear,cosine}_schedule_with_warmup` build theirs: a LambdaLR
+            "warm-up linear": lambda: lr_scheduler.LambdaLR(
+                optimizer, functools.partial(_warmup_decay, warmup=100, total=self.total_steps, cosine=False)
+            ),
+            "warm-up cosine": lambda: lr_scheduler.LambdaLR(
+                optimizer, functools.partial(_warmup_decay, warmup=100, total=self.total_steps, cosine=True)
+            ),
         }[self.schedule]()
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
@@ -694,7 +710,7 @@ class HandSizedMLP(MLP):
 
 
 @pytest.mark.usefixtures("fixed_cost_steps")
-@pytest.mark.parametrize("schedule", ["one-cycle", "cosine", "linear"])
+@pytest.mark.parametrize("schedule", ["one-cycle", "cosine", "linear", "warm-up linear", "warm-up cosine"])
 def test_a_schedule_sized_by_hand_for_the_configured_batch_spans_the_tuned_run(
     tmp_path: Path, schedule: str
 ) -> None:
@@ -712,13 +728,44 @@ def test_a_schedule_sized_by_hand_for_the_configured_batch_spans_the_tuned_run(
     ran = trainer.global_step
     assert ran == 2 * math.ceil(16384 / decision.batch_size)
     scheduler = trainer.lr_scheduler_configs[0].scheduler
-    horizon = {"one-cycle": "total_steps", "cosine": "T_max", "linear": "total_iters"}[schedule]
-    assert getattr(scheduler, horizon) == ran
+    horizon = {"one-cycle": "total_steps", "cosine": "T_max", "linear": "total_iters"}.get(schedule)
+    if horizon is not None:
+        assert getattr(scheduler, horizon) == ran
     peak = 0.05 * decision.lr_factor
     assert model.last_rates[-1] < 0.02 * peak  # annealed by the end of the run, as plain's is
     (finding,) = [f for f in callback.findings if "schedule" in f.data]
-    assert finding.title.startswith(f"{type(scheduler).__name__}'s {horizon}=1024 counted")
+    held = f"{horizon}=1024" if horizon is not None else "decay ending at step 1024"
+    assert finding.title.startswith(f"{type(scheduler).__name__}'s {held} counted")
     assert f"now {ran}, the tuned run's" in finding.title
+    trainer.save_checkpoint(tmp_path / "saved.ckpt")  # the read-at-pace factor leaves no state
+
+
+@pytest.mark.usefixtures("fixed_cost_steps")
+@pytest.mark.filterwarnings("ignore:Be aware that when using `ckpt_path`")  # the saves' callback, left out
+def test_a_resumed_fit_reads_a_hand_counted_lambda_schedule_at_the_tuned_pace_again(tmp_path: Path) -> None:
+    """The factor read at the tuned run's pace is a function, which a `LambdaLR`'s `state_dict`
+    leaves out: a fit resumed from the first epoch's checkpoint builds a fresh one from
+    `configure_optimizers`, and it is read at the tuned pace again, so the run still ends annealed."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def run(more: list[L.Callback], **fit: Any) -> tuple[L.Trainer, HandSizedMLP, AutoBatchSize]:
+        callback = AutoBatchSize(cache_dir=tmp_path / "cache", min_efficiency=0.5)
+        model = HandSizedMLP("warm-up linear")
+        trainer = tiny_trainer(
+            tmp_path, callbacks=[callback, *more], max_epochs=2, limit_train_batches=1.0,
+            limit_val_batches=1.0, enable_checkpointing=bool(more),
+        )  # fmt: skip
+        trainer.fit(model, datamodule=Classes(samples=16384, batch_size=32), **fit)
+        return trainer, model, callback
+
+    saves = ModelCheckpoint(dirpath=tmp_path / "saves", save_top_k=-1, every_n_epochs=1)
+    first, whole, _ = run([saves])
+    (after_one,) = (tmp_path / "saves").glob("epoch=0-*.ckpt")
+    resumed, model, callback = run([], ckpt_path=after_one)
+    assert callback.decision is not None and callback.decision.batch_size > 32
+    assert resumed.global_step == first.global_step
+    assert model.last_rates == whole.last_rates[len(whole.last_rates) - len(model.last_rates) :]
+    assert model.last_rates[-1] < 0.02 * 0.05 * callback.decision.lr_factor
 
 
 def test_a_one_cycle_counted_for_a_batch_that_does_not_fit_lasts_the_tuned_runs_steps(

@@ -340,12 +340,14 @@ class AutoBatchSize(BoostCallback):
         self._held = held_rates(trainer)  # the callbacks' arguments, put back at teardown
         if not self._restored:  # a checkpoint's optimizer state already holds the scaled rates
             _scale_learning_rates(trainer, decision.lr_factor)
-            fitted, every = _fit_schedules(trainer, decision)  # and its schedulers' lengths
-            if every:  # a WARN that they count the configured size's steps no longer holds
-                self.findings = [f for f in self.findings if "unfitted_schedules" not in f.data]
-            self.findings += fitted
         else:  # a callback's arguments are not in the checkpoint
             scale_held_rates(trainer, decision.lr_factor, ARGUMENTS)
+        # the schedulers' lengths; a resumed fit's, restored after this, hold them already, but a
+        # LambdaLR's read-at-pace factor is a function its `state_dict` leaves out
+        fitted, every = _fit_schedules(trainer, decision)
+        if every:  # a WARN that they count the configured size's steps no longer holds
+            self.findings = [f for f in self.findings if "unfitted_schedules" not in f.data]
+        self.findings += fitted
         changed = decision.batch_size != decision.configured_batch_size or decision.lr_factor != 1.0
         self._restored = False
         self._growth = self._start_growth(trainer, pl_module, decision)

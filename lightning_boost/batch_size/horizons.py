@@ -16,6 +16,7 @@ is left alone. Pure: torch's schedulers and plain numbers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from lightning_boost.report import Finding, Severity
@@ -31,17 +32,20 @@ HORIZONS = {
 
 
 def resize(scheduler: Any, configured: int, tuned: int, slack: int) -> tuple[str, int] | None:
-    """Make `scheduler` `tuned` steps long when its length is `configured` (within `slack`);
-    the attribute and the length it had, or ``None`` when it was left as it is.
+    """Make `scheduler` `tuned` steps long when its length is `configured` (within `slack`):
+    what held its length (``"T_max=1024"``) and the length it had, or ``None`` when it was left as
+    it is. A `LambdaLR`'s length is read from its factors (`ends_at`).
 
     Example:
         >>> import torch
         >>> optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
         >>> cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=1024)
         >>> resize(cosine, configured=1024, tuned=256, slack=2), cosine.T_max
-        (('T_max', 1024), 256)
+        (('T_max=1024', 1024), 256)
         >>> resize(cosine, configured=1024, tuned=256, slack=2)  # 256 is no run's configured length
     """
+    if type(scheduler).__name__ == "LambdaLR":
+        return _warp(scheduler, configured, tuned, slack)
     attribute = HORIZONS.get(type(scheduler).__name__, "")
     length = getattr(scheduler, attribute, None) if attribute else None
     if not isinstance(length, int) or length == tuned or abs(length - configured) > slack:
@@ -49,7 +53,51 @@ def resize(scheduler: Any, configured: int, tuned: int, slack: int) -> tuple[str
     if attribute == "total_steps":
         _one_cycle_phases(scheduler, length, tuned)
     setattr(scheduler, attribute, tuned)
-    return attribute, length
+    return f"{attribute}={length}", length
+
+
+def _warp(scheduler: Any, configured: int, tuned: int, slack: int) -> tuple[str, int] | None:
+    """A `LambdaLR` whose factors fall to zero at the configured run's end (`ends_at`: a linear
+    or cosine decay with warm-up, as ``transformers``' schedules are) is read at the tuned run's
+    pace: its step ``s`` gets the factor of the configured run's step ``s * configured / tuned``,
+    warm-up and decay alike, so it ends with the run. The wrapper is a plain function, which the
+    scheduler's ``state_dict`` leaves out (a callable object's attributes it would save)."""
+    factors = scheduler.lr_lambdas
+    ending = [i for i, factor in enumerate(factors) if ends_at(factor, configured, slack)]
+    if not ending or configured == tuned:
+        return None
+    for i in ending:
+        factors[i] = _read_at(factors[i], configured / tuned)
+    return f"decay ending at step {configured}", configured
+
+
+def _read_at(factor: Callable[[int], float], pace: float) -> Callable[[int], float]:
+    def warped(step: int) -> float:
+        return factor(round(step * pace))
+
+    return warped
+
+
+def ends_at(factor: Callable[[int], float], end: int, slack: int) -> bool:
+    """Whether `factor` (a `LambdaLR`'s, of the step) falls to zero at `end`, give or take
+    `slack`: above zero before, at most a thousandth of its midpoint's value after, and still a
+    hundredth of it nine tenths of the way (a decay that fades long before, as an exponential
+    one does, has no end to move). A factor that raises is not one to read.
+
+    Example:
+        >>> ends_at(lambda step: max(0.0, 1 - step / 1000), 1000, slack=2)
+        True
+        >>> ends_at(lambda step: max(0.0, 1 - step / 2000), 1000, slack=2)  # ends later
+        False
+        >>> ends_at(lambda step: 0.95**step, 1000, slack=2)  # never ends
+        False
+    """
+    try:
+        steps = (max(0, end - slack - 1), end + slack, end // 2, end * 9 // 10)
+        before, after, middle, late = (float(factor(step)) for step in steps)
+    except Exception:
+        return False
+    return before > 0 and middle > 0 and after <= 1e-3 * middle and late >= 1e-2 * middle
 
 
 def _one_cycle_phases(scheduler: Any, old: int, new: int) -> None:
@@ -63,18 +111,19 @@ def _one_cycle_phases(scheduler: Any, old: int, new: int) -> None:
         phase["end_step"] = float(end)
 
 
-def resized_finding(name: str, attribute: str, old: int, new: int, sizes: tuple[int, int]) -> Finding:
-    """INFO: `name`'s length `old` counted the configured batch's steps, and is now `new`."""
+def resized_finding(name: str, what: str, old: int, new: int, sizes: tuple[int, int]) -> Finding:
+    """INFO: `name`'s length `old` (`what` says where it is held) counted the configured batch's
+    steps, and is now `new`."""
     configured, tuned = sizes
     return Finding(
         "AutoBatchSize",
         "batch size",
         Severity.INFO,
-        f"{name}'s {attribute}={old} counted the configured batch's steps: now {new}, the tuned run's",
+        f"{name}'s {what} counted the configured batch's steps: now {new}, the tuned run's",
         f"The program counted the schedule's steps before the fit, at batch {configured}. At batch"
         f" {tuned} the run takes {new}, so it would have stopped {new / old:.0%} of the way through the"
         " schedule, at a rate a plain run passes long before its end. Counted in"
         " `configure_optimizers` from `self.trainer.estimated_stepping_batches`, a schedule follows"
         " the tuned run by itself.",
-        data={"schedule": name, attribute: new, "counted": old},
+        data={"schedule": name, "steps": new, "counted": old},
     )
