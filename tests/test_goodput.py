@@ -701,6 +701,14 @@ class HandSizedMLP(MLP):
             "warm-up cosine": lambda: lr_scheduler.LambdaLR(
                 optimizer, functools.partial(_warmup_decay, warmup=100, total=self.total_steps, cosine=True)
             ),
+            "warm-up then cosine": lambda: lr_scheduler.SequentialLR(
+                optimizer,
+                [
+                    lr_scheduler.LinearLR(optimizer, 0.01, 1.0, total_iters=100),
+                    lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.total_steps - 100),
+                ],
+                milestones=[100],
+            ),
         }[self.schedule]()
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
@@ -710,7 +718,10 @@ class HandSizedMLP(MLP):
 
 
 @pytest.mark.usefixtures("fixed_cost_steps")
-@pytest.mark.parametrize("schedule", ["one-cycle", "cosine", "linear", "warm-up linear", "warm-up cosine"])
+@pytest.mark.parametrize(
+    "schedule", ["one-cycle", "cosine", "linear", "warm-up linear", "warm-up cosine", "warm-up then cosine"]
+)
+@pytest.mark.filterwarnings("ignore:The epoch parameter in `scheduler.step")  # torch 2.5's SequentialLR
 def test_a_schedule_sized_by_hand_for_the_configured_batch_spans_the_tuned_run(
     tmp_path: Path, schedule: str
 ) -> None:
@@ -734,7 +745,8 @@ def test_a_schedule_sized_by_hand_for_the_configured_batch_spans_the_tuned_run(
     peak = 0.05 * decision.lr_factor
     assert model.last_rates[-1] < 0.02 * peak  # annealed by the end of the run, as plain's is
     (finding,) = [f for f in callback.findings if "schedule" in f.data]
-    held = f"{horizon}=1024" if horizon is not None else "decay ending at step 1024"
+    held = {"warm-up then cosine": "end at step 1024"}.get(schedule, "decay ending at step 1024")
+    held = f"{horizon}=1024" if horizon else held
     assert finding.title.startswith(f"{type(scheduler).__name__}'s {held} counted")
     assert f"now {ran}, the tuned run's" in finding.title
     trainer.save_checkpoint(tmp_path / "saved.ckpt")  # the read-at-pace factor leaves no state

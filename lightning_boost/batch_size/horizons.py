@@ -16,6 +16,7 @@ is left alone. Pure: torch's schedulers and plain numbers.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -46,6 +47,8 @@ def resize(scheduler: Any, configured: int, tuned: int, slack: int) -> tuple[str
     """
     if type(scheduler).__name__ == "LambdaLR":
         return _warp(scheduler, configured, tuned, slack)
+    if type(scheduler).__name__ == "SequentialLR":
+        return _sequence(scheduler, configured, tuned, slack)
     attribute = HORIZONS.get(type(scheduler).__name__, "")
     length = getattr(scheduler, attribute, None) if attribute else None
     if not isinstance(length, int) or length == tuned or abs(length - configured) > slack:
@@ -54,6 +57,24 @@ def resize(scheduler: Any, configured: int, tuned: int, slack: int) -> tuple[str
         _one_cycle_phases(scheduler, length, tuned)
     setattr(scheduler, attribute, tuned)
     return f"{attribute}={length}", length
+
+
+def _sequence(scheduler: Any, configured: int, tuned: int, slack: int) -> tuple[str, int] | None:
+    """A `SequentialLR` (a warm-up, then a decay) whose last schedule ends at the configured run's
+    end: its milestones move at the tuned run's pace, and each schedule as long as its span is made
+    its new span's (`resize`, one step of slack). Torch's attributes, as `_scale_schedule` reads."""
+    milestones, children = list(scheduler._milestones), scheduler._schedulers
+    attribute = HORIZONS.get(type(children[-1]).__name__, "")
+    last = getattr(children[-1], attribute, None) if attribute else None
+    if not isinstance(last, int) or abs(milestones[-1] + last - configured) > slack or configured == tuned:
+        return None
+    end = milestones[-1] + last
+    moved = [round(milestone * tuned / configured) for milestone in milestones]
+    old_spans, new_spans = itertools.pairwise([0, *milestones, end]), itertools.pairwise([0, *moved, tuned])
+    for child, (start, stop), (new_start, new_stop) in zip(children, old_spans, new_spans, strict=True):
+        resize(child, stop - start, new_stop - new_start, 1)
+    scheduler._milestones = moved
+    return f"end at step {end}", end
 
 
 def _warp(scheduler: Any, configured: int, tuned: int, slack: int) -> tuple[str, int] | None:
