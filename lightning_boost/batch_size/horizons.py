@@ -65,7 +65,7 @@ def _sequence(scheduler: Any, configured: int, tuned: int, slack: int) -> tuple[
     its new span's (`resize`, one step of slack). Torch's attributes, as `_scale_schedule` reads."""
     milestones, children = list(scheduler._milestones), scheduler._schedulers
     attribute = HORIZONS.get(type(children[-1]).__name__, "")
-    last = getattr(children[-1], attribute, None) if attribute else None
+    last = getattr(children[-1], attribute, None) if attribute and milestones else None
     if not isinstance(last, int) or abs(milestones[-1] + last - configured) > slack or configured == tuned:
         return None
     end = milestones[-1] + last
@@ -85,7 +85,7 @@ def _warp(scheduler: Any, configured: int, tuned: int, slack: int) -> tuple[str,
     scheduler's ``state_dict`` leaves out (a callable object's attributes it would save)."""
     factors = scheduler.lr_lambdas
     ending = [i for i, factor in enumerate(factors) if ends_at(factor, configured, slack)]
-    if not ending or configured == tuned:
+    if not ending:
         return None
     for i in ending:
         factors[i] = _read_at(factors[i], configured / tuned)
@@ -136,15 +136,19 @@ def resized_finding(name: str, what: str, old: int, new: int, sizes: tuple[int, 
     """INFO: `name`'s length `old` (`what` says where it is held) counted the configured batch's
     steps, and is now `new`."""
     configured, tuned = sizes
+    ended = (
+        f"stopped {new / old:.0%} of the way through the schedule, at a rate a plain run passes"
+        " long before its end"
+        if new < old
+        else "run past the schedule's end (where `OneCycleLR` raises)"
+    )
     return Finding(
         "AutoBatchSize",
         "batch size",
         Severity.INFO,
         f"{name}'s {what} counted the configured batch's steps: now {new}, the tuned run's",
         f"The program counted the schedule's steps before the fit, at batch {configured}. At batch"
-        f" {tuned} the run takes {new}, so it would have stopped {new / old:.0%} of the way through the"
-        " schedule, at a rate a plain run passes long before its end. Counted in"
-        " `configure_optimizers` from `self.trainer.estimated_stepping_batches`, a schedule follows"
-        " the tuned run by itself.",
+        f" {tuned} the run takes {new}, so it would have {ended}. Counted in `configure_optimizers`"
+        " from `self.trainer.estimated_stepping_batches`, a schedule follows the tuned run by itself.",
         data={"schedule": name, "steps": new, "counted": old},
     )

@@ -227,12 +227,13 @@ skip_unused_batch_hooks(BoostReport)  # its per-batch hooks are Callback's no-op
 
 def _leaves_late_parameters(trainer: L.Trainer) -> bool:
     """Whether `trainer` trains under a DDP over several processes that averages only the
-    parameters trainable when it wrapped the model: Lightning's own (the preset's averages all)."""
+    parameters trainable when it wrapped the model: Lightning's own (the preset's averages all;
+    DeepSpeed, a `DDPStrategy` to Lightning, has an engine of its own)."""
     from lightning_boost.presets.strategies import PresetDDP
 
     strategy = trainer.strategy
     plain_ddp = is_lightning(strategy, "DDPStrategy") and not isinstance(strategy, PresetDDP)
-    return plain_ddp and trainer.world_size > 1
+    return plain_ddp and not is_lightning(strategy, "DeepSpeedStrategy") and trainer.world_size > 1
 
 
 def attach_report(trainer: L.Trainer) -> None:
