@@ -488,6 +488,55 @@ def test_a_backbone_unfrozen_under_ddp_trains_the_same_on_every_rank(tmp_path: P
     assert ranks[0]["apart"] == ([] if boosted else [2])
 
 
+class UnusedInBackbone(FineTunedRanks):
+    """`FineTunedRanks` whose backbone also holds a layer its forward never uses (a head kept
+    for later), trained with AdamW's weight decay; each rank writes that layer's weights and
+    whether it has a gradient."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__(out)
+        self.backbone.append(torch.nn.Linear(16, 16))  # after the ReLU: never called below
+        self.initial = self.backbone[2].weight.detach().clone()
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        inputs, targets = batch
+        features = self.backbone[1](self.backbone[0](inputs))
+        return torch.nn.functional.mse_loss(self.head(features), targets)
+
+    @override
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(trainable, lr=0.1, weight_decay=0.5)
+
+    @override
+    def on_train_end(self) -> None:
+        unused = self.backbone[2].weight
+        record = {
+            "moved": (unused.detach() - self.initial).abs().max().item(),
+            "grad": unused.grad is not None,
+        }
+        Path(self.out, f"rank{self.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.ddp
+def test_a_late_parameter_no_rank_uses_keeps_no_gradient_as_under_ddp(tmp_path: Path) -> None:
+    """A parameter unfrozen after DDP wrapped the model and used on no rank: the preset's
+    all-reduce gave it a zero gradient, so AdamW's weight decay moved a layer the model never
+    used (as single-process training and DDP's own reducer leave it: no gradient, not stepped).
+    Its gradient stays ``None`` now; one that some rank used is averaged as before."""
+    from lightning.pytorch.callbacks import BackboneFinetuning
+
+    strategy = preset("fast-ddp", hardware=EXAMPLES["cpu"], precision="32-true", start_method="spawn")
+    trainer = tiny_trainer(
+        tmp_path, devices=2, strategy=strategy, logger=False, enable_checkpointing=False, max_epochs=2,
+        limit_train_batches=4, callbacks=[BackboneFinetuning(unfreeze_backbone_at_epoch=1)],
+    )  # fmt: skip
+    trainer.fit(UnusedInBackbone(str(tmp_path)), datamodule=BoringDataModule(length=128, batch_size=8))
+    ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert ranks == [{"moved": 0.0, "grad": False}] * 2
+
+
 class _RecordAutocast(BoringModel):
     """Records the dtype a Linear computes in, and the speed flags, inside the training step."""
 

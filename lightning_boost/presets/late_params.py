@@ -31,21 +31,32 @@ class LateParams:
         return [p for p in self.frozen if p.requires_grad]
 
     def average(self) -> int:
-        """Average the late parameters' gradients over the ranks (a rank where one has none adds
-        zeros, so every rank reduces the same tensors); how many tensors it averaged."""
+        """Average the late parameters' gradients over the ranks; how many tensors it averaged.
+
+        A rank where one has no gradient adds zeros, so every rank reduces the same tensors; one
+        that no rank used keeps none, as DDP's reducer leaves a parameter used on no rank (the
+        optimizer then skips it: a zero gradient would let weight decay and momentum move it).
+        Whether each had one is summed in the same all-reduce, after the gradients; only a rank
+        that lacked one reads the sums back (a sync on a GPU), so a backbone every rank uses costs
+        no sync."""
         world_size = dist.get_world_size() if dist.is_initialized() else 1
         late = self.late() if world_size > 1 else []
-        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        by_kind: dict[tuple[torch.device, torch.dtype], list[nn.Parameter]] = {}
         for param in late:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            by_kind.setdefault((param.grad.device, param.grad.dtype), []).append(param.grad)
-        for grads in by_kind.values():
-            flat = torch.cat([grad.reshape(-1) for grad in grads])
+            key = (param.device, param.grad.dtype if param.grad is not None else param.dtype)
+            by_kind.setdefault(key, []).append(param)
+        for (device, dtype), params in by_kind.items():
+            lacked = any(p.grad is None for p in params)
+            had = torch.ones(len(params), device=device, dtype=dtype)
+            if lacked:
+                had = torch.tensor([p.grad is not None for p in params], device=device, dtype=dtype)
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p, dtype=dtype) for p in params]
+            flat = torch.cat([*(grad.reshape(-1) for grad in grads), had])
             dist.all_reduce(flat)
-            flat.div_(world_size)
-            for grad, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
-                grad.copy_(part.view_as(grad))
+            *parts, used = flat.split([*(grad.numel() for grad in grads), len(params)])
+            anyone = used.tolist() if lacked else [1.0] * len(params)
+            for param, grad, part, any_rank in zip(params, grads, parts, anyone, strict=True):
+                param.grad = grad.copy_(part.view_as(grad).div_(world_size)) if any_rank else None
         return len(late)
 
     def finding(self) -> Finding:
