@@ -245,8 +245,8 @@ def callbacks_of(trainer: L.Trainer) -> list[L.Callback]:
 
 def has_callback(trainer: L.Trainer, name: str) -> bool:
     """Whether a callback of `trainer` is of Lightning's class `name`, under either namespace
-    (``lightning.pytorch`` or ``pytorch_lightning``: two classes of one name)."""
-    return any(name in {klass.__name__ for klass in type(c).__mro__} for c in callbacks_of(trainer))
+    (`is_lightning`)."""
+    return any(is_lightning(callback, name) for callback in callbacks_of(trainer))
 
 
 def datamodule_of(trainer: L.Trainer) -> L.LightningDataModule | None:

@@ -878,6 +878,10 @@ def _scale_learning_rates(trainer: L.Trainer, factor: float) -> None:
 def _fit_schedules(trainer: L.Trainer, decision: BatchSizeDecision) -> tuple[list[Finding], bool]:
     """Step-interval schedules the program sized for the configured run's steps, made as long as
     the tuned run (`batch_size.horizons`), each with a finding; and whether that was every one."""
+    stepped = [config for config in trainer.lr_scheduler_configs if config.interval == "step"]
+    per_step = (decision.batch_size, decision.accumulate_grad_batches)
+    if not stepped or per_step == (decision.configured_batch_size, decision.configured_accumulate):
+        return [], False  # no step schedule, or the run's steps as configured: no loader read
     data = split_data(trainer, "train")
     if data is None:
         return [], False
@@ -891,15 +895,15 @@ def _fit_schedules(trainer: L.Trainer, decision: BatchSizeDecision) -> tuple[lis
     if steps[0] is None or steps[1] is None or steps[0] == steps[1]:
         return [], False
     slack = max(1, plan.max_epochs or 1)  # a count rounded down per epoch by hand
-    found, stepped = [], [config for config in trainer.lr_scheduler_configs if config.interval == "step"]
+    found = []
     for config in stepped:
-        every = max(1, config.frequency)
-        resized = resize(config.scheduler, steps[0] // every, steps[1] // every, slack)
+        frequency = max(1, config.frequency)
+        resized = resize(config.scheduler, steps[0] // frequency, steps[1] // frequency, slack)
         if resized is not None:
             sizes = (decision.configured_batch_size, decision.batch_size)
             name = type(config.scheduler).__name__
-            found.append(resized_finding(name, resized[0], resized[1], steps[1] // every, sizes))
-    return found, bool(stepped) and len(found) == len(stepped)
+            found.append(resized_finding(name, resized[0], resized[1], steps[1] // frequency, sizes))
+    return found, len(found) == len(stepped)
 
 
 def _scale_schedule(scheduler: Any, factor: float, seen: set[int]) -> None:

@@ -109,7 +109,7 @@ class BoostReport(L.Callback):
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         destroy_process_group_at_exit()  # a DDP run with the pack ends without gloo's exit abort
-        self.findings = [f for f in self.findings if "unaveraged_tensors" not in f.data]
+        self.findings = []  # a new fit's
         self._late = LateParams(pl_module) if _leaves_late_parameters(trainer) else None
         if self.log_hyperparams and trainer.loggers:
             self._user_hparams = user_hyperparameters(trainer)
