@@ -44,6 +44,7 @@ from lightning_boost.batch_size.attribute import (
     not_tunable,
     several_loaders_finding,
 )
+from lightning_boost.batch_size.averages import Average, moving_averages, span, spanned_finding
 from lightning_boost.batch_size.decision import (
     BatchSizeDecision,
     decide,
@@ -256,6 +257,7 @@ class AutoBatchSize(BoostCallback):
         self._ramped: list[tuple[dict[str, Any], float | torch.Tensor]] = []
         self._after_step: RemovableHandle | None = None  # puts them back once the optimizer stepped
         self._held: list[tuple[Any, str, Any]] = []  # rates callbacks hold, as the user set them
+        self._averages: list[Average] = []  # the fit's EMAs of the weights, as the user wrote them
         #: The attribute `attr_name` was found derived from, and how many times larger that one is
         #: (a template's global `batch_size` for its `batch_size_per_device`); for config files.
         self.derived_from: tuple[str, float] | None = None
@@ -348,6 +350,11 @@ class AutoBatchSize(BoostCallback):
         if every:  # a WARN that they count the configured size's steps no longer holds
             self.findings = [f for f in self.findings if "unfitted_schedules" not in f.data]
         self.findings += fitted
+        self._averages = moving_averages(trainer, pl_module)  # each fit's: built in `setup`
+        growth = _samples_growth(decision)
+        if self._averages and growth != 1.0:
+            span(self._averages, growth)
+            self.findings.append(spanned_finding(self._averages, growth, _samples_per_step(decision)))
         changed = decision.batch_size != decision.configured_batch_size or decision.lr_factor != 1.0
         self._restored = False
         self._growth = self._start_growth(trainer, pl_module, decision)
@@ -373,8 +380,7 @@ class AutoBatchSize(BoostCallback):
         else:
             for loader in loaders:
                 start_deferred_workers(loader)
-        per_step = decision.batch_size * decision.accumulate_grad_batches
-        configured = decision.configured_batch_size * decision.configured_accumulate
+        configured, per_step = _samples_per_step(decision)
         if per_step == configured:
             return []
         before = learning_rates(trainer)
@@ -452,6 +458,7 @@ class AutoBatchSize(BoostCallback):
         lightning_setattr(pl_module, self.attr_name, after.batch_size)
         forget_train_loader(trainer)  # built again at the new size before the next epoch
         _scale_learning_rates(trainer, after.lr_factor / before.lr_factor)
+        span(self._averages, _samples_growth(after), start=False)  # a start not yet reached stays
         if self._watch is None:  # a divergence was reported: the new size is watched afresh
             self._watch = LossWatch(batch_size=after.batch_size)
         self._watch.batch_size, self._watch_reports = after.batch_size, True
@@ -478,6 +485,8 @@ class AutoBatchSize(BoostCallback):
             self._configured = None
         put_back(self._held)
         self._held = []
+        span(self._averages, 1.0)
+        self._averages = []
 
     def _start_growth(
         self, trainer: L.Trainer, pl_module: L.LightningModule, decision: BatchSizeDecision
@@ -748,6 +757,17 @@ def _other_size(loader: Any, decision: BatchSizeDecision) -> bool:
     if isinstance(loader, DataLoader):
         return loader_batch_size(loader) != decision.batch_size
     return decision.batch_size != decision.configured_batch_size
+
+
+def _samples_per_step(decision: BatchSizeDecision) -> tuple[int, int]:
+    """The samples each optimizer step trains on a rank: as configured, and as decided."""
+    configured = decision.configured_batch_size * decision.configured_accumulate
+    return configured, decision.batch_size * decision.accumulate_grad_batches
+
+
+def _samples_growth(decision: BatchSizeDecision) -> float:
+    configured, tuned = _samples_per_step(decision)
+    return tuned / configured
 
 
 def _short_run_autotuning(trainer: L.Trainer, decision: BatchSizeDecision) -> Finding | None:
