@@ -19,6 +19,7 @@ from typing_extensions import override
 
 from lightning_boost import cache
 from lightning_boost._lightning import (
+    callbacks_of,
     datamodule_of,
     forget_train_loader,
     hardware_for,
@@ -85,6 +86,7 @@ from lightning_boost.batch_size.regrow import (
 )
 from lightning_boost.batch_size.search import Limits, lr_capped
 from lightning_boost.batch_size.watch import LossWatch, reference_of
+from lightning_boost.batch_size.written_rates import rate_writers
 from lightning_boost.callbacks.base import BoostCallback
 from lightning_boost.fingerprints import describe_dataset, describe_model, hardware_parts
 from lightning_boost.presets.autocast import MeasuredAutocastMixin
@@ -568,6 +570,7 @@ class AutoBatchSize(BoostCallback):
         limits = self._limits(trainer, pl_module, train_data, world, configured)
         plan = run_plan(trainer, train_data, world)
         why = plan.keep_reason(configured, target=self.target_global_batch_size is not None)
+        why = why or (_rates_written(trainer, pl_module) if self.lr_scaling is not None else "")
         if why:
             return kept(configured, trainer.accumulate_grad_batches, limits, why)
         read = attribute_the_loader_reads(trainer, pl_module, self.attr_name, configured)
@@ -757,6 +760,21 @@ def _other_size(loader: Any, decision: BatchSizeDecision) -> bool:
     if isinstance(loader, DataLoader):
         return loader_batch_size(loader) != decision.batch_size
     return decision.batch_size != decision.configured_batch_size
+
+
+def _rates_written(trainer: L.Trainer, pl_module: L.LightningModule) -> str:
+    """Why the run keeps its size when its program writes its own learning rates during the fit
+    (`batch_size.written_rates`), else ``""``."""
+    writers = rate_writers([pl_module, *callbacks_of(trainer)])
+    if not writers:
+        return ""
+    return (
+        f"`{writers[0]}` writes the learning rate itself (`pg['lr'] = ...`), so a larger batch would"
+        " train at the rate it writes for the configured one, through any warm-up it counts in steps"
+        " over more of the run. Put the warm-up in a scheduler (`LinearLR` then yours, in a"
+        " `SequentialLR` counted from `self.trainer.estimated_stepping_batches`), which AutoBatchSize"
+        " scales, or pass `lr_scaling=None` to tune the size at the rates it writes"
+    )
 
 
 def _samples_per_step(decision: BatchSizeDecision) -> tuple[int, int]:
