@@ -159,6 +159,9 @@ class StepProbe:
             before the timed steps and moved in them. Without it they are used as they come.
         unfreeze: names of frozen parameters each copy trains (in the first optimizer), as a
             fine-tuning callback will train them later in the run (`finetuning.unfrozen_later`).
+        resize: sets a copy's batch-size attribute to the size a trial's steps train at, as the run
+            sets the module's (a step that reads it, say for a contrastive loss's labels, then
+            runs at that size as it will in the run).
     """
 
     def __init__(
@@ -170,6 +173,7 @@ class StepProbe:
         eval_context: Callable[[], AbstractContextManager[Any]],
         move: Callable[[Any], Any] | None = None,
         unfreeze: Sequence[str] = (),
+        resize: Callable[[L.LightningModule, int], None] | None = None,
     ) -> None:
         self.module = module
         self.optimizers = list(optimizers)
@@ -178,6 +182,7 @@ class StepProbe:
         self.eval_context = eval_context
         self.move = move or _as_it_comes
         self.unfreeze = list(unfreeze)
+        self.resize = resize
         self.device = module.device
 
     def train(
@@ -223,7 +228,7 @@ class StepProbe:
                 second = self.move(second) if split_batch(second, size) is not None else None  # a full batch
             return self._train_steps(clone, optimizers, batch, following, peak, record, second, alternate)
 
-        trial = self._trial(size, run)
+        trial = self._trial(size, run, size)
         return dataclasses.replace(trial, **record) if not trial.oom else trial
 
     def rates(
@@ -322,13 +327,22 @@ class StepProbe:
         with own_steps():
             self._eval_step(clone, hook, batch)
 
-    def validate(self, batch: Any, size: int) -> Trial:
-        """One ``validation_step`` without gradients at `batch`: does it fit."""
-        return self._trial(size, lambda clone, optimizers, peak: self._validation_step(clone, batch, peak))
+    def validate(self, batch: Any, size: int, train_size: int | None = None) -> Trial:
+        """One ``validation_step`` without gradients at `batch`: does it fit. The copy's batch-size
+        attribute is `train_size` (default: `size`), as the run's is while it validates."""
+        return self._trial(
+            size,
+            lambda clone, optimizers, peak: self._validation_step(clone, batch, peak),
+            train_size or size,
+        )
 
-    def _trial(self, size: int, run: Callable[[L.LightningModule, list[Optimizer], _Peak], float]) -> Trial:
+    def _trial(
+        self, size: int, run: Callable[[L.LightningModule, list[Optimizer], _Peak], float], attribute: int
+    ) -> Trial:
         start = time.perf_counter()
         clone, optimizers = self._copies()
+        if self.resize is not None:
+            self.resize(clone, attribute)
         peak = _Peak(self.device)
         try:
             with own_steps():

@@ -1070,8 +1070,8 @@ def scripted_validation(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(measure, "_measures_eval_sizes", lambda device: True)
     real = StepProbe.validate
 
-    def validate(self: StepProbe, batch: Any, size: int) -> Any:
-        trial = real(self, batch, size)
+    def validate(self: StepProbe, batch: Any, size: int, train_size: int | None = None) -> Any:
+        trial = real(self, batch, size, train_size)
         return trial if trial.oom else dataclasses.replace(trial, samples_per_s=float(size))
 
     monkeypatch.setattr(StepProbe, "validate", validate)
@@ -1131,8 +1131,8 @@ def test_evaluation_sizes_are_measured_only_while_the_runs_validation_can_repay_
     monkeypatch.setattr(measure, "_measures_eval_sizes", lambda device: True)
     real = StepProbe.validate
 
-    def validate(self: StepProbe, batch: Any, size: int) -> Any:
-        trial = real(self, batch, size)
+    def validate(self: StepProbe, batch: Any, size: int, train_size: int | None = None) -> Any:
+        trial = real(self, batch, size, train_size)
         return trial if trial.oom else dataclasses.replace(trial, samples_per_s=size / per_sample_s)
 
     monkeypatch.setattr(StepProbe, "validate", validate)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from collections.abc import Sequence
@@ -12,7 +13,7 @@ from typing import Annotated, Any, Literal
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_setattr
+from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
@@ -548,6 +549,7 @@ class AutoBatchSize(BoostCallback):
             plugin.val_step_context,
             move=trainer.strategy.batch_to_device,
             unfreeze=unfrozen,
+            resize=functools.partial(set_size, self.attr_name),
         )
 
     def _end_ramp(self) -> None:
@@ -760,6 +762,13 @@ def _other_size(loader: Any, decision: BatchSizeDecision) -> bool:
     if isinstance(loader, DataLoader):
         return loader_batch_size(loader) != decision.batch_size
     return decision.batch_size != decision.configured_batch_size
+
+
+def set_size(name: str, module: L.LightningModule, size: int) -> None:
+    """`module`'s batch-size attribute `name` (on it and its ``hparams``, where it has one) set to
+    `size`, as `lightning_setattr` sets the run's."""
+    if lightning_hasattr(module, name):
+        lightning_setattr(module, name, size)
 
 
 def _rates_written(trainer: L.Trainer, pl_module: L.LightningModule) -> str:

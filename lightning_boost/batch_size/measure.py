@@ -142,8 +142,16 @@ def train_trial(
     return trial
 
 
-def val_trial(trainer: L.Trainer, probe: StepProbe, data: SplitData, size: int) -> Callable[[], Trial]:
-    return lambda: probe.validate(trainer.strategy.batch_to_device(first_batch(data[0], data[1], size)), size)
+def val_trial(
+    trainer: L.Trainer, probe: StepProbe, data: SplitData, size: int, train_size: int | None = None
+) -> Callable[[], Trial]:
+    """A validation step at `size`, the copy's batch-size attribute `train_size` (default `size`)."""
+
+    def trial() -> Trial:
+        batch = trainer.strategy.batch_to_device(first_batch(data[0], data[1], size))
+        return probe.validate(batch, size, train_size)
+
+    return trial
 
 
 def wants_eval_size(trainer: L.Trainer) -> bool:
@@ -200,10 +208,11 @@ def with_eval_size(
 
     def measure(size: int) -> Trial:  # the faster of two steps: the first at a size warms it up
         first = checked[-1] if checked and size == decision.batch_size else None
-        first = first or measured(trainer, size, val_trial(trainer, probe, val_data, size))
+        trial = val_trial(trainer, probe, val_data, size, decision.batch_size)  # the run's attribute
+        first = first or measured(trainer, size, trial)
         if first.oom:
             return first
-        again = measured(trainer, size, val_trial(trainer, probe, val_data, size))
+        again = measured(trainer, size, trial)
         return max(first, again, key=lambda t: t.samples_per_s)
 
     dataset = val_data[0]

@@ -122,8 +122,9 @@ def goodput(trial: Trial, limits: Limits, noise: NoiseScale | None) -> float:
 
 def search(measure: Callable[[int], Trial], start: int, limits: Limits) -> tuple[list[Trial], str]:
     """Measure sizes from `start` until `next_size` stops (or a batch comes back short of its size:
-    the data holds no more; or the step fails at a size halved to below one that ran, as
-    BatchNorm's does at 1), then `settle` them; the trials and why.
+    the data holds no more; or the step fails at a size other than one that ran: BatchNorm's at 1,
+    a step that reshapes by the size it was written for at any other), then `settle` them; the
+    trials and why. A step that fails at the first size raises: the run would fail the same.
 
     Example:
         >>> def measure(size):  # nothing fits a budget of 10, and the step cannot run at 1
@@ -142,8 +143,8 @@ def search(measure: Callable[[int], Trial], start: int, limits: Limits) -> tuple
         try:
             trials.append(measure(size))
         except StepFailed as failed:
-            if not any(t.size > size for t in trials):
-                raise  # the user's step itself, not the size the halving reached
+            if not trials:
+                raise  # the user's step itself fails, at the size it was written for
             return settle(measure, trials, limits), f"the step failed at batch size {size} ({failed.cause})"
         if trials[-1].size < size:  # the data ran out before the batch was full
             return settle(
@@ -323,20 +324,28 @@ def choose(trials: Sequence[Trial], limits: Limits, noise: NoiseScale | None = N
 def fitting_validation(
     check: Callable[[int], Trial], trials: Sequence[Trial], choice: Trial, limits: Limits
 ) -> tuple[Trial, list[Trial]]:
-    """`choice`, or the next smaller fitting size, whose validation step (`check`) fits too; with the
-    checks made.
+    """`choice`, or the next smaller fitting size, whose validation step (`check`) runs and fits too;
+    with the checks made.
 
     Raises:
         MemoryError: when no fitting size's validation step fits.
+        StepFailed: when the validation step fails at every size.
     """
     candidates = sorted(
         (t for t in trials if t.fits(limits.budget_bytes) and t.size <= choice.size), key=lambda t: -t.size
     )
     checks: list[Trial] = []
+    failed: StepFailed | None = None
     for candidate in candidates:
-        checks.append(check(candidate.size))
+        try:
+            checks.append(check(candidate.size))
+        except StepFailed as error:  # a step written for another size: the run's would fail too
+            failed = error
+            continue
         if checks[-1].fits(limits.budget_bytes):
             return candidate, checks
+    if failed is not None:
+        raise failed
     raise MemoryError(
         f"AutoBatchSize: a validation step does not fit at any batch size whose training step fits (down to"
         f" {candidates[-1].size}): lower the validation batch size or the model's memory use."
