@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.optim.swa_utils import AveragedModel, get_ema_avg_fn, get_ema_multi_avg_fn, get_swa_avg_fn
 from typing_extensions import override
 
-from lightning_boost import AutoBatchSize
+from lightning_boost import AutoBatchSize, Severity
 from lightning_boost.batch_size.averages import ema_decay
 from tests.test_goodput import MLP, Classes, quiet_trainer
 
@@ -160,3 +160,46 @@ def test_an_emas_decay_follows_the_batch_grown_between_epochs(tmp_path: Path) ->
     assert model.decays[0] == pytest.approx(0.99)  # the start keeps 64
     assert model.decays[grown["epoch"] + 1] == pytest.approx(0.99 ** (grown["to"] / 64))
     assert model.ema.multi_avg_fn is model.written
+
+
+class ShadowWeights(torch.nn.Module):
+    """An EMA of the program's own (as diffusion programs keep one): shadow copies of the
+    weights, updated at each step with the decay in a buffer, which its checkpoints save."""
+
+    def __init__(self, model: torch.nn.Module, decay: float) -> None:
+        super().__init__()
+        self.register_buffer("decay", torch.tensor(decay))
+        self.shadows = torch.nn.ParameterList(
+            [torch.nn.Parameter(p.detach().clone(), requires_grad=False) for p in model.parameters()]
+        )
+
+    @torch.no_grad()
+    def update(self, model: torch.nn.Module) -> None:
+        for shadow, p in zip(self.shadows, model.parameters(), strict=True):
+            shadow.lerp_(p, 1 - float(self.decay))
+
+
+class ShadowEma(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ema = ShadowWeights(self.net, 0.995)
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.ema.update(self.net)
+
+
+@pytest.mark.usefixtures("fixed_cost_steps")
+def test_an_ema_of_the_programs_own_class_is_named_with_the_decay_for_the_tuned_run(tmp_path: Path) -> None:
+    """Its decay may be saved with its checkpoints and read back (a resumed fit would raise it
+    twice), so it is left as written, with a WARN that gives the decay for the tuned run."""
+    tuner = AutoBatchSize(retune=True, min_efficiency=0.5)
+    _, model, _ = fit(tmp_path, ShadowEma, [], tuner)
+    decision = tuner.decision
+    assert decision is not None and decision.batch_size > 32
+    growth = decision.batch_size / 32
+    (finding,) = [f for f in tuner.findings if "averages" in f.data]
+    assert finding.severity is Severity.WARN and finding.data["averages"] == ["ema"]
+    assert "`ema` (ShadowWeights, decay 0.995)" in finding.title
+    assert finding.fix is not None and f"decay {0.995**growth:.6g} for this run" in finding.fix
+    assert isinstance(model, ShadowEma) and float(model.ema.decay) == pytest.approx(0.995)

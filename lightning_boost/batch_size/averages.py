@@ -15,7 +15,9 @@ average was never updated, and Lightning copied it (the initial weights) into th
 Found: Lightning's `WeightAveraging` callbacks and the `AveragedModel` objects the LightningModule
 holds, whose function is torch's EMA (`get_ema_avg_fn`, `get_ema_multi_avg_fn`): the decay is read
 from it. An equal-weight average (SWA, the default) needs nothing. What is changed here is put
-back at the end of the fit.
+back at the end of the fit. An EMA of another class the LightningModule holds (timm's
+``ModelEmaV3``, ``ema_pytorch.EMA``, a ``LitEma`` of the program's own), whose decay may be saved in
+its checkpoints and read back, is left as it is, with a WARN giving the decay for the tuned run.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import re
 from collections.abc import Callable
 from typing import Any
 
 import lightning as L
+import torch
 from torch.optim import swa_utils
 
 from lightning_boost._lightning import callbacks_of, is_lightning
@@ -96,6 +100,62 @@ def moving_averages(trainer: L.Trainer, pl_module: L.LightningModule) -> list[Av
                 found.append(Average(averaged, attribute, function, decay, name, callback, start))
                 break
     return found
+
+
+def other_averages(pl_module: L.LightningModule) -> list[tuple[str, str, float]]:
+    """``(attribute, class, decay)`` of each EMA of a class of its own the LightningModule holds
+    (an attribute or submodule whose name or class name has the word "EMA", or a class named
+    "ExponentialMovingAverage") with a decay (``decay``, or ema_pytorch's ``beta``) between 0.5
+    and 1.
+
+    Example:
+        >>> _words("ModelEmaV3"), _words("model_ema"), _words("Schema")
+        (['model', 'ema', 'v'], ['model', 'ema'], ['schema'])
+    """
+    held = [(name, item) for name, item in vars(pl_module).items() if not name.startswith("_")]
+    held += [(name, module) for name, module in pl_module.named_modules() if name]
+    found = []
+    for name, item in held:
+        kind = _words(type(item).__name__)
+        if "ema" not in kind + _words(name.rsplit(".", 1)[-1]) and kind != [
+            "exponential",
+            "moving",
+            "average",
+        ]:
+            continue
+        for attribute in ("decay", "beta"):
+            value = getattr(item, attribute, None)
+            if isinstance(value, torch.Tensor) and value.numel() == 1 and value.is_floating_point():
+                value = float(value)
+            if isinstance(value, float) and 0.5 < value < 1.0:
+                found.append((name, type(item).__name__, value))
+                break
+    return found
+
+
+def _words(name: str) -> list[str]:
+    return [word.lower() for word in re.findall(r"[A-Z]+(?![a-z])|[A-Z]?[a-z]+", name)]
+
+
+def unspanned_finding(others: list[tuple[str, str, float]], growth: float) -> Finding:
+    """WARN: EMAs whose decay the pack leaves as it is, with the decay for the tuned run."""
+    listed = ", ".join(f"`{name}` ({kind}, decay {decay:g})" for name, kind, decay in others)
+    decays = ", ".join(f"{decay**growth:.6g}" for _, _, decay in others)
+    return Finding(
+        "AutoBatchSize",
+        "batch size",
+        Severity.WARN,
+        f"An average of the weights counted in steps spans {growth:.3g}x the configured run's samples:"
+        f" {listed}",
+        f"Each optimizer step now trains {growth:.3g}x the configured samples, so the run takes"
+        f" {growth:.3g}x fewer steps, and an average updated each step with the same decay ends holding"
+        " far more of its early weights (in the test, torch's EMA at 0.99 over 4x fewer steps ended at"
+        " 1.72x the model's own validation loss, against 1.07x for plain's). Its decay is left as it"
+        " is: an average of another class may save it in its checkpoints.",
+        f"Give it decay {decays} for this run (decay**{growth:.3g}), or use Lightning's"
+        " `EMAWeightAveraging`, which AutoBatchSize keeps to the configured run's samples.",
+        data={"averages": [name for name, _, _ in others], "decay_power": growth},
+    )
 
 
 def span(averages: list[Average], growth: float, start: bool = True) -> None:

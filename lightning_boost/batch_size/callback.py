@@ -46,7 +46,14 @@ from lightning_boost.batch_size.attribute import (
     not_tunable,
     several_loaders_finding,
 )
-from lightning_boost.batch_size.averages import Average, moving_averages, span, spanned_finding
+from lightning_boost.batch_size.averages import (
+    Average,
+    moving_averages,
+    other_averages,
+    span,
+    spanned_finding,
+    unspanned_finding,
+)
 from lightning_boost.batch_size.decision import (
     BatchSizeDecision,
     decide,
@@ -358,6 +365,9 @@ class AutoBatchSize(BoostCallback):
         if self._averages and growth != 1.0:
             span(self._averages, growth)
             self.findings.append(spanned_finding(self._averages, growth, _samples_per_step(decision)))
+        others = other_averages(pl_module) if growth != 1.0 else []
+        if others:
+            self.findings.append(unspanned_finding(others, growth))
         changed = decision.batch_size != decision.configured_batch_size or decision.lr_factor != 1.0
         self._restored = False
         self._growth = self._start_growth(trainer, pl_module, decision)
