@@ -412,7 +412,8 @@ def detached_copy(module: L.LightningModule) -> L.LightningModule:
 
     The copy's steps touch nothing of the run: its ``self.log`` calls warn and return. A module
     Lightning took from ``torch.compile`` gets its own (uncompiled) steps back: the compiled
-    wrappers would call the original module's, trainer and all.
+    wrappers would call the original module's, trainer and all. Its `SyncBatchNorm` layers
+    (``Trainer(sync_batchnorm=True)``) compute as plain batch norm (`unsynced_batchnorm`).
     """
     trainer = module._trainer
     module._trainer = None
@@ -424,7 +425,36 @@ def detached_copy(module: L.LightningModule) -> L.LightningModule:
         for name in _COMPILED_STEPS:  # the compiled wrappers call the original module's methods
             clone.__dict__.pop(name, None)
         clone._compiler_ctx = None
+    unsynced_batchnorm(clone)
     return clone
+
+
+class _UnsyncedBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
+    """`SyncBatchNorm`'s batch norm on this process alone, for any input of 2+ dimensions as it takes."""
+
+    @override
+    def _check_input_dim(self, input: torch.Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+
+def unsynced_batchnorm(module: torch.nn.Module) -> None:
+    """Replace each `SyncBatchNorm` in `module` by plain batch norm over the same parameters and
+    statistics (the same tensors). Its forward all-gathers the batch's statistics from every rank
+    of the process group: a copy's trial steps, which each rank runs on its own and as many as its
+    own clock says, would wait on ranks that run none (or raise, outside CUDA)."""
+    for name, child in list(module.named_children()):
+        if isinstance(child, torch.nn.SyncBatchNorm):
+            plain = _UnsyncedBatchNorm(
+                child.num_features, child.eps, child.momentum, child.affine, child.track_running_stats
+            )
+            plain.weight, plain.bias = child.weight, child.bias
+            for buffer in ("running_mean", "running_var", "num_batches_tracked"):
+                setattr(plain, buffer, getattr(child, buffer))
+            plain.train(child.training)
+            setattr(module, name, plain)
+        else:
+            unsynced_batchnorm(child)
 
 
 #: What Lightning's ``from_compiled`` replaces on the instance with ``torch.compile``d wrappers.

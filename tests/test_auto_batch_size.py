@@ -1205,3 +1205,33 @@ def test_a_detection_batch_counts_its_images_not_the_first_images_channels(tmp_p
     decision = callback.decision
     assert decision is not None and {t.size for t in decision.trials} >= {8, 16}
     assert decision.batch_size == 16 and "held" not in decision.stopped
+
+
+class Normed(BoringModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(32)
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        return nn.functional.mse_loss(self(self.norm(batch[0])), batch[1])
+
+
+@pytest.mark.ddp
+def test_a_trials_copy_of_a_sync_batchnorm_model_normalizes_on_its_own_rank(tmp_path: Path) -> None:
+    """`Trainer(sync_batchnorm=True)` makes each BatchNorm a SyncBatchNorm, whose training forward
+    all-gathers the batch's statistics from every rank of the process group. A trial's copy ran
+    that: on GPUs each rank's trials (as many steps as its own clock says) wait on ranks that run
+    none; outside CUDA it raises, as here in a gloo group of one process (this machine has no
+    GPU: "SyncBatchNorm expected input tensor to be on GPU"). The copy normalizes with plain batch
+    norm over the same statistics; the model keeps its SyncBatchNorm, its statistics untouched."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(Normed())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        probe = StepProbe(model, [optimizer], 2, torch.enable_grad, torch.no_grad)
+        trial = probe.train((torch.randn(8, 32), torch.randn(8, 2)), 8)
+        assert trial.samples_per_s is not None and len(trial.losses) == 2
+        assert isinstance(model.norm, nn.SyncBatchNorm) and int(model.norm.num_batches_tracked) == 0
+    finally:
+        dist.destroy_process_group()
