@@ -117,11 +117,8 @@ def other_averages(pl_module: L.LightningModule) -> list[tuple[str, str, float]]
     found = []
     for name, item in held:
         kind = _words(type(item).__name__)
-        if "ema" not in kind + _words(name.rsplit(".", 1)[-1]) and kind != [
-            "exponential",
-            "moving",
-            "average",
-        ]:
+        named = "ema" in kind + _words(name.rsplit(".", 1)[-1])
+        if not named and kind != ["exponential", "moving", "average"]:
             continue
         for attribute in ("decay", "beta"):
             value = getattr(item, attribute, None)
