@@ -144,6 +144,17 @@ class Alternation(Protocol):
         ...
 
 
+def evaluation_hooks(module: torch.nn.Module) -> list[str]:
+    """``validation_step`` (run by the fit), then the test and predict steps `module`'s own class
+    defines (Lightning's defaults are not the model's code)."""
+    own = [
+        hook
+        for hook in ("test_step", "predict_step")
+        if not getattr(type(module), hook).__qualname__.startswith("LightningModule.")
+    ]
+    return ["validation_step", *own]
+
+
 class StepProbe:
     """Times training (and validation) steps of copies of `module` at given batches.
 

@@ -641,3 +641,51 @@ def test_a_trial_too_slow_to_time_a_pair_is_not_cached_and_the_next_run_does_not
         _, again = fit(tmp_path / "again", SlowEverywhere("fp32"), steps=2)
     assert again.choice is not None and not again.choice.cached
     assert not [w for w in caught if issubclass(w.category, BoostWarning)]
+
+
+class PaddedEncoder(SlowUnder):
+    """`SlowUnder("fp32")` (bf16 times faster) whose validation runs an `nn.TransformerEncoder`
+    given a padding mask: in eval mode torch's fast path runs it as nested tensors, which fail
+    under a CPU's bf16 autocast ("expected scalar type Float but found BFloat16"); its training
+    steps do not take that path."""
+
+    def __init__(self) -> None:
+        super().__init__("fp32")
+        self.encoder = torch.nn.TransformerEncoder(
+            torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True), 1
+        )
+
+    @override
+    def validation_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> None:
+        tokens = batch[0].unsqueeze(1).expand(-1, 3, -1)
+        padding = torch.zeros(len(tokens), 3, dtype=torch.bool, device=tokens.device)
+        padding[:, 2] = True
+        self.log("val_loss", self.encoder(tokens, src_key_padding_mask=padding).sum())
+
+
+@pytest.mark.parametrize("tuned", [False, True], ids=["own trial", "in the batch-size trial"])
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")  # torch's, at each fp32 validation
+def test_bf16_that_an_evaluation_step_cannot_run_in_is_not_kept(tmp_path: Path, tuned: bool) -> None:
+    """Timed on training steps alone, bf16 was kept and the fit stopped at its sanity check. An
+    evaluation step on a copy runs in fp32 and fails in bf16: fp32 is kept, the report says why
+    and how to run it in bf16, and the fit trains and validates; a second fit, whose timing comes
+    from the cache, is checked the same way."""
+    from lightning_boost import AutoBatchSize
+
+    for run in range(2):
+        model = PaddedEncoder()
+        if tuned:
+            model.batch_size = 8
+            tuner = AutoBatchSize(max_batch_size=16, steps=1, cache_dir=tmp_path / "cache")
+            trainer, plugin = fit_tuned(tmp_path / str(run), model, tuner, BoostReport(console=False))
+        else:
+            trainer, plugin = fit(tmp_path / str(run), model, limit_val_batches=2)
+        choice = plugin.choice
+        assert choice is not None and not choice.bf16 and choice.speedup is not None and choice.speedup > 1
+        assert choice.cached is (run == 1)
+        assert choice.why_not.startswith("validation_step failed under bf16 autocast")
+        assert "expected scalar type Float but found BFloat16" in choice.why_not
+        assert trainer.state.finished and "val_loss" in trainer.callback_metrics
+        (finding,) = [f for f in report_of(trainer).findings if "autocast_bf16" in f.data]
+        assert finding.title == "fp32 kept on this CPU: validation_step failed under bf16 autocast"
+        assert finding.fix is not None and "enable_nested_tensor=False" in finding.fix

@@ -60,7 +60,7 @@ from lightning_boost.precision import (
 )
 from lightning_boost.ranks import from_rank_zero
 from lightning_boost.report import BoostWarning, Finding, Severity
-from lightning_boost.step_probe import StepProbe, first_batch
+from lightning_boost.step_probe import StepProbe, evaluation_hooks, first_batch
 
 if TYPE_CHECKING:  # the mixin is typed as the plugin it is mixed into
     _Plugin = MixedPrecision
@@ -90,11 +90,16 @@ class MeasuredAutocastMixin(_Plugin):
         self.rechecks: list[float] = []  # the check pairs' fp32/bf16 ratios, oldest first
         self.switched_at: int | None = None  # the run's first batch in fp32 after its checks
         self._key = ""  # the cache entry of this run's decision
+        self._trial_batch: Any = None  # the batch `AutoBatchSize`'s trial decides on (`begin_trial`)
         self._timing: tuple[bool, int, float] | None = None  # a check batch's bf16, threads, start
         self._halves: list[tuple[bool, int, float]] = []  # the open pair's bf16, threads, seconds
 
     @override
     def autocast_context_manager(self) -> torch.autocast:
+        return self._bf16()
+
+    @staticmethod
+    def _bf16() -> torch.autocast:
         return torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False)
 
     @override
@@ -212,7 +217,8 @@ class MeasuredAutocastMixin(_Plugin):
             known = AutocastChoice(False, None, 0, "manual optimization")
         else:
             key, known = _lookup(trainer, batch)
-        self._key = key
+            known = None if known is None else evaluation_checked(trainer, batch, known, self._bf16)
+        self._key, self._trial_batch = key, batch
         known = from_rank_zero(self.owner, known)
         if known is not None:
             self._apply(known)
@@ -223,12 +229,14 @@ class MeasuredAutocastMixin(_Plugin):
         """Rank zero's choice from `trial` on every rank (and in the cache); none when its steps
         ran out of memory before it decided (`choice` stays ``None``: the next batch-size trial
         takes `trial.again()`, else `measure` decides at the first step)."""
-        choice = from_rank_zero(self.owner, trial.choice)
-        if choice is None:
+        timed = trial.choice
+        checked = None if timed is None else evaluation_checked(trainer, self._trial_batch, timed, self._bf16)
+        choice = from_rank_zero(self.owner, checked)
+        if timed is None or choice is None:
             return
         self.seconds = list(trial.seconds)
         if trainer.is_global_zero:
-            _store(trial.key, choice)
+            _store(trial.key, timed)
         self._apply(choice)
 
     def _decide(self, trainer: Any, batch: Any, run_steps: float | None) -> AutocastChoice:
@@ -239,7 +247,7 @@ class MeasuredAutocastMixin(_Plugin):
         key, cached = _lookup(trainer, batch)
         self._key = key
         if cached is not None:
-            return cached
+            return evaluation_checked(trainer, batch, cached, self._bf16)
         steps = trainer.estimated_stepping_batches if run_steps is None else run_steps
         trial = AutocastTrial(self.autocast_context_manager, steps, key)
         probe = StepProbe(
@@ -257,7 +265,7 @@ class MeasuredAutocastMixin(_Plugin):
         self.seconds = list(trial.seconds)
         if trainer.is_global_zero:
             _store(key, trial.choice)
-        return trial.choice
+        return evaluation_checked(trainer, batch, trial.choice, self._bf16)
 
     def _settle(self, choice: AutocastChoice) -> None:
         self._apply(from_rank_zero(self.owner, choice))
@@ -319,6 +327,34 @@ class MeasuredAutocast(MeasuredAutocastMixin, MixedPrecision):
 #: The decisions of earlier runs, in the cache directory: a warm run does not time the step again.
 CACHE_FILE = "autocast.json"
 USE_BF16 = "preset('auto', precision='bf16-mixed') uses bf16 autocast unmeasured"
+
+
+def evaluation_checked(
+    trainer: Any, batch: Any, choice: AutocastChoice, bf16: Callable[[], torch.autocast]
+) -> AutocastChoice:
+    """`choice`, unless it keeps bf16 and an evaluation step (`evaluation_hooks`) on a training
+    batch runs on a copy of the model in fp32 and fails under bf16 autocast: then fp32, saying
+    why. Timed on training steps alone, bf16 was kept for a model whose validation could not run in
+    it (an `nn.TransformerEncoder` given a padding mask runs it as nested tensors in eval mode,
+    which fail under a CPU's autocast), and the fit stopped at its sanity check."""
+    if not choice.bf16 or batch is None:
+        return choice
+    probe = StepProbe(
+        trainer.lightning_module, trainer.optimizers, 1, contextlib.nullcontext, contextlib.nullcontext
+    )
+    for hook in evaluation_hooks(probe.module):
+        errors: list[Exception | None] = []
+        for context in (contextlib.nullcontext(), bf16()):
+            try:
+                with preserved_rng(), context:
+                    probe.evaluate(batch, hook)
+                errors.append(None)
+            except Exception as error:
+                errors.append(error)
+        if errors[0] is None and errors[1] is not None:
+            why = f"{hook} failed under bf16 autocast on a copy of the model ({errors[1]!r})"
+            return AutocastChoice(False, choice.speedup, choice.pairs, why, choice.cached)
+    return choice
 
 
 def step_cache_parts(trainer: Any, batch: Any) -> dict[str, Any]:
@@ -396,6 +432,18 @@ def autocast_finding(choice: AutocastChoice, steps: int) -> Finding:
     if choice.cached:
         data["source"] = "cache"
     keep_fp32 = "preset('auto', precision='32-true')"
+    if choice.why_not and choice.speedup is not None:  # timed faster, but an evaluation step fails
+        title = f"fp32 kept on this CPU: {choice.why_not.split(' on a copy', 1)[0]}"
+        detail = (
+            f"{choice.why_not}. Its training steps ran {choice.speedup:.2f}x as fast in bf16, but in"
+            " bf16 the fit would stop at its first validation."
+        )
+        fix = (
+            "An `nn.TransformerEncoder` given a padding mask runs it as nested tensors in eval mode,"
+            " which fail under bf16 autocast on a CPU: build it with `enable_nested_tensor=False`, then "
+            + USE_BF16
+        )
+        return Finding("preset", "precision and strategy", Severity.INFO, title, detail, fix, data=data)
     if choice.why_not:
         detail = f"not measured: {choice.why_not}"
         fix = USE_BF16

@@ -32,7 +32,7 @@ from lightning_boost._lightning import preserved_rng
 from lightning_boost.precision import AUTOCAST_MAX_LOSS, autocast_setting, budget_spent, decide_autocast
 from lightning_boost.presets.autocast import one_batch, step_cache_parts
 from lightning_boost.report import Finding, Severity
-from lightning_boost.step_probe import StepProbe
+from lightning_boost.step_probe import StepProbe, evaluation_hooks
 
 #: The decisions of earlier runs, in the cache directory: a warm run does not time the step again.
 CACHE_FILE = "memory_format.json"
@@ -180,7 +180,7 @@ def _evaluation_agrees(probe: StepProbe, batch: Any, choice: MemoryFormatChoice)
     """`choice`, unless an evaluation step on a training batch runs on an NCHW copy and fails on an
     NHWC one: ``validation_step``, and ``test_step`` and ``predict_step`` where the model defines
     them. A step that fails on both (its batches differ from the training ones) tells nothing."""
-    for hook in _evaluation_hooks(probe.module):
+    for hook in evaluation_hooks(probe.module):
         errors: list[Exception | None] = []
         for memory_format in (torch.contiguous_format, torch.channels_last):
             try:
@@ -192,17 +192,6 @@ def _evaluation_agrees(probe: StepProbe, batch: Any, choice: MemoryFormatChoice)
             why = f"{hook} failed on a channels_last copy of the model ({errors[1]!r})"
             return MemoryFormatChoice(False, choice.speedup, choice.pairs, why)
     return choice
-
-
-def _evaluation_hooks(module: torch.nn.Module) -> list[str]:
-    """``validation_step`` (run by the fit), then the test and predict steps `module`'s own class
-    defines (Lightning's defaults are not the model's code)."""
-    own = [
-        hook
-        for hook in ("test_step", "predict_step")
-        if not getattr(type(module), hook).__qualname__.startswith("LightningModule.")
-    ]
-    return ["validation_step", *own]
 
 
 def _cached(key: str) -> MemoryFormatChoice | None:
