@@ -195,12 +195,31 @@ class DeferredStartDataLoader(DataLoader[Any]):
 
     defer_start = False
     _deferred: DeferredStart | None = None
+    _workers_saw: Any = None  # `dataset_state` when the persistent workers started
 
     def __iter__(self) -> Any:
+        self._drop_stale_workers()
         if self.defer_start and self.num_workers > 0 and self._iterator is None:
             self._deferred = DeferredStart(self)
             return self._deferred
-        return super().__iter__()
+        before = self._iterator
+        iterator = super().__iter__()
+        if self._iterator is not None and self._iterator is not before:  # persistent workers started
+            self._workers_saw = dataset_state(self.dataset)
+        return iterator
+
+    def _drop_stale_workers(self) -> None:
+        """Persistent workers hold the dataset as it was when they started. When the main process
+        changed it since (a callback's curriculum or progressive resizing sets an attribute at an
+        epoch's start), they end, and this iteration starts new ones: the epoch loads what it
+        would without workers (before, a curriculum's epochs 2 and on loaded epoch 1's samples)."""
+        if self._iterator is None or not self.persistent_workers:
+            return
+        if dataset_state(self.dataset) != self._workers_saw:
+            shutdown = getattr(self._iterator, "_shutdown_workers", None)
+            if callable(shutdown):
+                shutdown()
+            self._iterator = None
 
 
 class DeferredStart:
@@ -246,9 +265,36 @@ class SameOrderDataLoader(DeferredStartDataLoader):
     """
 
     def __iter__(self) -> Any:
+        self._drop_stale_workers()  # new workers draw their own seed
         if not draws_each_iteration(self) and self._iterator is not None:
             torch.empty((), dtype=torch.int64).random_(generator=self.generator)  # as a new iterator does
         return super().__iter__()
+
+
+def dataset_state(dataset: Any, depth: int = 2) -> tuple[Any, ...]:
+    """What a worker's copy of `dataset` holds that the main process may change between epochs:
+    each attribute's value where it is a number, string or ``None``, else its identity and (for an
+    object, `depth` levels down: a transform's size, a `Subset`'s dataset) its own state.
+
+    Example:
+        >>> class Curriculum:
+        ...     def __init__(self): self.scale, self.samples = 1.0, [0.5, 0.25]
+        >>> data = Curriculum()
+        >>> before = dataset_state(data)
+        >>> data.samples.append(0.125); dataset_state(data) == before  # the same list: not read
+        True
+        >>> data.scale = 2.0; dataset_state(data) == before
+        False
+    """
+    state: list[Any] = []
+    for name, value in sorted(getattr(dataset, "__dict__", {}).items()):
+        if value is None or isinstance(value, (bool, int, float, str)):
+            state.append((name, value))
+        elif depth > 0 and hasattr(value, "__dict__") and not isinstance(value, (torch.Tensor, type)):
+            state.append((name, id(value), dataset_state(value, depth - 1)))
+        else:
+            state.append((name, id(value)))
+    return tuple(state)
 
 
 def draws_each_iteration(loader: DataLoader[Any]) -> bool:
