@@ -155,6 +155,26 @@ def evaluation_hooks(module: torch.nn.Module) -> list[str]:
     return ["validation_step", *own]
 
 
+def evaluation_failure(
+    module: torch.nn.Module, attempt: Callable[[str, bool], None]
+) -> tuple[str, Exception] | None:
+    """The first of `module`'s `evaluation_hooks` that runs as it is (``attempt(hook, False)``) and
+    fails changed (``attempt(hook, True)``: another memory layout, bf16 autocast), with its error;
+    ``None`` when none does. A step that fails both ways (its batches differ from the training
+    ones it is tried on) tells nothing."""
+    for hook in evaluation_hooks(module):
+        errors: list[Exception | None] = []
+        for changed in (False, True):
+            try:
+                attempt(hook, changed)
+                errors.append(None)
+            except Exception as error:
+                errors.append(error)
+        if errors[0] is None and errors[1] is not None:
+            return hook, errors[1]
+    return None
+
+
 class StepProbe:
     """Times training (and validation) steps of copies of `module` at given batches.
 

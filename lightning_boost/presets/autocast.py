@@ -60,7 +60,7 @@ from lightning_boost.precision import (
 )
 from lightning_boost.ranks import from_rank_zero
 from lightning_boost.report import BoostWarning, Finding, Severity
-from lightning_boost.step_probe import StepProbe, evaluation_hooks, first_batch
+from lightning_boost.step_probe import StepProbe, evaluation_failure, first_batch
 
 if TYPE_CHECKING:  # the mixin is typed as the plugin it is mixed into
     _Plugin = MixedPrecision
@@ -332,7 +332,7 @@ USE_BF16 = "preset('auto', precision='bf16-mixed') uses bf16 autocast unmeasured
 def evaluation_checked(
     trainer: Any, batch: Any, choice: AutocastChoice, bf16: Callable[[], torch.autocast]
 ) -> AutocastChoice:
-    """`choice`, unless it keeps bf16 and an evaluation step (`evaluation_hooks`) on a training
+    """`choice`, unless it keeps bf16 and an evaluation step (`evaluation_failure`) on a training
     batch runs on a copy of the model in fp32 and fails under bf16 autocast: then fp32, saying
     why. Timed on training steps alone, bf16 was kept for a model whose validation could not run in
     it (an `nn.TransformerEncoder` given a padding mask runs it as nested tensors in eval mode,
@@ -342,19 +342,17 @@ def evaluation_checked(
     probe = StepProbe(
         trainer.lightning_module, trainer.optimizers, 1, contextlib.nullcontext, contextlib.nullcontext
     )
-    for hook in evaluation_hooks(probe.module):
-        errors: list[Exception | None] = []
-        for context in (contextlib.nullcontext(), bf16()):
-            try:
-                with preserved_rng(), context:
-                    probe.evaluate(batch, hook)
-                errors.append(None)
-            except Exception as error:
-                errors.append(error)
-        if errors[0] is None and errors[1] is not None:
-            why = f"{hook} failed under bf16 autocast on a copy of the model ({errors[1]!r})"
-            return AutocastChoice(False, choice.speedup, choice.pairs, why, choice.cached)
-    return choice
+
+    def attempt(hook: str, autocast: bool) -> None:
+        with preserved_rng(), bf16() if autocast else contextlib.nullcontext():
+            probe.evaluate(batch, hook)
+
+    failed = evaluation_failure(probe.module, attempt)
+    if failed is None:
+        return choice
+    hook, error = failed
+    why = f"{hook} failed under bf16 autocast on a copy of the model ({error!r})"
+    return AutocastChoice(False, choice.speedup, choice.pairs, why, choice.cached)
 
 
 def step_cache_parts(trainer: Any, batch: Any) -> dict[str, Any]:

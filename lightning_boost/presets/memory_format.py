@@ -32,7 +32,7 @@ from lightning_boost._lightning import preserved_rng
 from lightning_boost.precision import AUTOCAST_MAX_LOSS, autocast_setting, budget_spent, decide_autocast
 from lightning_boost.presets.autocast import one_batch, step_cache_parts
 from lightning_boost.report import Finding, Severity
-from lightning_boost.step_probe import StepProbe, evaluation_hooks
+from lightning_boost.step_probe import StepProbe, evaluation_failure
 
 #: The decisions of earlier runs, in the cache directory: a warm run does not time the step again.
 CACHE_FILE = "memory_format.json"
@@ -180,18 +180,16 @@ def _evaluation_agrees(probe: StepProbe, batch: Any, choice: MemoryFormatChoice)
     """`choice`, unless an evaluation step on a training batch runs on an NCHW copy and fails on an
     NHWC one: ``validation_step``, and ``test_step`` and ``predict_step`` where the model defines
     them. A step that fails on both (its batches differ from the training ones) tells nothing."""
-    for hook in evaluation_hooks(probe.module):
-        errors: list[Exception | None] = []
-        for memory_format in (torch.contiguous_format, torch.channels_last):
-            try:
-                probe.evaluate(batch, hook, memory_format)
-                errors.append(None)
-            except Exception as error:
-                errors.append(error)
-        if errors[0] is None and errors[1] is not None:
-            why = f"{hook} failed on a channels_last copy of the model ({errors[1]!r})"
-            return MemoryFormatChoice(False, choice.speedup, choice.pairs, why)
-    return choice
+
+    def attempt(hook: str, nhwc: bool) -> None:
+        probe.evaluate(batch, hook, torch.channels_last if nhwc else torch.contiguous_format)
+
+    failed = evaluation_failure(probe.module, attempt)
+    if failed is None:
+        return choice
+    hook, error = failed
+    why = f"{hook} failed on a channels_last copy of the model ({error!r})"
+    return MemoryFormatChoice(False, choice.speedup, choice.pairs, why)
 
 
 def _cached(key: str) -> MemoryFormatChoice | None:
