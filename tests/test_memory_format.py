@@ -12,6 +12,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelPruning
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 from typing_extensions import override
@@ -227,6 +228,66 @@ def test_set_by_hand_it_is_applied_without_a_trial(tmp_path: Path, wanted: bool)
     trainer = fit(tmp_path, model, channels_last=wanted)
     assert model.layouts == ["nhwc" if wanted else "nchw"] * 8
     assert trainer.strategy.memory_format == MemoryFormatChoice(wanted, None, 0, "set by hand")  # type: ignore[attr-defined]
+
+
+def pruned_fit(tmp_path: Path, model: SlowConv, pruning: ModelPruning, **preset_options: bool) -> L.Trainer:
+    """`fit` over 2 epochs with `pruning`, which prunes at each epoch's end."""
+    trainer = tiny_trainer(
+        tmp_path,
+        strategy=preset("auto", hardware=CPU, **preset_options),
+        limit_train_batches=8,
+        max_epochs=2,
+        callbacks=[pruning, BoostReport(console=False)],
+        enable_checkpointing=False,
+    )
+    trainer.fit(model, images(), images(16))
+    return trainer
+
+
+UNSTRUCTURED = {
+    "global": lambda: ModelPruning("l1_unstructured", amount=0.5),
+    "local": lambda: ModelPruning("random_unstructured", amount=0.5, use_global_unstructured=False),
+}
+
+
+@pytest.mark.parametrize("pruning", UNSTRUCTURED)
+def test_unstructured_pruning_keeps_nchw_and_prunes(tmp_path: Path, pruning: str) -> None:
+    """torch's unstructured pruning flattens each weight with ``.view(-1)`` (the global one with
+    ``parameters_to_vector``), which raises on NHWC weights: at the first epoch's end the fit
+    stopped, in NHWC since its steps are faster there. NCHW now, not timed, and the weights pruned."""
+    model = SlowConv("nchw")
+    trainer = pruned_fit(tmp_path, model, UNSTRUCTURED[pruning]())
+    choice = trainer.strategy.memory_format  # type: ignore[attr-defined]
+    assert not choice.channels_last and choice.speedup is None and "ModelPruning" in choice.why_not
+    assert model.layouts == ["nchw"] * 16 and trainer.current_epoch == 2
+    weights = torch.cat([model.conv.weight.flatten(), model.head.weight.flatten()])
+    assert float((weights == 0).float().mean()) >= 0.5  # pruned (made permanent at the end)
+    (finding,) = [f for f in report_of(trainer).findings if "channels_last" in f.data]
+    assert finding.title == "NCHW kept: channels_last not timed" and "ln_structured" in finding.fix
+
+
+def test_structured_pruning_keeps_the_timed_layout(tmp_path: Path) -> None:
+    """Structured pruning masks whole channels without flattening: NHWC, timed faster, is kept."""
+    model = SlowConv("nchw")
+    pruning = ModelPruning(
+        "ln_structured",
+        parameter_names=["weight"],  # a bias has no channels to prune
+        amount=0.5,
+        pruning_dim=0,
+        pruning_norm=2,
+        use_global_unstructured=False,
+    )
+    trainer = pruned_fit(tmp_path, model, pruning)
+    assert trainer.strategy.memory_format.channels_last  # type: ignore[attr-defined]
+    assert model.layouts == ["nhwc"] * 16 and trainer.current_epoch == 2
+    assert int((model.conv.weight.abs().sum((1, 2, 3)) == 0).sum()) >= 4  # 4 of 8 channels pruned
+
+
+def test_channels_last_by_hand_with_unstructured_pruning_stops_before_the_first_step(tmp_path: Path) -> None:
+    model = SlowConv("nchw")
+    with pytest.raises(ValueError, match=r"channels_last=True.*ModelPruning.*channels_last=False"):
+        pruned_fit(tmp_path, model, UNSTRUCTURED["global"](), channels_last=True)
+    assert model.layouts == []
 
 
 def test_a_model_laid_out_by_hand_or_without_convolutions_is_left_as_it_is(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ import lightning as L
 import torch
 
 from lightning_boost import cache
-from lightning_boost._lightning import preserved_rng
+from lightning_boost._lightning import callbacks_of, is_lightning, preserved_rng
 from lightning_boost.precision import AUTOCAST_MAX_LOSS, autocast_setting, budget_spent, decide_autocast
 from lightning_boost.presets.autocast import one_batch, step_cache_parts
 from lightning_boost.report import Finding, Severity
@@ -105,16 +105,56 @@ def is_channels_last(module: torch.nn.Module) -> bool:
     return bool(weights) and all(p.is_contiguous(memory_format=torch.channels_last) for p in weights)
 
 
+def flattening_pruning(callbacks: Sequence[object]) -> str | None:
+    """The first `ModelPruning` among `callbacks` whose pruning reads each weight as one flat row,
+    which fails on channels_last weights; ``None`` when none does. torch's unstructured pruning
+    does (``.view(-1)``; the global one, which Lightning runs by default, ``parameters_to_vector``);
+    structured pruning masks whole slices in the weight's own shape.
+
+    Example:
+        >>> from lightning.pytorch.callbacks import ModelPruning
+        >>> flattening_pruning([ModelPruning("l1_unstructured")])
+        "ModelPruning's global L1Unstructured pruning"
+        >>> rows = ModelPruning("ln_structured", pruning_dim=0, pruning_norm=2, use_global_unstructured=False)
+        >>> flattening_pruning([rows]) is None
+        True
+    """
+    for callback in callbacks:
+        if not is_lightning(callback, "ModelPruning"):
+            continue
+        method = getattr(callback, "pruning_fn", None)
+        if isinstance(method, type):  # a `BasePruningMethod` class: global, always unstructured
+            return f"ModelPruning's global {method.__name__} pruning"
+        name = getattr(getattr(method, "func", method), "__name__", "")  # a partial of torch's function
+        if name.endswith("_unstructured"):
+            return f"ModelPruning's {name} pruning"
+    return None
+
+
 def choose_memory_format(trainer: L.Trainer, wanted: bool | None) -> MemoryFormatChoice | None:
     """Lay the model's weights out as `wanted` (the preset's ``channels_last``), or as timed when it
-    is ``None``; ``None`` when the model has no convolution weights or lays them out itself."""
+    is ``None``; ``None`` when the model has no convolution weights or lays them out itself. A
+    pruning callback that flattens weights keeps NCHW untimed, and refuses NHWC set by hand: it
+    would stop the fit at its first pruning, an epoch in."""
     module = trainer.lightning_module
     if not has_conv_weights(module) or is_channels_last(module):
         return None
-    if wanted is None:
-        choice = _measured(trainer, module)
-    else:
+    pruning = flattening_pruning(callbacks_of(trainer))
+    if pruning is not None and wanted:
+        raise ValueError(
+            f"preset(channels_last=True) lays the convolution weights out NHWC, but the trainer's"
+            f" {pruning} flattens each weight with `.view(-1)`, which fails on NHWC weights at its"
+            " first pruning (an epoch in). Fix: preset(..., channels_last=False) (or None: NCHW is"
+            " kept), or structured pruning (`ModelPruning('ln_structured', pruning_dim=0,"
+            " pruning_norm=2, use_global_unstructured=False)`), which runs on NHWC weights."
+        )
+    if wanted is not None:
         choice = MemoryFormatChoice(wanted, None, 0, "set by hand")
+    elif pruning is not None:
+        why = f"{pruning} flattens each weight with `.view(-1)`, which fails on channels_last weights"
+        choice = MemoryFormatChoice(False, None, 0, why)
+    else:
+        choice = _measured(trainer, module)
     if choice.channels_last:
         module.to(memory_format=torch.channels_last)
     return choice
@@ -237,7 +277,13 @@ def memory_format_finding(choice: MemoryFormatChoice) -> Finding:
 
 
 def _fix(choice: MemoryFormatChoice) -> str:
-    """For a model that fails in NHWC: flatten without ``.view``; else set the layout by hand."""
+    """For pruning that flattens weights: structured pruning; for a model that fails in NHWC:
+    flatten without ``.view``; else set the layout by hand."""
+    if choice.why_not.startswith("ModelPruning"):
+        return (
+            "structured pruning (`ModelPruning('ln_structured', pruning_dim=0, pruning_norm=2,"
+            " use_global_unstructured=False)`) runs on NHWC weights, which are then timed"
+        )
     if "view" in choice.why_not:
         return (
             "flatten activations with `.flatten(1)` or `.reshape(...)`: `.view` cannot reshape an NHWC"
