@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from torch.utils.data import DataLoader
 
 from lightning_boost._lightning import datamodule_of, user_dataloaders
-from lightning_boost.data.datamodule import BoostedDataMixin
+from lightning_boost.data.datamodule import builds_loader
 from lightning_boost.report import Finding, Severity
 from lightning_boost.workers.loaders import loader_batch_size
 
@@ -76,9 +76,7 @@ def attribute_the_loader_reads(
     ``batch_size``), found by setting each candidate and rebuilding the loader. Raises before any
     measurement when there is none."""
     datamodule = datamodule_of(trainer)
-    if isinstance(datamodule, BoostedDataMixin) and (
-        type(datamodule).train_dataloader is BoostedDataMixin.train_dataloader
-    ):
+    if builds_loader(datamodule, "train"):
         if name == "batch_size":
             return name
         built: int | None = datamodule.batch_size

@@ -27,7 +27,7 @@ from lightning_boost._lightning import (
 from lightning_boost.batch_size.decision import BatchSizeDecision
 from lightning_boost.batch_size.evaluation import eval_batch_size
 from lightning_boost.batch_size.plan import RunPlan
-from lightning_boost.data.datamodule import BoostedDataMixin, first_of, several
+from lightning_boost.data.datamodule import BoostedDataMixin, builds_loader, first_of, several
 from lightning_boost.micro_batch.split import batch_length
 from lightning_boost.presets.autocast import AutocastTrial, MeasuredAutocastMixin
 from lightning_boost.step_probe import StepProbe, first_batch, is_oom, sample_batches
@@ -50,13 +50,14 @@ class SplitData(NamedTuple):
 
 def split_data(trainer: L.Trainer, split: str) -> SplitData | None:
     """The dataset, collate function and training sampler of the run's `split` loader (the first
-    evaluation loader if several).
+    evaluation loader if several): a `BoostedDataModule`'s own, or the loader the user's hook
+    returns (one they override on a `BoostedDataModule` too).
 
     Raises:
         SeveralLoaders: when the run trains on several loaders at once.
     """
     datamodule = datamodule_of(trainer)
-    if isinstance(datamodule, BoostedDataMixin):  # its datasets at hand: a loader would tune workers
+    if builds_loader(datamodule, split):  # its datasets at hand: a loader would tune workers
         dataset = getattr(datamodule, f"{split}_dataset")
         if several(dataset):  # a loader each: the first, as for a user's list of loaders
             dataset = first_of(dataset)

@@ -7,7 +7,7 @@ import inspect
 import multiprocessing
 import multiprocessing.context
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import lightning as L
 import torch
@@ -474,6 +474,24 @@ _LOADER_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "pin_memory_device": (lambda v: isinstance(v, str), "a device name such as 'cuda'"),
     "in_order": (lambda v: isinstance(v, bool), "True or False"),
 }
+
+
+def builds_loader(datamodule: object, split: str) -> TypeGuard[BoostedDataMixin]:
+    """Whether `datamodule` is a `BoostedDataModule` (or mixin) that builds `split`'s loader itself,
+    tuned, from ``self.<split>_dataset``; not where the user overrides ``<split>_dataloader()``
+    (several tasks' loaders, a collate of their own), whose loaders are then theirs, as in any
+    datamodule.
+
+    Example:
+        >>> class Own(BoostedDataModule):
+        ...     def train_dataloader(self): ...
+        >>> builds_loader(Own(), "train"), builds_loader(Own(), "val")
+        (False, True)
+    """
+    hook = f"{split}_dataloader"
+    return isinstance(datamodule, BoostedDataMixin) and (
+        inspect.getattr_static(type(datamodule), hook) is inspect.getattr_static(BoostedDataMixin, hook)
+    )
 
 
 class BoostedDataModule(BoostedDataMixin, L.LightningDataModule):

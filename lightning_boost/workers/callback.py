@@ -17,7 +17,7 @@ from lightning_boost._lightning import (
 )
 from lightning_boost._validation import Directory, validated
 from lightning_boost.callbacks.base import BoostCallback
-from lightning_boost.data.datamodule import BoostedDataMixin
+from lightning_boost.data.datamodule import builds_loader
 from lightning_boost.report import Finding, Severity
 from lightning_boost.workers.decision import capped_finding
 from lightning_boost.workers.loaders import (
@@ -56,7 +56,8 @@ class AutoNumWorkers(BoostCallback):
     step it feeds (a validation set with lighter transforms and a lighter step may need fewer
     workers); loaders over datasets alike in type, length and transforms that feed the same step
     share one measurement.
-    Loaders from a `BoostedDataModule` are left to it (it tunes its own, unless told a count).
+    Loaders a `BoostedDataModule` builds are left to it (it tunes its own, unless told a count);
+    those of a hook its subclass overrides (``train_dataloader()`` returning a loader per task) are rebuilt.
     What it cannot rebuild (a DataLoader subclass, an ``IterableDataset``, a loader without a
     batch size) is left as it is, with a finding that says why. Measurements are made on rank
     zero, broadcast, and cached as JSON; tuned values live in ``state_dict`` for resuming.
@@ -91,11 +92,12 @@ class AutoNumWorkers(BoostCallback):
     @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)  # attaches the report
-        if isinstance(datamodule_of(trainer), BoostedDataMixin):
-            return  # it tunes its own loaders, or the user fixed `num_workers` on it
-        self._undo = rebuild_dataloaders(
-            trainer, stage, lambda split, loaders: self._rebuild(trainer, split, loaders)
-        )
+        datamodule = datamodule_of(trainer)
+
+        def rebuilt(split: str, loaders: Any) -> Any:  # a BoostedDataModule tunes the loaders it builds
+            return loaders if builds_loader(datamodule, split) else self._rebuild(trainer, split, loaders)
+
+        self._undo = rebuild_dataloaders(trainer, stage, rebuilt)
 
     # a CPU run's model threads follow the loop that runs: each loader's workers leave it theirs
     @override
