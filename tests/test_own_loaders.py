@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader, default_collate
 from typing_extensions import override
 
 from lightning_boost import AutoBatchSize, AutoNumWorkers, BoostReport
+from lightning_boost.batch_size.measure import wants_eval_size
 from lightning_boost.data.datamodule import builds_loader
 from lightning_boost.workers.loaders import DeferredStartDataLoader
 from tests.test_goodput import MLP, Classes, classes, quiet_trainer
@@ -90,6 +92,14 @@ def test_which_loaders_the_datamodule_builds_itself() -> None:
     assert not builds_loader(OwnCollate(), "train") and not builds_loader(OwnCollate(), "val")
     assert not builds_loader(TwoLoaders(), "train") and builds_loader(TwoLoaders(), "val")
     assert not builds_loader(L.LightningDataModule(), "train")
+
+
+def test_an_evaluation_size_is_measured_only_for_the_datamodules_own_validation_loader() -> None:
+    """On a GPU `AutoBatchSize` measures the evaluation size for the loader the datamodule builds;
+    a `val_dataloader()` of the user's own keeps its size, so none is measured for it."""
+    assert wants_eval_size(SimpleNamespace(datamodule=TwoLoaders()))  # type: ignore[arg-type]
+    assert not wants_eval_size(SimpleNamespace(datamodule=OwnCollate()))  # type: ignore[arg-type]
+    assert not wants_eval_size(SimpleNamespace(datamodule=Classes(eval_batch_size=64)))  # type: ignore[arg-type]
 
 
 def test_the_trials_load_the_users_own_loader(tmp_path: Path) -> None:

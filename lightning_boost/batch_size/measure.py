@@ -156,9 +156,10 @@ def val_trial(
 
 
 def wants_eval_size(trainer: L.Trainer) -> bool:
-    """A `BoostedDataModule` whose evaluation batch size the user did not fix."""
+    """A `BoostedDataModule` that builds the validation loader itself, with an evaluation batch size
+    the user did not fix."""
     datamodule = datamodule_of(trainer)
-    return isinstance(datamodule, BoostedDataMixin) and datamodule.eval_batch_size is None
+    return builds_loader(datamodule, "val") and datamodule.eval_batch_size is None
 
 
 @contextlib.contextmanager
