@@ -33,6 +33,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from lightning_boost._lightning import call_step, detached_copy, preserved_rng
 from lightning_boost.batch_size.finetuning import make_trainable
+from lightning_boost.batch_size.gradients import flat_dot
 from lightning_boost.instrumented import own_steps
 from lightning_boost.micro_batch.split import listed_length, slice_batch
 from lightning_boost.trials import Trial, cautious_grad_sq
@@ -640,8 +641,27 @@ class _Peak:
 
     def _add(self, group: str, tensors: Iterable[Tensor]) -> None:
         for tensor in tensors:
-            storage = tensor.untyped_storage()
-            self.groups[group][storage.data_ptr()] = storage.nbytes()
+            for part in _strided_parts(tensor):
+                storage = part.untyped_storage()
+                self.groups[group][storage.data_ptr()] = storage.nbytes()
+
+
+def _strided_parts(tensor: Tensor) -> tuple[Tensor, ...]:
+    """The dense tensors that hold `tensor`'s memory: its own storage, or a sparse tensor's (the
+    gradient of an ``nn.Embedding(sparse=True)``) indices and values, which have none of their own.
+
+    Example:
+        >>> sparse = torch.eye(3).to_sparse()
+        >>> [part.shape for part in _strided_parts(sparse)]
+        [torch.Size([2, 3]), torch.Size([3])]
+    """
+    if tensor.layout == torch.sparse_coo:
+        return tensor._indices(), tensor._values()
+    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return tensor.crow_indices(), tensor.col_indices(), tensor.values()
+    if tensor.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return tensor.ccol_indices(), tensor.row_indices(), tensor.values()
+    return (tensor,)
 
 
 def split_batch(batch: Any, size: int) -> tuple[Any, Any] | None:
@@ -745,9 +765,7 @@ def _dot(first: Sequence[Tensor], second: Sequence[Tensor]) -> Tensor:
     float64), on their device."""
     if not first:
         return torch.zeros((), dtype=torch.float64)
-    terms = [
-        torch.dot(a.reshape(-1).float(), b.reshape(-1).float()) for a, b in zip(first, second, strict=True)
-    ]
+    terms = [flat_dot(a, b) for a, b in zip(first, second, strict=True)]  # an embedding's may be sparse
     return torch.stack(terms).double().sum()
 
 

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from lightning_boost.batch_size.decision import BatchSizeDecision, limits_of
 from lightning_boost.batch_size.goodput import NoiseScale, estimate_noise, warmup_factor
+from lightning_boost.batch_size.gradients import flat_dot, flat_sample
 from lightning_boost.batch_size.search import Limits, choose, lr_factor
 from lightning_boost.trials import Trial
 
@@ -82,7 +83,7 @@ class NoiseMeter:
             if [g.shape for g in held] != [g.shape for g in current]:
                 return
             first, second = _squared(held), _squared(current)
-            dot = sum((torch.dot(a, b) for a, b in zip(held, current, strict=True)), torch.zeros(()))
+            dot = sum((flat_dot(a, b) for a, b in zip(held, current, strict=True)), torch.zeros(()))
             small, large = (first + second) / 2, (first + second + 2 * dot) / 4
             row = torch.stack([small, large, torch.ones_like(small)])
             row = torch.where(torch.isfinite(row).all(), row, torch.zeros_like(row))  # a skipped fp16 step
@@ -109,11 +110,11 @@ class NoiseMeter:
     def _sample(self, grads: Sequence[Tensor]) -> list[Tensor]:
         if not self._stride:
             self._stride = max(1, math.ceil(sum(g.numel() for g in grads) / MAX_HELD))
-        return [g.detach().reshape(-1)[:: self._stride].float() for g in grads]
+        return [flat_sample(g, self._stride) for g in grads]  # a sparse one (an embedding's) stays sparse
 
 
 def _squared(grads: list[Tensor]) -> Tensor:
-    return sum((torch.dot(g, g) for g in grads), torch.zeros(()))
+    return sum((flat_dot(g, g) for g in grads), torch.zeros(()))
 
 
 def could_grow(trials: Sequence[Trial], limits: Limits, current: int, cap: int) -> bool:
