@@ -359,6 +359,30 @@ class StepProbe:
         with own_steps():
             self._eval_step(clone, hook, batch)
 
+    def halves_ratio(self, batch: Any, size: int) -> float | None:
+        """The training loss at `batch` over the mean of its two halves' (`split_batch`), on a copy
+        in training mode without gradients: 1 for a loss averaged over the batch, 2 for one summed
+        over it (`batch_size.reduction`). ``None`` when the batch cannot be halved, a step fails or
+        runs out of memory (the trials report both) or the halves' mean is not positive."""
+        halves = split_batch(batch, size)
+        if halves is None:
+            return None
+        clone, _ = self._copies()
+        clone.train()
+        losses = []
+        try:
+            with torch.no_grad(), own_steps(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # `self.log` on a copy without a trainer warns
+                for part, samples in ((batch, size), (halves[0], size // 2), (halves[1], size - size // 2)):
+                    if self.resize is not None:
+                        self.resize(clone, samples)
+                    losses.append(float(self._loss(clone, part, None).float().sum()))
+        except Exception:  # an OOM too: the trials find what fits
+            return None
+        full, mean = losses[0], (losses[1] + losses[2]) / 2
+        ratio = full / mean if mean > 0 else math.nan
+        return ratio if math.isfinite(ratio) else None
+
     def validate(self, batch: Any, size: int, train_size: int | None = None) -> Trial:
         """One ``validation_step`` without gradients at `batch`: does it fit. The copy's batch-size
         attribute is `train_size` (default: `size`), as the run's is while it validates."""
@@ -559,14 +583,21 @@ class StepProbe:
         losses: list[Tensor] | None,
     ) -> None:
         """``training_step`` at `batch` and its loss's backward (gradients accumulate)."""
+        loss = self._loss(clone, batch, context)
+        if losses is not None:
+            losses.append(loss.detach().float().sum())
+        loss.backward()
+
+    def _loss(
+        self, clone: L.LightningModule, batch: Any, context: Callable[[], AbstractContextManager[Any]] | None
+    ) -> Tensor:
+        """The loss ``training_step`` returns at `batch`."""
         with (context or self.train_context)():
             output = call_step(clone, "training_step", batch)
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if not isinstance(loss, Tensor):
             raise TypeError(f"`training_step` returned {type(output).__name__}, expected a loss tensor.")
-        if losses is not None:
-            losses.append(loss.detach().float().sum())
-        loss.backward()
+        return loss
 
     def _validation_step(self, clone: L.LightningModule, batch: Any, peak: _Peak) -> float:
         clone.eval()

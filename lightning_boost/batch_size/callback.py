@@ -77,6 +77,7 @@ from lightning_boost.batch_size.measure import (
     measured,
     run_plan,
     split_data,
+    summed_loss,
     train_trial,
     val_trial,
     wants_eval_size,
@@ -613,6 +614,10 @@ class AutoBatchSize(BoostCallback):
         start = self.init_batch_size or configured
         parameter_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())
         crossed = _reads_cross_products(pl_module.device, parameter_bytes, limits.budget_bytes)
+        with without_autotuning():  # its samples are remembered: the first trial loads them no more
+            summed = summed_loss(trainer, probe, train_data, configured)
+        if summed:
+            return kept(configured, trainer.accumulate_grad_batches, limits, summed)
         autocast = autocast_trial(trainer, train_data, start, plan.optimizer_steps(configured))
 
         def train(size: int) -> Trial:  # the first trial also times the autocast trial's steps

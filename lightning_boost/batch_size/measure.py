@@ -27,9 +27,11 @@ from lightning_boost._lightning import (
 from lightning_boost.batch_size.decision import BatchSizeDecision
 from lightning_boost.batch_size.evaluation import eval_batch_size
 from lightning_boost.batch_size.plan import RunPlan
+from lightning_boost.batch_size.reduction import summed_reason
 from lightning_boost.data.datamodule import BoostedDataMixin, builds_loader, first_of, several
 from lightning_boost.micro_batch.split import batch_length
 from lightning_boost.presets.autocast import AutocastTrial, MeasuredAutocastMixin
+from lightning_boost.ranks import decided_on_rank_zero
 from lightning_boost.step_probe import StepProbe, first_batch, is_oom, sample_batches
 from lightning_boost.trials import StepFailed, Trial, merge
 from lightning_boost.workers.tuner import epoch_length
@@ -141,6 +143,19 @@ def train_trial(
         return probe.train(first, held, batches, split=split, alternate=alternate, cross=cross)
 
     return trial
+
+
+def summed_loss(trainer: L.Trainer, probe: StepProbe, data: SplitData, size: int) -> str:
+    """Why the run keeps its size when its loss sums over the batch (`batch_size.reduction`), else
+    ``""``: read on rank zero, on the run's first `size` samples, the same on every rank."""
+
+    def read() -> str:
+        with preserved_rng():  # a DataLoader's iterator draws its seed from the run's generator
+            batch = trainer.strategy.batch_to_device(first_batch(data[0], data[1], size))
+            held = min(size, batch_length(batch) or size)
+            return summed_reason(probe.halves_ratio(batch, held), held)
+
+    return decided_on_rank_zero(trainer.strategy, trainer.is_global_zero, read)
 
 
 def val_trial(
