@@ -293,9 +293,15 @@ def test_ddp_row_pairs_the_preset_with_plain_ddp_at_tiny_size() -> None:
 
 
 def test_autocast_recheck_runs_at_tiny_size() -> None:
+    """On a CPU with bf16 instructions; on one without, where no run keeps bf16, it measures nothing
+    (this project's CI hosts have been of both kinds)."""
     from benchmarks import autocast_recheck
+    from lightning_boost.hardware import HardwareInfo
 
     rows = autocast_recheck.run(rounds=1, resnet_samples=128, cnn_samples=128)
+    if not HardwareInfo.detect().cpu_supports_bf16:
+        assert rows == []
+        return
     assert [row.benchmark.rsplit(": ", 1)[1] for row in rows] == [
         "fit time without the checks / with them",
         "fit time in fp32 set by hand / with the checks",
