@@ -803,10 +803,13 @@ def _dot(first: Sequence[Tensor], second: Sequence[Tensor]) -> Tensor:
 def _grad_sq(module: torch.nn.Module) -> Tensor:
     """The squared norm of `module`'s gradient, on its device (read by the caller once, at the end)."""
     found = [p.grad for p in module.parameters() if p.grad is not None]
-    if not found:
+    dense = [grad for grad in found if grad.layout == torch.strided]
+    squares = [norm.double().pow(2) for norm in torch._foreach_norm(dense)] if dense else []
+    # a sparse gradient (an embedding's) apart: torch 2.5's `_foreach_norm` does not take one
+    squares += [flat_dot(grad, grad).double() for grad in found if grad.layout != torch.strided]
+    if not squares:
         return torch.zeros((), dtype=torch.float64)
-    norms = torch._foreach_norm(found)
-    return torch.stack([n.double() for n in norms]).pow(2).sum()
+    return torch.stack(squares).sum()
 
 
 def fastest_step(step: Callable[[], None], count: int, device: torch.device) -> float:
