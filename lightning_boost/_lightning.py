@@ -134,10 +134,14 @@ def trainer_precision_flag(trainer: L.Trainer) -> str:
     return str(trainer._accelerator_connector._precision_flag)
 
 
-def moved_as_the_run_moves(module: L.LightningModule, batch: Any) -> Any:
-    """`batch` on the module's device through its (or its datamodule's) batch-transfer hooks, as
-    Lightning's loops move each training batch."""
-    return module._apply_batch_transfer_handler(batch)
+def moved_as_the_loop_moves(trainer: L.Trainer, batch: Any) -> Any:
+    """`batch` as Lightning's loops hand a loader's batch to a step: converted by the precision
+    plugin (``"bf16-true"``, ``"64-true"`` cast its floating tensors), through the
+    ``on_before_batch_transfer`` hook, then moved by the strategy (``transfer_batch_to_device``,
+    ``on_after_batch_transfer``); each hook the model's or the datamodule's, as Lightning picks."""
+    batch = trainer.precision_plugin.convert_input(batch)
+    batch = trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+    return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
 
 
 def call_step(module: L.LightningModule, name: str, batch: Any, batch_idx: int = 0) -> Any:

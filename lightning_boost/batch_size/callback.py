@@ -25,6 +25,7 @@ from lightning_boost._lightning import (
     forget_train_loader,
     hardware_for,
     has_callback,
+    moved_as_the_loop_moves,
     overrides,
     preserved_rng,
     redo_optimizers,
@@ -558,7 +559,7 @@ class AutoBatchSize(BoostCallback):
             self.steps,
             plugin.train_step_context,
             plugin.val_step_context,
-            move=trainer.strategy.batch_to_device,
+            move=functools.partial(moved_as_the_loop_moves, trainer),
             unfreeze=unfrozen,
             resize=functools.partial(set_size, self.attr_name),
         )

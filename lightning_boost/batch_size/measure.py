@@ -19,7 +19,7 @@ from lightning_boost._lightning import (
     datamodule_of,
     debugging_mode,
     hardware_for,
-    moved_as_the_run_moves,
+    moved_as_the_loop_moves,
     preserved_rng,
     train_loader_built,
     user_dataloaders,
@@ -116,7 +116,7 @@ def autocast_trial(
         return None
     with preserved_rng():  # a DataLoader's iterator draws its seed from the run's generator
         batch = first_batch(data[0], data[1], size)
-    batch = moved_as_the_run_moves(trainer.lightning_module, batch)  # the cache key: its shapes
+    batch = moved_as_the_loop_moves(trainer, batch)  # the cache key: its shapes
     return plugin.begin_trial(trainer, batch, float("inf") if run_steps is None else run_steps)
 
 
@@ -136,7 +136,7 @@ def train_trial(
 
     def trial() -> Trial:
         batches = sample_batches(data[0], data[1], size)  # the probe moves them as each step takes one
-        first = trainer.strategy.batch_to_device(next(batches))
+        first = moved_as_the_loop_moves(trainer, next(batches))
         # an iterable dataset may hold fewer samples; a detection batch's are its images, not the
         # first image's channels, which Lightning's count (the first tensor's first dimension) reads
         held = min(size, batch_length(first) or size)
@@ -151,7 +151,7 @@ def summed_loss(trainer: L.Trainer, probe: StepProbe, data: SplitData, size: int
 
     def read() -> str:
         with preserved_rng():  # a DataLoader's iterator draws its seed from the run's generator
-            batch = trainer.strategy.batch_to_device(first_batch(data[0], data[1], size))
+            batch = moved_as_the_loop_moves(trainer, first_batch(data[0], data[1], size))
             held = min(size, batch_length(batch) or size)
             return summed_reason(probe.halves_ratio(batch, held), held)
 
@@ -164,7 +164,7 @@ def val_trial(
     """A validation step at `size`, the copy's batch-size attribute `train_size` (default `size`)."""
 
     def trial() -> Trial:
-        batch = trainer.strategy.batch_to_device(first_batch(data[0], data[1], size))
+        batch = moved_as_the_loop_moves(trainer, first_batch(data[0], data[1], size))
         return probe.validate(batch, size, train_size)
 
     return trial

@@ -88,6 +88,31 @@ def first_of(items: Any) -> Any:
     return next(iter(items.values() if isinstance(items, Mapping) else items))
 
 
+class _DeviceHook:
+    """A `BoostedDataMixin`'s ``on_after_batch_transfer``: its device transforms where it was given
+    any, else Lightning's own default. Lightning runs a datamodule's hook *instead of* the model's
+    whenever the datamodule's class overrides it, so a hook the mixin always defined would drop the
+    model's own (normalizing or augmenting batches on the device) from every run."""
+
+    def __get__(self, instance: Any, owner: type) -> Any:
+        if instance is None:
+            return self
+        names = ("device_transforms", "eval_device_transforms")
+        if all(getattr(instance, name, None) is None for name in names):  # none given, or not set yet
+            return _lightning_default(instance).__get__(instance, owner)
+        return BoostedDataMixin._device_transformed.__get__(instance, owner)
+
+
+def _lightning_default(instance: object) -> Callable[..., Any]:
+    """Lightning's own ``on_after_batch_transfer`` in `instance`'s namespace: what its
+    ``is_overridden`` compares against."""
+    if from_pytorch_lightning(instance):
+        import pytorch_lightning as pl
+
+        return pl.LightningDataModule.on_after_batch_transfer
+    return L.LightningDataModule.on_after_batch_transfer
+
+
 class BoostedDataMixin(_DataModule):
     """The loader logic of `BoostedDataModule`, for a LightningDataModule of either namespace.
 
@@ -413,11 +438,23 @@ class BoostedDataMixin(_DataModule):
             "persistent_workers": bool(persistent and workers),
         }, search
 
-    @override
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+    def _device_transformed(self, batch: Any, dataloader_idx: int) -> Any:
+        """`on_after_batch_transfer` while the datamodule has device transforms (`_DeviceHook`)."""
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        ours = isinstance(inspect.getattr_static(type(self), "on_after_batch_transfer"), _DeviceHook)
+        if ours and module is not None and overrides(module, "on_after_batch_transfer"):
+            raise ValueError(
+                f"`device_transforms`/`eval_device_transforms` of {type(self).__name__} and"
+                f" {type(module).__name__}.on_after_batch_transfer both change batches on the device,"
+                " and Lightning runs only the datamodule's hook. Move the hook's work into the"
+                " transforms (a `torchvision.transforms.v2.Compose`, or any callable), or drop the"
+                " transforms from the datamodule and apply them in the hook, in the order you want."
+            )
         training = self.trainer is not None and self.trainer.training
         transform = self.device_transforms if training else self.eval_device_transforms
         return transform(batch) if transform is not None else batch
+
+    on_after_batch_transfer = _DeviceHook()
 
     @override
     def teardown(self, stage: str) -> None:
@@ -529,6 +566,8 @@ class BoostedDataModule(BoostedDataMixin, L.LightningDataModule):
             (``on_after_batch_transfer``), e.g. a ``torchvision.transforms.v2`` pipeline: heavy
             augmentation batched on the GPU instead of per sample on the CPU. Note that a v2
             transform called on a batch draws one set of random parameters for the whole batch.
+            Without transforms the model's own ``on_after_batch_transfer`` runs; beside one,
+            the fit stops at its first batch with a ``ValueError`` (Lightning runs only one).
         eval_device_transforms: the same for validation, test and predict batches.
         worker_tuning: how workers are measured (`WorkerTuning`).
         retune: measure again even when the cache has this setting.

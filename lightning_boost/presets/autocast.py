@@ -41,7 +41,7 @@ from typing_extensions import override
 from lightning_boost import cache
 from lightning_boost._lightning import (
     hardware_for,
-    moved_as_the_run_moves,
+    moved_as_the_loop_moves,
     preserved_rng,
     training_batch_index,
 )
@@ -516,4 +516,4 @@ def one_batch(trainer: Any) -> Any:
     if not isinstance(loader, DataLoader) or not loader.batch_size:
         return None
     batch = first_batch(loader.dataset, loader.collate_fn, loader.batch_size)
-    return moved_as_the_run_moves(trainer.lightning_module, batch)
+    return moved_as_the_loop_moves(trainer, batch)

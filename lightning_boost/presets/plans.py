@@ -30,7 +30,7 @@ PRESETS: dict[str, str] = {
 #: The preset names (`PRESETS` describes each).
 PresetName = Literal["auto", "fast-ddp", "fast-ddp-multinode", "fsdp"]
 #: Precisions a preset can carry (Lightning's names).
-PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true")
+PRECISIONS = ("32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "64-true")
 #: Lightning's short spellings and what they mean.
 PRECISION_ALIASES: dict[object, str] = {
     "32": "32-true",
@@ -38,6 +38,8 @@ PRECISION_ALIASES: dict[object, str] = {
     "16": "16-mixed",
     16: "16-mixed",
     "bf16": "bf16-mixed",
+    "64": "64-true",
+    64: "64-true",
 }
 
 # Mixed-precision Adam keeps 16 bytes per parameter: fp32 weights, grads and two moments plus
@@ -90,7 +92,19 @@ class PresetOverrides(TypedDict, total=False):
     """What ``preset(name, **overrides)`` takes instead of its own choice (each kind takes some)."""
 
     precision: Literal[
-        "32-true", "16-mixed", "bf16-mixed", "bf16-true", "16-true", "32", "16", "bf16", 32, 16
+        "32-true",
+        "16-mixed",
+        "bf16-mixed",
+        "bf16-true",
+        "16-true",
+        "64-true",
+        "32",
+        "16",
+        "bf16",
+        "64",
+        32,
+        16,
+        64,
     ]
     tf32: bool
     cudnn_benchmark: bool
@@ -218,6 +232,11 @@ def plan_preset(name: str, hw: HardwareInfo, model: object = None, **overrides: 
     precision = _precision(hw, by_hand)
     measure = by_hand is None and hw.accelerator == "cpu" and precision == "bf16-mixed"
     why = [_precision_finding(hw, precision, chose_by_hand=precision != auto_precision(hw))]
+    if kind == "fsdp" and precision == "64-true":
+        raise ValueError(
+            "`precision` '64-true' does not run under FSDP (Lightning's FSDPPrecision takes 32-true and"
+            " 16/bf16, true or mixed). Use preset('fast-ddp', precision='64-true'), or '32-true'."
+        )
     if kind == "fsdp" and not hw.is_cuda:
         raise ValueError(
             f"`name` 'fsdp' needs CUDA devices, but this machine's accelerator is {hw.accelerator!r}."

@@ -387,6 +387,8 @@ def precision_plugin(plan: PresetPlan, namespace: str = "lightning.pytorch") -> 
         return plugins.MixedPrecision(plan.precision, plan.accelerator)
     if plan.precision in ("bf16-true", "16-true"):
         return plugins.HalfPrecision(plan.precision)
+    if plan.precision == "64-true":
+        return plugins.DoublePrecision()
     return plugins.Precision()
 
 

@@ -21,7 +21,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import Dataset, DistributedSampler
 
 from lightning_boost import cache
-from lightning_boost._lightning import debugging_mode, hardware_for, preserved_rng
+from lightning_boost._lightning import debugging_mode, hardware_for, moved_as_the_loop_moves, preserved_rng
 from lightning_boost.fingerprints import describe_model
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.ranks import decided_on_rank_zero, from_rank_zero
@@ -352,7 +352,9 @@ class LoaderTuner:
         )
         if times_model:
             assert module is not None
-            probes = cpu_probes(probes, module, make_full, batch_size, ask.hook, tuning.budget_s / 2)
+            assert trainer is not None
+            move = functools.partial(moved_as_the_loop_moves, trainer)
+            probes = cpu_probes(probes, module, make_full, move, batch_size, ask.hook, tuning.budget_s / 2)
         with preserved_rng():  # the measurement loaders draw their seeds from the run's generator
             return decide_workers(probes, ask.hardware, tuning, ask.workload_samples)
 
@@ -485,7 +487,7 @@ def device_transfer(trainer: L.Trainer) -> Callable[[Any], Any]:
     device = trainer.strategy.root_device
 
     def transfer(batch: Any) -> Any:
-        moved = trainer.strategy.batch_to_device(batch)
+        moved = moved_as_the_loop_moves(trainer, batch)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return moved
@@ -541,8 +543,9 @@ def copy_steps(
 
     def make() -> Callable[[Any, int | None], float]:
         plugin = trainer.precision_plugin
-        probe = StepProbe(module, trainer.optimizers, 1, plugin.train_step_context, plugin.val_step_context)
-        return probe.stepper()
+        move = functools.partial(moved_as_the_loop_moves, trainer)
+        contexts = (plugin.train_step_context, plugin.val_step_context)
+        return StepProbe(module, trainer.optimizers, 1, *contexts, move=move).stepper()
 
     return make
 
@@ -569,20 +572,23 @@ def cpu_probes(
     probes: WorkerProbes,
     module: L.LightningModule,
     make_full: Callable[[int, int | None], Iterable[Any]],
+    move: Callable[[Any], Any],
     batch_size: int,
     hook: str,
     budget_s: float,
 ) -> WorkerProbes:
     """`probes` with a CPU run's model probes on one batch of the real size, fetched once in the
-    main process (its samples/s: a first, pessimistic loading rate): the model's `hook` step
-    rates per thread count, and one step's seconds to price them first."""
+    main process (its samples/s: a first, pessimistic loading rate), then handed to `move` (as the
+    run's loop moves it): the model's `hook` step rates per thread count, and one step's seconds to
+    price them first."""
     fetched: list[tuple[Any, float]] = []
 
     def batch() -> tuple[Any, float]:
         if not fetched:
             start = time.perf_counter()
             first = next(iter(make_full(0, None)))
-            fetched.append((first, batch_size / max(time.perf_counter() - start, 1e-9)))
+            rate = batch_size / max(time.perf_counter() - start, 1e-9)
+            fetched.append((move(first), rate))
         return fetched[0]
 
     def cpu_step(threads: Sequence[int]) -> tuple[float, Mapping[int, float]]:
