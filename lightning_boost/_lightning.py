@@ -422,7 +422,7 @@ def detached_copy(module: L.LightningModule) -> L.LightningModule:
     trainer = module._trainer
     module._trainer = None
     try:
-        clone = copy.deepcopy(module)
+        clone = copy.deepcopy(module, _computed_attributes(module))
     finally:
         module._trainer = trainer
     if getattr(clone, "_compiler_ctx", None):  # `fit(torch.compile(module))`
@@ -431,6 +431,19 @@ def detached_copy(module: L.LightningModule) -> L.LightningModule:
         clone._compiler_ctx = None
     unsynced_batchnorm(clone)
     return clone
+
+
+def _computed_attributes(module: torch.nn.Module) -> dict[int, Any]:
+    """A `copy.deepcopy` memo that copies each plain tensor attribute of `module`'s layers computed
+    with gradients (``torch.nn.utils.spectral_norm`` and the older ``weight_norm`` set ``weight``
+    so at each forward) as a detached clone: deepcopy refuses a tensor that is not a graph leaf,
+    and the copy's own forward computes it again."""
+    return {
+        id(value): value.detach().clone()
+        for layer in module.modules()
+        for value in vars(layer).values()
+        if isinstance(value, torch.Tensor) and value.grad_fn is not None
+    }
 
 
 class _UnsyncedBatchNorm(torch.nn.modules.batchnorm._BatchNorm):

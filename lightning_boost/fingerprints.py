@@ -10,13 +10,18 @@ import re
 from typing import Any
 
 import torch
+from torch.nn.parameter import is_lazy
 
+from lightning_boost import __version__
 from lightning_boost.hardware import HardwareInfo
 
 
 def hardware_parts(hardware: HardwareInfo) -> dict[str, Any]:
-    """What of the machine a measurement depends on (not what changes between runs, e.g. free RAM)."""
+    """What of the machine a measurement depends on (not what changes between runs, e.g. free RAM),
+    and the lightning-boost that measured: a measurement an older release made (with its faults)
+    is made again after an upgrade."""
     return {
+        "lightning_boost": __version__,
         "accelerator": hardware.accelerator,
         "devices": list(hardware.device_names),
         "cpus_per_process": hardware.cpus_per_process,
@@ -31,7 +36,12 @@ def describe_model(module: torch.nn.Module | None) -> str | None:
     if module is None:
         return None
     kind = type(module)
-    return f"{kind.__module__}.{kind.__qualname__}: {sum(p.numel() for p in module.parameters())} parameters"
+    params = list(module.parameters())
+    lazy = sum(is_lazy(p) for p in params)  # a lazy module's, shaped at its first forward
+    count = sum(p.numel() for p in params if not is_lazy(p))
+    return f"{kind.__module__}.{kind.__qualname__}: {count} parameters" + (
+        f", {lazy} uninitialized" if lazy else ""
+    )
 
 
 def describe_dataset(dataset: object, depth: int = 3) -> dict[str, Any]:

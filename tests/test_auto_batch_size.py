@@ -28,7 +28,14 @@ from torch.utils.data import DataLoader, IterableDataset
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from lightning_boost import AutoBatchSize, AutoMicroBatch, BoostedDataModule, BoostWarning, Severity
+from lightning_boost import (
+    AutoBatchSize,
+    AutoMicroBatch,
+    BoostedDataModule,
+    BoostWarning,
+    Severity,
+    fingerprints,
+)
 from lightning_boost._lightning import pytorch_lightning_takes_our_callbacks
 from lightning_boost.batch_size.goodput import cross_noise
 from lightning_boost.step_probe import RememberedSamples, StepProbe, is_oom, remembered
@@ -547,6 +554,11 @@ def test_a_second_run_reuses_the_cached_result_and_retune_measures_again(
     other = AutoBatchSize(max_batch_size=16, lr_scaling="linear", **FAST)  # another argument, another key
     fit(tmp_path / "other", other)
     assert other.result["source"] == "measured"
+    # a measurement another release made (with the faults it had) is made again after an upgrade
+    monkeypatch.setattr(fingerprints, "__version__", "99.0.0")
+    upgraded = AutoBatchSize(max_batch_size=32, lr_scaling="linear", **FAST)
+    fit(tmp_path / "upgraded", upgraded, BoringModel(lr=0.1))
+    assert upgraded.result["source"] == "measured"
 
 
 def test_a_corrupt_batch_size_cache_is_ignored_with_a_warning(

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
+from torch.nn.parameter import is_lazy
 from typing_extensions import TypedDict
 
 from lightning_boost._validation import OneOf, PositiveInt, Range, unknown_choice_error
@@ -180,7 +181,10 @@ def model_parameter_count(model: object) -> int | None:
         raise TypeError(
             f"`model` expected an nn.Module or a parameter count (int), got {type(model).__name__}."
         )
-    return sum(p.numel() for p in parameters())
+    params = list(parameters())
+    if any(is_lazy(p) for p in params):  # a lazy module's, shaped at its first forward
+        return None
+    return sum(p.numel() for p in params)
 
 
 def fits_per_device(hw: HardwareInfo, params: int) -> bool:

@@ -18,6 +18,7 @@ from typing import Any
 from lightning_boost.hardware import HardwareInfo
 from lightning_boost.report import Finding, Severity, plot_data
 from lightning_boost.workers.search import (
+    COPY_FAILED,
     PRICED_TRIALS,
     Clock,
     Measure,
@@ -279,6 +280,11 @@ def choice_findings(source: str, choice: WorkerChoice, loader: str = "") -> list
     for trial in choice.failures:
         kind = trial.error.split(":")[0]
         fix = _FIXES.get(kind, "Run with `num_workers=0` to see the dataset's error.")
+        if trial.on_copy and trial.error.startswith(COPY_FAILED):  # the model's failure, not the data's
+            fix = (
+                "`copy.deepcopy(model)` after a training step shows the error; or set `num_workers`"
+                " by hand, since the model's threads beside the workers went untimed."
+            )
         findings.append(
             Finding(source, "data", Severity.WARN, f"{trial.label} dropped: {trial.error}", fix=fix)
         )

@@ -515,6 +515,8 @@ def most_saved_s(
 
 #: The model-rate probe's timed steps per thread count a round, and its rounds (`model_step_rates`).
 PROBE_REPEATS, PROBE_ROUNDS = 2, 2
+#: A probe's trial error when the model's step cannot run on a copy of it (the model's failure).
+COPY_FAILED = "the model's step cannot run on a copy"
 #: Worker trials a CPU run's measurement is priced at, at least (fewer where fewer counts remain).
 PRICED_TRIALS = 2
 

@@ -38,6 +38,7 @@ from lightning_boost.workers.online import (
     queue_depth,
 )
 from lightning_boost.workers.search import (
+    COPY_FAILED,
     WorkerChoice,
     WorkerTrial,
     WorkerTuning,
@@ -357,7 +358,7 @@ class _Timing:
             warmup = 0.0 if self.copy_pairs else self.copy_step(batch, self.setting.threads)
             first, second = (self.copy_step(batch, count) for count in threads)
         except Exception as err:  # the step needs the live fit: no probe, the run goes on
-            self.copy_error = f"the model's step cannot run on a copy ({type(err).__name__}: {err})"
+            self.copy_error = f"{COPY_FAILED} ({type(err).__name__}: {err})"
             return 0.0
         probe, run = (first, second) if threads[0] is not None else (second, first)
         self.copy_pairs[self.arrived] = (probe, run)
