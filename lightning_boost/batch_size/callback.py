@@ -14,7 +14,6 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_hasattr, lightning_setattr
-from torch.nn.parameter import is_lazy
 from torch.utils.data import DataLoader
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
@@ -96,6 +95,7 @@ from lightning_boost.batch_size.regrow import (
     lr_ramp,
 )
 from lightning_boost.batch_size.search import Limits, lr_capped
+from lightning_boost.batch_size.untrialable import lazy_reason, scripted_reason
 from lightning_boost.batch_size.watch import LossWatch, reference_of
 from lightning_boost.batch_size.written_rates import rate_writers
 from lightning_boost.callbacks.base import BoostCallback
@@ -586,7 +586,7 @@ class AutoBatchSize(BoostCallback):
         plan = run_plan(trainer, train_data, world)
         why = plan.keep_reason(configured, target=self.target_global_batch_size is not None)
         why = why or (_rates_written(trainer, pl_module) if self.lr_scaling is not None else "")
-        why = why or _uninitialized(pl_module)
+        why = why or lazy_reason(pl_module) or scripted_reason(pl_module)
         if why:
             return kept(configured, trainer.accumulate_grad_batches, limits, why)
         read = attribute_the_loader_reads(trainer, pl_module, self.attr_name, configured)
@@ -801,25 +801,6 @@ def _rates_written(trainer: L.Trainer, pl_module: L.LightningModule) -> str:
         " over more of the run. Put the warm-up in a scheduler (`LinearLR` then yours, in a"
         " `SequentialLR` counted from `self.trainer.estimated_stepping_batches`), which AutoBatchSize"
         " scales, or pass `lr_scaling=None` to tune the size at the rates it writes"
-    )
-
-
-def _uninitialized(pl_module: L.LightningModule) -> str:
-    """Why the run keeps its size while the model holds a lazy module not shaped yet (``nn.LazyLinear``,
-    whose parameters stay uninitialized until its first forward), else ``""``."""
-    lazy = [
-        (name, type(module).__name__)
-        for name, module in pl_module.named_modules()
-        if any(is_lazy(param) for param in module.parameters(recurse=False))
-    ]
-    if not lazy:
-        return ""
-    name, kind = lazy[0]
-    return (
-        f"`{name or 'the model'}` ({kind}) is a lazy module, shaped by its first forward, so the"
-        " model's memory cannot be read before it. Initialize it with a dry run at the end of"
-        " `__init__` (`self(torch.zeros(1, ...))`, as PyTorch advises for lazy modules) and"
-        " AutoBatchSize tunes the size"
     )
 
 

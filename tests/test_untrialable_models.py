@@ -1,10 +1,12 @@
-"""A model with lazy modules (``nn.LazyLinear``, ``nn.LazyConv2d``: their parameters are shaped by
-the first forward) under the pack, in real CPU fits: nothing reads a parameter before it has a
-shape, and `AutoBatchSize` keeps the size with a finding that says how to have it tuned.
+"""Models a copy cannot train as the run does, under the pack in real CPU fits: lazy modules
+(``nn.LazyLinear``, ``nn.LazyConv2d``: their parameters are shaped by the first forward), whose
+parameters nothing reads before they have a shape, and TorchScript modules, whose copies take no
+gradients. `AutoBatchSize` keeps the size with a finding that says how to have it tuned.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -51,3 +53,25 @@ def test_a_lazy_models_size_is_unknown_and_its_description_counts_what_has_a_sha
     assert describe_model(model) == f"{LazyMLP.__module__}.LazyMLP: 650 parameters, 2 uninitialized"
     model.net(torch.zeros(1, 32))
     assert model_parameter_count(model) == 32 * 64 + 64 + 650
+
+
+class ScriptedMLP(MLP):
+    def __init__(self) -> None:
+        super().__init__()
+        with warnings.catch_warnings():  # deprecated (torch 2.14), still in models' code
+            warnings.simplefilter("ignore", FutureWarning)
+            self.net = torch.jit.script(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10)))
+
+
+def test_a_torchscript_module_keeps_the_size_and_trains(tmp_path: Path) -> None:
+    """A copy of a TorchScript module holds parameters that are not graph leaves: the trials'
+    steps trained none of them (and read their gradients with a warning), so the noise scale and
+    the step's cost were a copy's that trains nothing."""
+    tuner = AutoBatchSize(min_efficiency=0.5)
+    trainer = quiet_trainer(tmp_path, [tuner])
+    model = ScriptedMLP()
+    before = [param.detach().clone() for param in model.parameters()]
+    trainer.fit(model, datamodule=Classes())
+    assert tuner.decision is not None and tuner.decision.batch_size == 32
+    assert "`net` is a TorchScript module" in tuner.decision.kept and tuner.decision.trials == ()
+    assert all(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
