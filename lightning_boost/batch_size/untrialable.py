@@ -49,6 +49,6 @@ def scripted_reason(model: nn.Module) -> str:
     return (
         f"`{scripted[0] or 'the model'}` is a TorchScript module (`torch.jit.script`), and a copy of"
         " one takes no gradients, so trials on a copy would not train it. Hold the module itself"
-        " (TorchScript is deprecated; `torch.compile` speeds the step up and AutoBatchSize tunes"
-        " it) and AutoBatchSize tunes the size"
+        " (TorchScript is deprecated; `torch.compile` speeds the step up instead, and a copy of it"
+        " trains) and AutoBatchSize tunes the size"
     )
