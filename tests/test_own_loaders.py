@@ -126,3 +126,5 @@ def test_several_training_loaders_keep_their_size_and_get_workers_searched(tmp_p
     assert set(loaders) == {"a", "b"}
     assert all(isinstance(loader, DeferredStartDataLoader) for loader in loaders.values())
     assert "train" in workers.worker_tuner.choices or workers.worker_tuner.findings
+    titles = [f.title for f in workers.worker_tuner.findings if " loader at batch " in f.title]
+    assert {title.split(" loader at batch ")[0] for title in titles} == {"train ['a']", "train ['b']"}

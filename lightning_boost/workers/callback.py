@@ -128,20 +128,31 @@ class AutoNumWorkers(BoostCallback):
             self._undo = None
         self.worker_tuner.restore()
 
-    def _rebuild(self, trainer: L.Trainer, split: str, loaders: Any) -> Any:
+    def _rebuild(self, trainer: L.Trainer, split: str, loaders: Any, name: str = "") -> Any:
+        """`loaders` (one, or a list or dict of them) rebuilt at the workers each is decided;
+        `name` tells one of several apart in the findings (``"train ['a']"``)."""
         if isinstance(loaders, DataLoader):
-            rebuilt = self._rebuild_one(trainer, split, loaders)
+            rebuilt = self._rebuild_one(trainer, split, loaders, name)
             if isinstance(rebuilt.dataset, WholeBatches) and not isinstance(loaders.dataset, WholeBatches):
                 self.worker_tuner.add_finding(whole_batches_finding(type(self).__name__))
             return rebuilt
         if isinstance(loaders, (list, tuple)):
-            return type(loaders)(self._rebuild(trainer, split, loader) for loader in loaders)
+            several = len(loaders) > 1
+            return type(loaders)(
+                self._rebuild(trainer, split, loader, f"{name or split} [{index}]" if several else name)
+                for index, loader in enumerate(loaders)
+            )
         if isinstance(loaders, Mapping):
-            return {key: self._rebuild(trainer, split, loader) for key, loader in loaders.items()}
+            return {
+                key: self._rebuild(trainer, split, loader, f"{name or split} [{key!r}]")
+                for key, loader in loaders.items()
+            }
         self._cannot(split, f"{type(loaders).__name__} is not a DataLoader or a list or dict of them")
         return loaders
 
-    def _rebuild_one(self, trainer: L.Trainer, split: str, loader: DataLoader[Any]) -> DataLoader[Any]:
+    def _rebuild_one(
+        self, trainer: L.Trainer, split: str, loader: DataLoader[Any], name: str = ""
+    ) -> DataLoader[Any]:
         why_not = cannot_rebuild(loader)
         batch_size = loader_batch_size(loader)
         if why_not is not None or batch_size is None:
@@ -154,7 +165,7 @@ class AutoNumWorkers(BoostCallback):
         searched = per_pass if split == "train" or alone else None
         cap = per_pass if split != "train" else None  # a worker past a pass's batches never gets one
         choice, search = self.worker_tuner.decide(
-            trainer, loader.dataset, batch_size, settings, samples, split, searched, cap
+            trainer, loader.dataset, batch_size, settings, samples, split, searched, cap, name
         )
         workers = choice.num_workers
         if cap is not None and cap < workers:

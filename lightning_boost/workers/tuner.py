@@ -129,6 +129,7 @@ class LoaderTuner:
         loader: str = "",
         epoch_batches: int | None = None,
         most: int | None = None,
+        name: str = "",
     ) -> tuple[WorkerChoice, OnlineSearch | None]:
         """The worker setting for `dataset` at `batch_size`, the same on every rank, and the
         search that decides it on the first epoch's own batches when one runs (else ``None``).
@@ -139,7 +140,8 @@ class LoaderTuner:
         the training loader's `epoch_batches` (per rank) and ``WorkerTuning(online=True)``, the
         setting is the search's prior (`OnlineSearch`); a loader over the same dataset asked for
         while that search runs (an evaluation loader) gets the prior and the search, to follow it.
-        `loader` names the split (``"train"``, ``"val"``, ...); the loader of an evaluation stage
+        `loader` names the split (``"train"``, ``"val"``, ...), `name` one of the split's several
+        loaders in the findings (``"train ['a']"``, default: the split); the loader of an evaluation stage
         run alone (`own_pass`: ``trainer.predict``, ...) is given its pass's `epoch_batches` and
         searched on that pass, timed against its own step, and cached apart from training's.
         `most` bounds the candidates (an evaluation loader's batches per pass: a worker past them
@@ -158,7 +160,7 @@ class LoaderTuner:
         hook = CONSUMING_STEPS.get(loader, "training_step")  # what a measurement before the loop weighs
         # a loader is decided again at each batch size (Lightning builds the training loader at the
         # configured one to count the run's steps before `AutoBatchSize` changes it): say which
-        loader = f"{loader} loader at batch {batch_size}" if loader else ""
+        loader = f"{name or loader} loader at batch {batch_size}" if loader else ""
         # the model's step is part of the decision: on a CPU it shares the CPUs with the workers,
         # on a GPU its rate is what the loader must feed
         module = trainer.lightning_module if trainer is not None else None
