@@ -829,8 +829,8 @@ def test_the_probe_copies_a_model_whose_norm_computes_its_weight_at_each_forward
     """``spectral_norm`` (and the older ``weight_norm``, both common in GANs and audio models) set
     the layer's ``weight`` at each forward to a tensor computed with gradients, which
     ``copy.deepcopy`` refuses. The probe of the model's threads on a copy failed, loading in the
-    main process went untimed and the search took 2 workers: the small CNN of `shapes2.py` trained
-    1.8x slower than plain on 2 CPUs. The copy now clones that tensor, detached."""
+    main process went untimed, and a search on 2 CPUs could take workers a TensorDataset does not
+    need. The copy now clones that tensor, detached."""
     real = tuner.hardware_for
     monkeypatch.setattr(tuner, "hardware_for", lambda trainer: real(trainer).replace(cpus_available=2))
     before = torch.get_num_threads()
