@@ -36,7 +36,7 @@ from lightning_boost.batch_size.finetuning import make_trainable
 from lightning_boost.batch_size.gradients import flat_dot
 from lightning_boost.instrumented import own_steps
 from lightning_boost.micro_batch.split import listed_length, slice_batch
-from lightning_boost.trials import Trial, cautious_grad_sq
+from lightning_boost.trials import StepSkipped, Trial, cautious_grad_sq
 
 #: Timed steps per trial stop short of `steps` when they would take longer than this (seconds).
 TIMED_S = 2.0
@@ -287,7 +287,7 @@ class StepProbe:
 
         def step() -> None:
             if hook == "training_step":
-                self._train_step(clone, optimizers, batch, None)
+                self._train_step(clone, optimizers, batch, None, skips=True)
             else:
                 self._eval_step(clone, hook, batch)
 
@@ -322,7 +322,7 @@ class StepProbe:
         for context in contexts:
             start = time.perf_counter()
             with own_steps():  # not across the yield: the caller's code runs there
-                self._train_step(clone, optimizers, batch, None, context=context)
+                self._train_step(clone, optimizers, batch, None, context=context, skips=True)
                 _synchronize(self.device)
             yield time.perf_counter() - start
 
@@ -343,7 +343,7 @@ class StepProbe:
                 with preserved_rng(), own_steps():
                     torch.set_num_threads(threads or before)
                     start = time.perf_counter()
-                    self._train_step(clone, optimizers, loaded, None)
+                    self._train_step(clone, optimizers, loaded, None, skips=True)
                     _synchronize(self.device)
                     return time.perf_counter() - start
             finally:
@@ -554,19 +554,22 @@ class StepProbe:
         losses: list[Tensor] | None = None,
         context: Callable[[], AbstractContextManager[Any]] | None = None,
         then: Any = None,
+        skips: bool = False,
     ) -> None:
         """One step at `batch`; with `then`, that batch's gradient is added to `batch`'s before
-        the optimizer steps (outside the peak's count: `grads` gets the sum's squared norm too)."""
+        the optimizer steps (outside the peak's count: `grads` gets the sum's squared norm too).
+        A ``training_step`` that returns ``None`` raises `StepSkipped`, or with `skips` is taken as
+        the run takes it: its forward, no backward (a probe that only times steps)."""
         with torch.enable_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # `self.log` on a copy without a trainer warns and returns
-            self._backward(clone, batch, context, losses)
+            self._backward(clone, batch, context, losses, skips)
             if peak is not None:
                 peak.add_grads(clone)
             if grads is not None:
                 grads.append(_grad_sq(clone))
             if then is not None:
                 with peak.paused() if peak is not None else nullcontext():
-                    self._backward(clone, then, context, None)
+                    self._backward(clone, then, context, None, skips)
                 if grads is not None:
                     grads.append(_grad_sq(clone))
             for optimizer in optimizers:
@@ -581,9 +584,15 @@ class StepProbe:
         batch: Any,
         context: Callable[[], AbstractContextManager[Any]] | None,
         losses: list[Tensor] | None,
+        skips: bool = False,
     ) -> None:
         """``training_step`` at `batch` and its loss's backward (gradients accumulate)."""
-        loss = self._loss(clone, batch, context)
+        try:
+            loss = self._loss(clone, batch, context)
+        except StepSkipped:
+            if skips:
+                return
+            raise
         if losses is not None:
             losses.append(loss.detach().float().sum())
         loss.backward()
@@ -594,6 +603,8 @@ class StepProbe:
         """The loss ``training_step`` returns at `batch`."""
         with (context or self.train_context)():
             output = call_step(clone, "training_step", batch)
+        if output is None:  # Lightning skips the batch: no loss to time
+            raise StepSkipped()
         loss = output.get("loss") if isinstance(output, Mapping) else output
         if not isinstance(loss, Tensor):
             raise TypeError(f"`training_step` returned {type(output).__name__}, expected a loss tensor.")

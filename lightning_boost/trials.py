@@ -133,6 +133,14 @@ class StepFailed(RuntimeError):
         self.cause = cause
 
 
+class StepSkipped(StepFailed):
+    """A trial's ``training_step`` returned ``None``: Lightning skips such a batch, so the trial has
+    no loss to time (a step that skips by `batch_idx` or by the batch's content)."""
+
+    def __init__(self, message: str = "`training_step` returned None") -> None:
+        super().__init__(message, "`training_step` returned None")
+
+
 def why_failed(trial: Trial) -> str:
     """Why a trial that does not fit failed: ``"out of memory"`` or ``"over the memory budget"``."""
     return "out of memory" if trial.oom else "over the memory budget"

@@ -95,7 +95,7 @@ from lightning_boost.batch_size.regrow import (
     lr_ramp,
 )
 from lightning_boost.batch_size.search import Limits, lr_capped
-from lightning_boost.batch_size.untrialable import lazy_reason, scripted_reason
+from lightning_boost.batch_size.untrialable import lazy_reason, scripted_reason, skipped_reason
 from lightning_boost.batch_size.watch import LossWatch, reference_of
 from lightning_boost.batch_size.written_rates import rate_writers
 from lightning_boost.callbacks.base import BoostCallback
@@ -105,7 +105,7 @@ from lightning_boost.presets.plans import PresetPlan
 from lightning_boost.ranks import decided_on_rank_zero
 from lightning_boost.report import BoostWarning, Finding, Severity
 from lightning_boost.step_probe import StepProbe, remembered
-from lightning_boost.trials import Trial
+from lightning_boost.trials import StepSkipped, Trial
 from lightning_boost.workers.loaders import loader_batch_size, start_deferred_workers
 
 #: Keys of an optimizer's param group that hold learning rates (schedulers such as OneCycleLR and
@@ -638,16 +638,19 @@ class AutoBatchSize(BoostCallback):
             return trial
 
         with preserved_rng(), without_autotuning():
-            decision = decide(
-                train,
-                None
-                if val_data is None
-                else lambda size: measured(trainer, size, val_trial(trainer, probe, val_data, size)),
-                start,
-                configured,
-                limits,
-                rule,
-            )
+            try:
+                decision = decide(
+                    train,
+                    None
+                    if val_data is None
+                    else lambda size: measured(trainer, size, val_trial(trainer, probe, val_data, size)),
+                    start,
+                    configured,
+                    limits,
+                    rule,
+                )
+            except StepSkipped:  # at the first size; a later one's skip ends the search there
+                return kept(configured, trainer.accumulate_grad_batches, limits, skipped_reason(start))
             if val_data is not None and wants_eval_size(trainer):
                 evaluated = evaluated_samples(trainer, val_data[0], plan.validations(decision.batch_size))
                 decision = with_eval_size(trainer, probe, val_data, decision, limits.budget_bytes, evaluated)

@@ -33,7 +33,7 @@ from lightning_boost.micro_batch.split import batch_length
 from lightning_boost.presets.autocast import AutocastTrial, MeasuredAutocastMixin
 from lightning_boost.ranks import decided_on_rank_zero
 from lightning_boost.step_probe import StepProbe, first_batch, is_oom, sample_batches
-from lightning_boost.trials import StepFailed, Trial, merge
+from lightning_boost.trials import StepFailed, StepSkipped, Trial, merge
 from lightning_boost.workers.tuner import epoch_length
 
 
@@ -266,9 +266,14 @@ def measured(trainer: L.Trainer, size: int, run: Callable[[], Trial]) -> Trial:
         if not is_oom(caught):  # an OOM loading the batch onto the device is a trial that did not fit
             error = caught
     trial = dataclasses.replace(trial, seconds=time.perf_counter() - started)
-    per_rank, failed = _gather(trainer, trial, error is not None)
+    per_rank, failed = _gather(trainer, trial, _RAN if error is None else _failure(error))
+    if failed == _SKIPPED:  # on every rank that did not train: the run skips that batch too
+        raise StepSkipped(
+            f"AutoBatchSize: `training_step` returned None at batch size {size} on a copy of the model"
+            " (Lightning skips such a batch), so the trial had no step to time."
+        )
     if failed:
-        cause = repr(error) if error else "on another rank"
+        cause = repr(error) if error and not isinstance(error, StepSkipped) else "on another rank"
         raise StepFailed(
             f"AutoBatchSize: the step failed at batch size {size} on a copy of the model, outside the fit"
             f"{': ' if error else ' '}{cause}. If `training_step` needs the trainer"
@@ -278,8 +283,17 @@ def measured(trainer: L.Trainer, size: int, run: Callable[[], Trial]) -> Trial:
     return dataclasses.replace(merge(size, per_rank), losses=trial.losses)  # this rank's own
 
 
-def _gather(trainer: L.Trainer, trial: Trial, failed: bool) -> tuple[list[Trial], bool]:
-    """Every rank's trial and whether any rank failed (one all-gather; none when single-process)."""
+#: How a rank's trial ended, gathered as the largest over the ranks: an error outranks a skip.
+_RAN, _SKIPPED, _RAISED = 0, 1, 2
+
+
+def _failure(error: BaseException) -> int:
+    return _SKIPPED if isinstance(error, StepSkipped) else _RAISED
+
+
+def _gather(trainer: L.Trainer, trial: Trial, failed: int) -> tuple[list[Trial], int]:
+    """Every rank's trial and how the worst rank's ended (`_RAISED`, `_SKIPPED`, else `_RAN`: one
+    all-gather; none when single-process)."""
     if trainer.world_size == 1:
         return [trial], failed
 
@@ -306,4 +320,4 @@ def _gather(trainer: L.Trainer, trial: Trial, failed: bool) -> tuple[list[Trial]
         )
         for tp, peak, oom, s, _, g, sp, half, double, batch, cross, se in rows
     ]  # fmt: skip
-    return trials, any(row[4] for row in rows)
+    return trials, int(max(row[4] for row in rows))

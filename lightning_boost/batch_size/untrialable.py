@@ -52,3 +52,18 @@ def scripted_reason(model: nn.Module) -> str:
         " (TorchScript is deprecated; `torch.compile` speeds the step up instead, and a copy of it"
         " trains) and AutoBatchSize tunes the size"
     )
+
+
+def skipped_reason(size: int) -> str:
+    """A ``training_step`` that returned ``None`` (Lightning skips the batch) at the first trial's
+    batch of `size` samples: no step to time, whether it skips by `batch_idx` or by content.
+
+    Example:
+        >>> skipped_reason(32)[:61]
+        '`training_step` returned None at the first trial (32 samples,'
+    """
+    return (
+        f"`training_step` returned None at the first trial ({size} samples, batch_idx 0): Lightning"
+        " skips such a batch, so there was no step to time. A step that returns its loss at the"
+        " run's first batch is tuned"
+    )
