@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signatu
 from typing_extensions import override
 
 from lightning_boost.hardware import HardwareInfo
+from lightning_boost.trainer_reads import TrainerReads
 
 
 def from_pytorch_lightning(obj: object) -> bool:
@@ -412,12 +413,14 @@ def redo_optimizers(trainer: L.Trainer) -> bool:
 
 
 def detached_copy(module: L.LightningModule) -> L.LightningModule:
-    """A deep copy of `module` without its trainer reference (``_trainer``), which has no setter.
+    """A deep copy of `module` without its trainer reference (``_trainer``, copied without it).
 
-    The copy's steps touch nothing of the run: its ``self.log`` calls warn and return. A module
-    Lightning took from ``torch.compile`` gets its own (uncompiled) steps back: the compiled
-    wrappers would call the original module's, trainer and all. Its `SyncBatchNorm` layers
-    (``Trainer(sync_batchnorm=True)``) compute as plain batch norm (`unsynced_batchnorm`).
+    The copy's steps read the run's trainer and change nothing of the run: they see it through
+    `TrainerReads` (what they set stays theirs, no loggers, no collectives across processes),
+    and ``self.log``/``self.log_dict`` record nothing. A module Lightning took from
+    ``torch.compile`` gets its own (uncompiled) steps back: the compiled wrappers would call the
+    original module's, trainer and all. Its `SyncBatchNorm` layers (``Trainer(sync_batchnorm=True)``)
+    compute as plain batch norm (`unsynced_batchnorm`).
     """
     trainer = module._trainer
     module._trainer = None
@@ -430,7 +433,26 @@ def detached_copy(module: L.LightningModule) -> L.LightningModule:
             clone.__dict__.pop(name, None)
         clone._compiler_ctx = None
     unsynced_batchnorm(clone)
+    for inner in clone.modules():
+        if is_lightning(inner, "LightningModule"):
+            vars(inner).update(log=_unlogged, log_dict=_unlogged)
+    if trainer is not None:
+        clone.trainer = TrainerReads(trainer)  # type: ignore[assignment]  # the setter reaches inner modules
     return clone
+
+
+def _unlogged(*args: Any, **kwargs: Any) -> None:
+    """``self.log`` and ``self.log_dict`` of a copy: its values are not the run's."""
+
+
+def answer_optimizers(clone: L.LightningModule, optimizers: list[Any]) -> None:
+    """``clone.optimizers()`` gives `optimizers` (the copy's own), as Lightning gives the run's:
+    the one alone, else the list; a learning rate the copy's step writes stays the copy's."""
+
+    def own(use_pl_optimizer: bool = True) -> Any:
+        return optimizers[0] if len(optimizers) == 1 else optimizers
+
+    clone.optimizers = own  # type: ignore[method-assign]
 
 
 def _computed_attributes(module: torch.nn.Module) -> dict[int, Any]:

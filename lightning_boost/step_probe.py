@@ -31,7 +31,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
-from lightning_boost._lightning import call_step, detached_copy, preserved_rng
+from lightning_boost._lightning import answer_optimizers, call_step, detached_copy, preserved_rng
 from lightning_boost.batch_size.finetuning import make_trainable
 from lightning_boost.batch_size.gradients import flat_dot
 from lightning_boost.instrumented import own_steps
@@ -372,7 +372,7 @@ class StepProbe:
         losses = []
         try:
             with torch.no_grad(), own_steps(), warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # `self.log` on a copy without a trainer warns
+                warnings.simplefilter("ignore")  # a copy's warnings are the run's to give
                 for part, samples in ((batch, size), (halves[0], size // 2), (halves[1], size - size // 2)):
                     if self.resize is not None:
                         self.resize(clone, samples)
@@ -420,6 +420,7 @@ class StepProbe:
             id(p): q for p, q in zip(self.module.parameters(), clone.parameters(), strict=True)
         }
         optimizers = [copy.deepcopy(optimizer, memo) for optimizer in self.optimizers]
+        answer_optimizers(clone, optimizers)
         make_trainable(clone, optimizers, self.unfreeze)
         if memory_format is not None:  # in place: the optimizers' copies hold the same parameters
             clone.to(memory_format=memory_format)
@@ -441,7 +442,7 @@ class StepProbe:
             for batch in batches:
                 clone.zero_grad(set_to_none=True)  # the next backward makes new tensors: kept ones stay
                 with torch.enable_grad(), warnings.catch_warnings():
-                    warnings.simplefilter("ignore")  # `self.log` on a copy without a trainer warns
+                    warnings.simplefilter("ignore")  # a copy's warnings are the run's to give
                     self._backward(clone, batch, None, None)
                 grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
                 squares.append(_dot(grads, grads))
@@ -561,7 +562,7 @@ class StepProbe:
         A ``training_step`` that returns ``None`` raises `StepSkipped`, or with `skips` is taken as
         the run takes it: its forward, no backward (a probe that only times steps)."""
         with torch.enable_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # `self.log` on a copy without a trainer warns and returns
+            warnings.simplefilter("ignore")  # a copy's warnings are the run's to give
             self._backward(clone, batch, context, losses, skips)
             if peak is not None:
                 peak.add_grads(clone)
@@ -620,7 +621,7 @@ class StepProbe:
 
     def _eval_step(self, clone: L.LightningModule, hook: str, batch: Any) -> None:
         with torch.no_grad(), warnings.catch_warnings(), self.eval_context():
-            warnings.simplefilter("ignore")  # `self.log` on a copy without a trainer warns and returns
+            warnings.simplefilter("ignore")  # a copy's warnings are the run's to give
             call_step(clone, hook, batch)
 
 

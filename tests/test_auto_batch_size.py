@@ -16,6 +16,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 import lightning as L
@@ -40,6 +41,7 @@ from lightning_boost._lightning import pytorch_lightning_takes_our_callbacks
 from lightning_boost.batch_size.goodput import cross_noise
 from lightning_boost.step_probe import RememberedSamples, StepProbe, is_oom, remembered
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
+from lightning_boost.trainer_reads import TrainerReads
 from tests.conftest import script_trials
 
 FAST = {"steps": 1, "tolerance": 0.0}
@@ -768,15 +770,43 @@ def test_manual_optimization_trains_as_written_and_says_why(tmp_path: Path) -> N
     assert finding.severity is Severity.INFO and "manual optimization" in finding.title
 
 
-class TrainerReadingModel(BoringModel):
+class ReadsTheFit(BoringModel):
+    """A step that reads the live fit, as steps in Lightning's docs do: the learning rate logged
+    from `self.optimizers()` and `self.lr_schedulers()`, a weight ramped over
+    `self.trainer.max_epochs`; and that counts its steps on the trainer."""
+
     @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
-        return self._loss(batch) * (1 + self.trainer.current_epoch)
+        self.log("lr", self.optimizers().param_groups[0]["lr"])  # type: ignore[union-attr]
+        self.log("scheduled_lr", self.lr_schedulers().get_last_lr()[0])  # type: ignore[union-attr]
+        self.trainer.counted = getattr(self.trainer, "counted", 0) + 1  # type: ignore[attr-defined]
+        return self._loss(batch) * (1 + self.trainer.current_epoch / self.trainer.max_epochs)  # type: ignore[operator]
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams["lr"])
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1)}
 
 
-def test_a_step_that_needs_the_trainer_says_to_set_the_size_by_hand(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match=r"outside the fit.*needs the trainer.*by hand"):
-        fit(tmp_path, AutoBatchSize(**FAST), TrainerReadingModel())
+def test_a_step_that_reads_the_fit_is_tuned_and_its_copies_change_nothing(tmp_path: Path) -> None:
+    """A copy of the model had no trainer: `self.optimizers()` raised "not attached to a
+    `Trainer`" in the first trial and the fit stopped, telling the user to set the size by hand.
+    Now the copies read the run's trainer and their own optimizers, and what they set or log stays
+    theirs: the trainer counted the run's steps alone."""
+    callback = AutoBatchSize(**FAST)
+    trainer, _ = fit(tmp_path, callback, ReadsTheFit(), datamodule=BoringDataModule(length=2048))
+    assert callback.result["trials"] and trainer.state.finished
+    assert trainer.counted == trainer.global_step  # type: ignore[attr-defined]
+    assert set(trainer.logged_metrics) >= {"lr", "scheduled_lr"}
+
+
+def test_a_copy_in_a_run_on_several_processes_is_refused_the_strategy() -> None:
+    """Each rank steps its copies as often as its own clock says: a collective would wait on ranks
+    that run none. The step's error stops the tuning instead, as before (simulated 2-process run)."""
+    view = TrainerReads(SimpleNamespace(world_size=2, strategy="ddp", max_epochs=3))  # type: ignore[arg-type]
+    assert view.max_epochs == 3
+    with pytest.raises(RuntimeError, match=r"would wait on collectives \(`self.all_gather`\)"):
+        view.strategy  # noqa: B018
 
 
 class RankOOMModel(BoringModel):

@@ -266,20 +266,21 @@ def measured(trainer: L.Trainer, size: int, run: Callable[[], Trial]) -> Trial:
         if not is_oom(caught):  # an OOM loading the batch onto the device is a trial that did not fit
             error = caught
     trial = dataclasses.replace(trial, seconds=time.perf_counter() - started)
-    per_rank, failed = _gather(trainer, trial, _RAN if error is None else _failure(error))
+    per_rank, failed = _gather(trainer, trial, _failure(error))
     if failed == _SKIPPED:  # on every rank that did not train: the run skips that batch too
         raise StepSkipped(
             f"AutoBatchSize: `training_step` returned None at batch size {size} on a copy of the model"
             " (Lightning skips such a batch), so the trial had no step to time."
         )
     if failed:
-        cause = repr(error) if error and not isinstance(error, StepSkipped) else "on another rank"
+        raised = error if failed == _failure(error) else None  # a skip here, an error elsewhere: theirs
+        cause = repr(raised) if raised else "on another rank"
         raise StepFailed(
             f"AutoBatchSize: the step failed at batch size {size} on a copy of the model, outside the fit"
-            f"{': ' if error else ' '}{cause}. If `training_step` needs the trainer"
-            " (`self.trainer`, `self.optimizers()`), set the batch size by hand instead.",
+            f"{': ' if raised else ' '}{cause}. If `training_step` needs the live fit (`self.all_gather`"
+            " on several processes, `self.logger.experiment`), set the batch size by hand instead.",
             cause,
-        ) from error
+        ) from raised
     return dataclasses.replace(merge(size, per_rank), losses=trial.losses)  # this rank's own
 
 
@@ -287,8 +288,8 @@ def measured(trainer: L.Trainer, size: int, run: Callable[[], Trial]) -> Trial:
 _RAN, _SKIPPED, _RAISED = 0, 1, 2
 
 
-def _failure(error: BaseException) -> int:
-    return _SKIPPED if isinstance(error, StepSkipped) else _RAISED
+def _failure(error: BaseException | None) -> int:
+    return _RAN if error is None else _SKIPPED if isinstance(error, StepSkipped) else _RAISED
 
 
 def _gather(trainer: L.Trainer, trial: Trial, failed: int) -> tuple[list[Trial], int]:

@@ -10,7 +10,7 @@ first trial (a copy at the start size, timed anyway) runs these alternating step
 (`begin_trial`, `settle_trial`): one trial instead of two before the first step. The run's own
 steps run at the chosen setting: when fp32 is kept, the run trains exactly the model plain
 Lightning trains. Every rank keeps rank zero's decision. Manual optimization is not measured (its
-step needs the trainer): it stays in fp32, with a finding.
+step needs the live fit): it stays in fp32, with a finding.
 
 A run that kept bf16 checks it on its own steps, since a shared host's speed can change after a
 trial of a few steps: a warm-up pair at batch 4, pairs at 8 and 12, then one every 64 batches,

@@ -42,7 +42,7 @@ def model_step_rates(
     gradients, buffers (BatchNorm statistics) and metrics are untouched, and the RNG states and
     torch's thread count are restored. Once `budget_s` is spent, counts already measured are not
     measured again. Returns ``{}`` when the step cannot run outside the fit (manual optimization,
-    a step that reads the trainer): the caller then decides without it.
+    a module without a trainer whose step reads one): the caller then decides without it.
     """
     samples = batch_length(batch)  # a detection batch's images (Lightning's count: its channels)
     if samples is None or not overrides(module, hook):

@@ -503,7 +503,7 @@ def consumer_rate(
     """Samples/s of the run's training step alone (forward, backward, optimizer step, in the
     run's precision) on a copy of the model at `batch`, already on the device; with an evaluation
     `hook`, that step without gradients in its precision context. ``None`` when the step cannot
-    run outside the fit (manual optimization, a step that needs the trainer, one the module does
+    run outside the fit (manual optimization, a step that needs the live fit, one the module does
     not implement), runs out of memory, or would call collectives on this rank alone
     (``SyncBatchNorm``)."""
     if any(isinstance(layer, torch.nn.SyncBatchNorm) for layer in module.modules()):
