@@ -687,3 +687,32 @@ def test_worker_trials_never_load_giant_batches(tmp_path: Path, monkeypatch: pyt
     (choice,) = data.worker_tuner.choices.values()
     assert sizes == [256, 2048]  # the trials' loader, the model step's single batch
     assert choice.trials[0].batch_bytes == 2048 * (32 * 4 + 8)  # float32 features + an int64 index
+
+
+class HookCallsSuper(Indexed):
+    """A training hook that returns the datamodule's own loader (`super()`), as one that wraps or
+    logs around it does."""
+
+    built = 0
+
+    @override
+    def train_dataloader(self) -> DataLoader[Any]:
+        self.built += 1
+        return super().train_dataloader()
+
+
+def test_a_hook_returning_the_datamodules_loader_is_tuned_once_and_said_once(tmp_path: Path) -> None:
+    """The hook is overridden, so the pack could not know the loader was the datamodule's:
+    `AutoNumWorkers` warned that it could not tune a `SameOrderDataLoader` (the datamodule had),
+    and `AutoBatchSize`'s probe of the attribute the hook reads (built at the configured size + 1)
+    made the datamodule decide a loader at batch 9 that never trained, with a finding for it."""
+    from lightning_boost import AutoBatchSize, AutoNumWorkers
+
+    datamodule = HookCallsSuper(batch_size=8)
+    workers = AutoNumWorkers()
+    tuner = AutoBatchSize(min_efficiency=0.5, max_batch_size=8)  # keeps 8: the probe is the point
+    _fit(tmp_path, datamodule, callbacks=[workers, tuner])
+    assert datamodule.built >= 2  # the probe's build and the run's
+    assert not workers.findings, [finding.title for finding in workers.findings]
+    titles = [finding.title for finding in datamodule.findings if "loader at batch" in finding.title]
+    assert len(titles) == 1 and titles[0].startswith("train loader at batch 8: "), titles

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.parsing import lightning_getattr, lightning_has
 from torch.utils.data import DataLoader
 
 from lightning_boost._lightning import datamodule_of, user_dataloaders
-from lightning_boost.data.datamodule import builds_loader
+from lightning_boost.data.datamodule import builds_loader, sizing_only
 from lightning_boost.report import Finding, Severity
 from lightning_boost.workers.loaders import loader_batch_size
 
@@ -101,7 +101,8 @@ def _built_with(trainer: L.Trainer, owner: Any, name: str, value: int) -> int | 
     setter = lightning_setattr if isinstance(owner, L.LightningModule) else setattr
     setter(owner, name, value)
     try:
-        loader = user_dataloaders(trainer, "train")
+        with sizing_only(datamodule_of(trainer)):  # a probe: no loader of it trains
+            loader = user_dataloaders(trainer, "train")
     finally:
         setter(owner, name, before)
     if isinstance(loader, (list, tuple)) and loader:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import multiprocessing
 import multiprocessing.context
-from collections.abc import Callable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard
 
 import lightning as L
@@ -126,6 +128,7 @@ class BoostedDataMixin(_DataModule):
     val_dataset: Datasets | None = None  # several: a loader each (`several`)
     test_dataset: Datasets | None = None
     predict_dataset: Datasets | None = None
+    _sizing_only = False  # inside `sizing_only`
 
     @validated
     def __init__(
@@ -280,6 +283,19 @@ class BoostedDataMixin(_DataModule):
         return dataset
 
     def _build(
+        self, split: str, dataset: Dataset[Any], shuffle: bool, drop_last: bool, tuning: Any, lead: bool
+    ) -> DataLoader[Any]:
+        """The loader of `dataset` (`_tuned`); inside `sizing_only`, a plain one at the split's batch
+        size, nothing decided."""
+        if self._sizing_only:
+            return DataLoader(
+                dataset, batch_size=self.batch_size if split == "train" else self.evaluation_batch_size
+            )
+        loader = self._tuned(split, dataset, shuffle, drop_last, tuning, lead)
+        _BUILT.add(loader)
+        return loader
+
+    def _tuned(
         self, split: str, dataset: Dataset[Any], shuffle: bool, drop_last: bool, tuning: Any, lead: bool
     ) -> DataLoader[Any]:
         """The loader of `dataset`; `tuning` is the dataset an evaluation pass run alone is tuned
@@ -511,6 +527,30 @@ _LOADER_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "pin_memory_device": (lambda v: isinstance(v, str), "a device name such as 'cuda'"),
     "in_order": (lambda v: isinstance(v, bool), "True or False"),
 }
+
+
+#: The loaders a `BoostedDataModule` built: tuned, whichever hook returns them.
+_BUILT: weakref.WeakSet[DataLoader[Any]] = weakref.WeakSet()
+
+
+def built_by_datamodule(loader: object) -> bool:
+    """Whether a `BoostedDataModule` built `loader` (its workers decided and reported there), as
+    a hook that wraps the datamodule's (``return super().train_dataloader()``) returns it."""
+    return isinstance(loader, DataLoader) and loader in _BUILT
+
+
+@contextlib.contextmanager
+def sizing_only(datamodule: object) -> Iterator[None]:
+    """Loaders `datamodule` (a `BoostedDataModule`) builds inside are plain ones at its batch
+    sizes: a probe of the size a hook reads (`AutoBatchSize`) decides no workers and says nothing."""
+    if not isinstance(datamodule, BoostedDataMixin):
+        yield
+        return
+    datamodule._sizing_only = True
+    try:
+        yield
+    finally:
+        datamodule._sizing_only = False
 
 
 def builds_loader(datamodule: object, split: str) -> TypeGuard[BoostedDataMixin]:

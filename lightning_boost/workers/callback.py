@@ -17,7 +17,7 @@ from lightning_boost._lightning import (
 )
 from lightning_boost._validation import Directory, validated
 from lightning_boost.callbacks.base import BoostCallback
-from lightning_boost.data.datamodule import builds_loader
+from lightning_boost.data.datamodule import builds_loader, built_by_datamodule
 from lightning_boost.report import Finding, Severity
 from lightning_boost.workers.decision import capped_finding
 from lightning_boost.workers.loaders import (
@@ -153,6 +153,8 @@ class AutoNumWorkers(BoostCallback):
     def _rebuild_one(
         self, trainer: L.Trainer, split: str, loader: DataLoader[Any], name: str = ""
     ) -> DataLoader[Any]:
+        if built_by_datamodule(loader):  # a hook that returns the datamodule's own: tuned there
+            return loader
         why_not = cannot_rebuild(loader)
         batch_size = loader_batch_size(loader)
         if why_not is not None or batch_size is None:
