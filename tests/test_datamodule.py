@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from lightning_boost import BoostedDataModule, BoostWarning, WorkerTuning
+from lightning_boost.data.datamodule import built_by_datamodule
 from lightning_boost.testing import BoringModel, RandomDataset, cpu_only, tiny_trainer
 
 #: AutoBatchSize runs here are a few batches long; its run-length rules are tested in test_goodput.
@@ -693,26 +694,31 @@ class HookCallsSuper(Indexed):
     """A training hook that returns the datamodule's own loader (`super()`), as one that wraps or
     logs around it does."""
 
-    built = 0
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.decided: list[bool] = []  # per loader the hook returned: whether workers were decided for it
 
     @override
     def train_dataloader(self) -> DataLoader[Any]:
-        self.built += 1
-        return super().train_dataloader()
+        loader = super().train_dataloader()
+        self.decided.append(built_by_datamodule(loader))
+        return loader
 
 
 def test_a_hook_returning_the_datamodules_loader_is_tuned_once_and_said_once(tmp_path: Path) -> None:
     """The hook is overridden, so the pack could not know the loader was the datamodule's:
     `AutoNumWorkers` warned that it could not tune a `SameOrderDataLoader` (the datamodule had),
     and `AutoBatchSize`'s probe of the attribute the hook reads (built at the configured size + 1)
-    made the datamodule decide a loader at batch 9 that never trained, with a finding for it."""
-    from lightning_boost import AutoBatchSize, AutoNumWorkers
+    made the datamodule decide a loader at batch 9 that never trained, with a finding for it; and
+    its read of the loader's data decided workers for a loader no batch was loaded from (with a
+    finding of its own beside the run's loader's, where the model's description had changed)."""
+    from lightning_boost import AutoBatchSize, AutoNumWorkers, preset
 
     datamodule = HookCallsSuper(batch_size=8)
     workers = AutoNumWorkers()
     tuner = AutoBatchSize(min_efficiency=0.5, max_batch_size=8)  # keeps 8: the probe is the point
-    _fit(tmp_path, datamodule, callbacks=[workers, tuner])
-    assert datamodule.built >= 2  # the probe's build and the run's
+    _fit(tmp_path, datamodule, callbacks=[workers, tuner], strategy=preset("auto"))
+    assert len(datamodule.decided) == 3 and datamodule.decided.count(True) == 1  # the run's loader alone
     assert not workers.findings, [finding.title for finding in workers.findings]
     titles = [finding.title for finding in datamodule.findings if "loader at batch" in finding.title]
     assert len(titles) == 1 and titles[0].startswith("train loader at batch 8: "), titles

@@ -28,7 +28,7 @@ from lightning_boost.batch_size.decision import BatchSizeDecision
 from lightning_boost.batch_size.evaluation import eval_batch_size
 from lightning_boost.batch_size.plan import RunPlan
 from lightning_boost.batch_size.reduction import summed_reason
-from lightning_boost.data.datamodule import BoostedDataMixin, builds_loader, first_of, several
+from lightning_boost.data.datamodule import BoostedDataMixin, builds_loader, first_of, several, sizing_only
 from lightning_boost.micro_batch.split import batch_length
 from lightning_boost.presets.autocast import AutocastTrial, MeasuredAutocastMixin
 from lightning_boost.ranks import decided_on_rank_zero
@@ -65,7 +65,8 @@ def split_data(trainer: L.Trainer, split: str) -> SplitData | None:
             dataset = first_of(dataset)
         sampler = datamodule.train_sampler if split == "train" else None
         return None if dataset is None else SplitData(dataset, datamodule.collate_fn, sampler)
-    loaders = user_dataloaders(trainer, split)
+    with sizing_only(datamodule):  # read, not loaded from: no workers decided for it
+        loaders = user_dataloaders(trainer, split)
     several_loaders = isinstance(loaders, (list, tuple, Mapping)) and len(loaders) > 1
     if split == "train" and (several_loaders or type(loaders).__name__ == "CombinedLoader"):
         raise SeveralLoaders(f"the training loaders are a {type(loaders).__name__} of several")

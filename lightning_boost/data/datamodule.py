@@ -285,12 +285,12 @@ class BoostedDataMixin(_DataModule):
     def _build(
         self, split: str, dataset: Dataset[Any], shuffle: bool, drop_last: bool, tuning: Any, lead: bool
     ) -> DataLoader[Any]:
-        """The loader of `dataset` (`_tuned`); inside `sizing_only`, a plain one at the split's batch
-        size, nothing decided."""
+        """The loader of `dataset` (`_tuned`); inside `sizing_only`, a plain one with the split's
+        batch size, training sampler and collate function, nothing decided."""
         if self._sizing_only:
-            return DataLoader(
-                dataset, batch_size=self.batch_size if split == "train" else self.evaluation_batch_size
-            )
+            sampler = self._train_sampler() if split == "train" else None
+            size = self.batch_size if split == "train" else self.evaluation_batch_size
+            return DataLoader(dataset, batch_size=size, sampler=sampler, collate_fn=self.collate_fn)
         loader = self._tuned(split, dataset, shuffle, drop_last, tuning, lead)
         _BUILT.add(loader)
         return loader
@@ -541,8 +541,10 @@ def built_by_datamodule(loader: object) -> bool:
 
 @contextlib.contextmanager
 def sizing_only(datamodule: object) -> Iterator[None]:
-    """Loaders `datamodule` (a `BoostedDataModule`) builds inside are plain ones at its batch
-    sizes: a probe of the size a hook reads (`AutoBatchSize`) decides no workers and says nothing."""
+    """Loaders `datamodule` (a `BoostedDataModule`) builds inside are plain ones with its batch
+    sizes, training sampler and collate function: `AutoBatchSize`'s reads of what a hook's loader
+    holds (the attribute its size follows, the data its trials load) decide no workers and say
+    nothing of loaders that never load a batch."""
     if not isinstance(datamodule, BoostedDataMixin):
         yield
         return
