@@ -292,6 +292,24 @@ def test_report_collects_strategy_datamodule_and_callbacks_once(tmp_path: Path) 
     assert report.report.worst in (Severity.INFO, Severity.WARN)
 
 
+class OwnFlags(L.Callback):
+    """A user's callback whose attributes share the names the report reads from the pack's parts."""
+
+    def __init__(self) -> None:
+        self.tuned = True  # its own flag, not a mapping of tuned values
+        self.findings = 3  # a count of its own, not a list of findings
+
+
+def test_a_callbacks_own_tuned_and_findings_attributes_are_not_read(tmp_path: Path) -> None:
+    """The report read any part's `tuned` and `findings` by name: a user's callback with a `tuned`
+    flag stopped the fit at its end ("cannot convert dictionary update sequence element")."""
+    report = BoostReport(console=False)
+    tiny_trainer(tmp_path, callbacks=[OwnFlags(), AutoNumWorkers(FAST), report]).fit(
+        BoringModel(), datamodule=BoringDataModule(length=64)
+    )
+    assert report.report is not None and report.report.tuned["batch_size"] == 8
+
+
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [

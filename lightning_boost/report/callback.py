@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -253,7 +253,7 @@ def collect_report(trainer: L.Trainer) -> Report:
 
     report = run_checks(hardware_for(trainer))
     for part in [trainer.strategy, datamodule_of(trainer), *callbacks_of(trainer)]:
-        if isinstance(part, ReportsFindings):
+        if isinstance(part, ReportsFindings) and isinstance(part.findings, Sequence):  # not a user's own
             report.add(f for f in part.findings if isinstance(f, Finding))
     if any(f.source == "preset" and "precision" in f.data for f in report.findings):  # says it with why
         report.findings = [f for f in report.findings if not (f.source == "doctor" and "precision" in f.data)]
@@ -280,7 +280,7 @@ def tuned_values(trainer: L.Trainer) -> dict[str, Any]:
         world_size=trainer.world_size,
     )
     for part in [trainer.strategy, datamodule_of(trainer), *callbacks_of(trainer)]:
-        if isinstance(part, ReportsTuned):
+        if isinstance(part, ReportsTuned) and isinstance(part.tuned, Mapping):  # not a user's own flag
             values.update(part.tuned)
     return values
 
