@@ -30,6 +30,9 @@ class TrainerReads:
         >>> view.should_stop = True
         >>> view.should_stop, trainer.should_stop
         (True, False)
+        >>> import copy
+        >>> copy.deepcopy(view) is view  # a copy of a copy of the model reads the same run
+        True
     """
 
     def __init__(self, trainer: L.Trainer) -> None:
@@ -39,6 +42,9 @@ class TrainerReads:
         if name == "_run":  # a view being copied, before its `__init__`
             raise AttributeError(name)
         return getattr(self._run, name)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> TrainerReads:  # a copy of a copy reads the same run
+        return self
 
     @property
     def logger(self) -> None:
