@@ -445,14 +445,28 @@ def _unlogged(*args: Any, **kwargs: Any) -> None:
     """``self.log`` and ``self.log_dict`` of a copy: its values are not the run's."""
 
 
-def answer_optimizers(clone: L.LightningModule, optimizers: list[Any]) -> None:
-    """``clone.optimizers()`` gives `optimizers` (the copy's own), as Lightning gives the run's:
-    the one alone, else the list; a learning rate the copy's step writes stays the copy's."""
+def answer_optimizers(
+    clone: L.LightningModule, optimizers: list[Any], trainer: L.Trainer | None, memo: dict[int, Any]
+) -> None:
+    """``clone.optimizers()`` gives `optimizers` (the copy's own) and ``clone.lr_schedulers()``
+    copies of `trainer`'s schedulers over them (`memo` maps the run's optimizers to the copy's),
+    as Lightning gives the run's: the one alone, else the list (no schedulers: ``None``). A rate
+    the copy's step writes, or a schedule it steps, stays the copy's."""
+    configs = trainer.lr_scheduler_configs if trainer is not None else []
+    schedulers = [
+        copy.deepcopy(config.scheduler, memo)
+        for config in configs
+        if id(getattr(config.scheduler, "optimizer", None)) in memo  # over an optimizer copied
+    ]
 
     def own(use_pl_optimizer: bool = True) -> Any:
         return optimizers[0] if len(optimizers) == 1 else optimizers
 
+    def own_schedulers() -> Any:
+        return (schedulers[0] if len(schedulers) == 1 else schedulers) if schedulers else None
+
     clone.optimizers = own  # type: ignore[method-assign]
+    clone.lr_schedulers = own_schedulers  # type: ignore[method-assign]
 
 
 def _computed_attributes(module: torch.nn.Module) -> dict[int, Any]:

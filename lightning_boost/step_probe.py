@@ -420,7 +420,7 @@ class StepProbe:
             id(p): q for p, q in zip(self.module.parameters(), clone.parameters(), strict=True)
         }
         optimizers = [copy.deepcopy(optimizer, memo) for optimizer in self.optimizers]
-        answer_optimizers(clone, optimizers)
+        answer_optimizers(clone, optimizers, self.module._trainer, memo)
         make_trainable(clone, optimizers, self.unfreeze)
         if memory_format is not None:  # in place: the optimizers' copies hold the same parameters
             clone.to(memory_format=memory_format)

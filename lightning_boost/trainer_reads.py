@@ -3,11 +3,12 @@
 The pack's trials and probes step a copy of the model outside the fit. A step that reads the fit
 (``self.lr_schedulers().get_last_lr()`` logged each step, a KL weight ramped over
 ``self.trainer.max_epochs``, ``self.trainer.datamodule``) raised there, since a copy has no trainer,
-and the tuning stopped. `TrainerReads` gives the copy the run's trainer to read and nothing to
-change: a value the copy's step sets stays the copy's, its loggers are none (``self.logger`` is
-``None``, as without a trainer), and with several processes its strategy is refused, since each
-rank runs as many copy steps as its own clock says and a collective would wait on ranks that run
-none.
+and the tuning stopped. `TrainerReads` gives the copy the run's trainer to read: a value the copy's
+step sets on it stays the copy's (an object reached through it, the datamodule say, is the run's
+own), its loggers are none (``self.logger`` is ``None``, as without a trainer), and with several
+processes its strategy is refused, since each rank runs as many copy steps as its own clock says
+and a collective would wait on ranks that run none. The copy's optimizers and schedulers are its
+own (`lightning_boost._lightning.answer_optimizers`).
 """
 
 from __future__ import annotations

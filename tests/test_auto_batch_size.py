@@ -800,6 +800,34 @@ def test_a_step_that_reads_the_fit_is_tuned_and_its_copies_change_nothing(tmp_pa
     assert set(trainer.logged_metrics) >= {"lr", "scheduled_lr"}
 
 
+class StepsItsScheduler(BoringModel):
+    """Steps its scheduler in the step too, as programs mixing up Lightning's interval do; records
+    the learning rate the run's first step starts at."""
+
+    first_lr: float | None = None
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        if self.first_lr is None and not isinstance(self._trainer, TrainerReads):
+            self.first_lr = self.optimizers().param_groups[0]["lr"]  # type: ignore[union-attr]
+        self.lr_schedulers().step()  # type: ignore[union-attr]
+        return self._loss(batch)
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        optimizer = torch.optim.SGD(self.parameters(), lr=self.hparams["lr"])
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.5)}
+
+
+def test_a_copys_step_moves_its_own_schedule_not_the_runs(tmp_path: Path) -> None:
+    """`self.lr_schedulers()` on a copy gives copies of the run's schedulers, over the copy's
+    optimizers: the trials' steps would have halved the run's rate once a step before it began."""
+    callback = AutoBatchSize(**FAST)
+    model = StepsItsScheduler()
+    fit(tmp_path, callback, model, datamodule=BoringDataModule(length=2048))
+    assert callback.result["trials"] and model.first_lr == 0.05 * callback.decision.lr_factor  # type: ignore[union-attr]
+
+
 def test_a_copy_in_a_run_on_several_processes_is_refused_the_strategy() -> None:
     """Each rank steps its copies as often as its own clock says: a collective would wait on ranks
     that run none. The step's error stops the tuning instead, as before (simulated 2-process run)."""
