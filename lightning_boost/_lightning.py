@@ -413,14 +413,14 @@ def redo_optimizers(trainer: L.Trainer) -> bool:
 
 
 def detached_copy(module: L.LightningModule) -> L.LightningModule:
-    """A deep copy of `module` without its trainer reference (``_trainer``, copied without it).
+    """A deep copy of `module`, made without its trainer (``_trainer``).
 
-    The copy's steps read the run's trainer and change nothing of the run: they see it through
-    `TrainerReads` (what they set stays theirs, no loggers, no collectives across processes),
-    and ``self.log``/``self.log_dict`` record nothing. A module Lightning took from
-    ``torch.compile`` gets its own (uncompiled) steps back: the compiled wrappers would call the
-    original module's, trainer and all. Its `SyncBatchNorm` layers (``Trainer(sync_batchnorm=True)``)
-    compute as plain batch norm (`unsynced_batchnorm`).
+    The copy's steps read the run's trainer through `TrainerReads` (what they set on it stays
+    theirs, no loggers, no collectives across processes), and ``self.log``/``self.log_dict``
+    record nothing (its optimizers and schedulers: `answer_optimizers`). A module Lightning took
+    from ``torch.compile`` gets its own (uncompiled) steps back: the compiled wrappers would call
+    the original module's, trainer and all. Its `SyncBatchNorm` layers
+    (``Trainer(sync_batchnorm=True)``) compute as plain batch norm (`unsynced_batchnorm`).
     """
     trainer = module._trainer
     module._trainer = None
