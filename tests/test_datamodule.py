@@ -710,8 +710,8 @@ def test_a_hook_returning_the_datamodules_loader_is_tuned_once_and_said_once(tmp
     `AutoNumWorkers` warned that it could not tune a `SameOrderDataLoader` (the datamodule had),
     and `AutoBatchSize`'s probe of the attribute the hook reads (built at the configured size + 1)
     made the datamodule decide a loader at batch 9 that never trained, with a finding for it; and
-    its read of the loader's data decided workers for a loader no batch was loaded from (with a
-    finding of its own beside the run's loader's, where the model's description had changed)."""
+    its read of the loader's data decided workers for a loader no batch was loaded from (with
+    `preset("auto")` on ResNet-18, a second finding beside the run's loader's)."""
     from lightning_boost import AutoBatchSize, AutoNumWorkers, preset
 
     datamodule = HookCallsSuper(batch_size=8)

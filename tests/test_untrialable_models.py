@@ -133,7 +133,7 @@ def test_a_step_that_skips_the_trials_batch_keeps_the_size_and_the_run_goes_on(t
 
 
 class RankOneSkipsFirstBatch(BoringModel):
-    """Rank 1 alone skips its first batch (`dist.get_rank()`: a copy has no trainer)."""
+    """Rank 1 alone skips its first batch (`dist.get_rank()`: the same on a copy as in the run)."""
 
     @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor | None:
