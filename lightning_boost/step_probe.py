@@ -419,7 +419,7 @@ class StepProbe:
         memo: dict[int, Any] = {
             id(p): q for p, q in zip(self.module.parameters(), clone.parameters(), strict=True)
         }
-        optimizers = [copy.deepcopy(optimizer, memo) for optimizer in self.optimizers]
+        optimizers = [_copied_optimizer(optimizer, memo) for optimizer in self.optimizers]
         answer_optimizers(clone, optimizers, self.module._trainer, memo)
         make_trainable(clone, optimizers, self.unfreeze)
         if memory_format is not None:  # in place: the optimizers' copies hold the same parameters
@@ -560,21 +560,35 @@ class StepProbe:
         """One step at `batch`; with `then`, that batch's gradient is added to `batch`'s before
         the optimizer steps (outside the peak's count: `grads` gets the sum's squared norm too).
         A ``training_step`` that returns ``None`` raises `StepSkipped`, or with `skips` is taken as
-        the run takes it: its forward, no backward (a probe that only times steps)."""
+        the run takes it: its forward, no backward (a probe that only times steps). Each optimizer
+        steps with a closure, as Lightning's do: its first call gives the loss just computed, and
+        any later one (LBFGS evaluates the step again along its line search) runs the step again."""
         with torch.enable_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # a copy's warnings are the run's to give
-            self._backward(clone, batch, context, losses, skips)
+            loss = self._backward(clone, batch, context, losses, skips)
             if peak is not None:
                 peak.add_grads(clone)
             if grads is not None:
                 grads.append(_grad_sq(clone))
             if then is not None:
                 with peak.paused() if peak is not None else nullcontext():
-                    self._backward(clone, then, context, None, skips)
+                    loss = _added(loss, self._backward(clone, then, context, None, skips))
                 if grads is not None:
                     grads.append(_grad_sq(clone))
+            computed: list[Tensor | None] = []  # the loss each optimizer's first call gives
+
+            def closure() -> Tensor | None:
+                if computed:
+                    return computed.pop()
+                clone.zero_grad(set_to_none=True)
+                again = self._backward(clone, batch, context, None, skips)
+                if then is not None:
+                    again = _added(again, self._backward(clone, then, context, None, skips))
+                return again
+
             for optimizer in optimizers:
-                optimizer.step()
+                computed[:] = [loss]
+                optimizer.step(closure)  # type: ignore[arg-type]  # a tensor, as Lightning's closure gives
                 optimizer.zero_grad(set_to_none=True)
             if not optimizers:  # timed without them: the gradients must not pile up between steps
                 clone.zero_grad(set_to_none=True)
@@ -586,17 +600,19 @@ class StepProbe:
         context: Callable[[], AbstractContextManager[Any]] | None,
         losses: list[Tensor] | None,
         skips: bool = False,
-    ) -> None:
-        """``training_step`` at `batch` and its loss's backward (gradients accumulate)."""
+    ) -> Tensor | None:
+        """``training_step`` at `batch` and its loss's backward (gradients accumulate); the loss,
+        detached (``None`` for a step skipped under `skips`)."""
         try:
             loss = self._loss(clone, batch, context)
         except StepSkipped:
             if skips:
-                return
+                return None
             raise
         if losses is not None:
             losses.append(loss.detach().float().sum())
         loss.backward()
+        return loss.detach()
 
     def _loss(
         self, clone: L.LightningModule, batch: Any, context: Callable[[], AbstractContextManager[Any]] | None
@@ -623,6 +639,27 @@ class StepProbe:
         with torch.no_grad(), warnings.catch_warnings(), self.eval_context():
             warnings.simplefilter("ignore")  # a copy's warnings are the run's to give
             call_step(clone, hook, batch)
+
+
+def _copied_optimizer(optimizer: Optimizer, memo: dict[int, Any]) -> Optimizer:
+    """A deep copy of `optimizer` over the parameters `memo` maps it to, with the data its
+    ``__getstate__`` leaves out (LBFGS keeps its parameters in ``_params``, set in ``__init__``);
+    not the functions set on it (a scheduler wraps ``step`` to step this optimizer).
+
+        >>> p, q = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
+        >>> _copied_optimizer(torch.optim.LBFGS([p]), {id(p): q})._params[0] is q
+        True
+    """
+    copied = copy.deepcopy(optimizer, memo)
+    for name, value in vars(optimizer).items():
+        if name not in vars(copied) and not callable(value):
+            setattr(copied, name, copy.deepcopy(value, memo))
+    return copied
+
+
+def _added(loss: Tensor | None, other: Tensor | None) -> Tensor | None:
+    """Two batches' losses as one, for an optimizer's closure; ``None`` where a step skipped."""
+    return None if loss is None or other is None else loss + other
 
 
 class _Peak:

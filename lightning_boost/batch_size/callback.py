@@ -184,7 +184,8 @@ class AutoBatchSize(BoostCallback):
         lr_scaling: scale the optimizers' learning rates (and schedulers' base rates) by the change
             of the effective batch size from `reference_batch_size`: ``"auto"`` by its square
             root for every optimizer (SGD's linear rule ended worse on the demo's short runs:
-            `LR_FACTOR_WARN`), or ``"linear"``, ``"sqrt"``; ``None`` keeps them. A raised rate is
+            `LR_FACTOR_WARN`) but LBFGS, whose rates it keeps (its ``lr`` multiplies a step the
+            curvature sizes), or ``"linear"``, ``"sqrt"``; ``None`` keeps them. A raised rate is
             warmed up; the search chooses no size past x2 the rates (`lr_capped`: 4x the batch
             under the square root), and a target past it is a warning.
         reference_batch_size: the effective batch the learning rates were set for (default: the
@@ -612,7 +613,7 @@ class AutoBatchSize(BoostCallback):
         # each trial loads only what is new
         train_data = train_data._replace(dataset=remembered(train_data.dataset))
         val_data = None if val_data is None else val_data._replace(dataset=remembered(val_data.dataset))
-        rule = lr_rule(self.lr_scaling)
+        rule = lr_rule(self.lr_scaling, [type(optimizer).__name__ for optimizer in trainer.optimizers])
         limits = lr_capped(limits, rule, configured)  # no size the rule's learning rates fail at
         start = self.init_batch_size or configured
         parameter_bytes = sum(p.numel() * p.element_size() for p in pl_module.parameters())

@@ -133,18 +133,26 @@ def efficiency(noise: float, effective: int, reference: int) -> float:
     return (noise + reference) / (noise + effective)
 
 
-def lr_rule(requested: str | None) -> str | None:
+#: Optimizers (class names) whose rate scales a step already sized by the loss's curvature: a
+#: larger batch gives them a better gradient, not a reason for a longer step.
+CURVATURE_STEPPED = frozenset({"LBFGS"})
+
+
+def lr_rule(requested: str | None, optimizers: Sequence[str] = ()) -> str | None:
     """The learning-rate scaling rule: `requested` unless it is ``"auto"``, which is ``"sqrt"``
-    for every optimizer. For Adam, AdamW, RMSprop and other adaptive ones it is
-    the rule that keeps their updates' noise alike (Malladi et al. 2022); for SGD it is the milder
-    rule the measurements in `LR_FACTOR_WARN` support: at 4x the batch, SGD's linear x4 ended
-    worse, the square root's x2 did not.
+    for every optimizer but those in `CURVATURE_STEPPED` (LBFGS, whose ``lr`` multiplies a
+    quasi-Newton step), where the rates are kept (``None``). For Adam, AdamW, RMSprop and other
+    adaptive ones the square root is the rule that keeps their updates' noise alike (Malladi et
+    al. 2022); for SGD it is the milder rule the measurements in `LR_FACTOR_WARN` support: at 4x
+    the batch, SGD's linear x4 ended worse, the square root's x2 did not.
 
     Example:
-        >>> lr_rule("auto"), lr_rule("linear"), lr_rule(None)
-        ('sqrt', 'linear', None)
+        >>> lr_rule("auto", ["AdamW"]), lr_rule("auto", ["LBFGS"]), lr_rule("linear", ["LBFGS"])
+        ('sqrt', None, 'linear')
     """
-    return "sqrt" if requested == "auto" else requested
+    if requested != "auto":
+        return requested
+    return None if CURVATURE_STEPPED.intersection(optimizers) else "sqrt"
 
 
 def warmup_factor(step: int, steps: int, factor: float) -> float:

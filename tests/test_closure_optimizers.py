@@ -1,0 +1,113 @@
+"""Optimizers whose ``step`` takes the closure Lightning hands it (LBFGS evaluates the step again
+along its line search), under the pack in real CPU fits: the trials step them as Lightning does,
+and the learning-rate rule leaves a quasi-Newton step's rate alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
+from torch import Tensor
+from typing_extensions import override
+
+from lightning_boost import AutoBatchSize, boost_callbacks, preset
+from lightning_boost.report import Severity
+from lightning_boost.step_probe import StepProbe
+from lightning_boost.testing import BoringModel, RandomDataset
+from tests.test_autocast import report_of
+from tests.test_goodput import MLP, Classes, quiet_trainer
+
+pytestmark = pytest.mark.usefixtures("long_planned_run", "fixed_cost_steps")
+
+
+class LBFGSMLP(MLP):
+    """Counts its ``training_step`` calls: LBFGS calls the closure (and so the step) up to
+    ``max_iter`` times per optimizer step."""
+
+    def __init__(self) -> None:
+        super().__init__(lr=1.0)
+        self.calls = 0
+
+    @override
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        self.calls += 1
+        return super().training_step(batch, batch_idx)
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        return torch.optim.LBFGS(
+            self.parameters(), lr=self.hparams["lr"], max_iter=4, line_search_fn="strong_wolfe"
+        )
+
+
+def val_loss(trainer: L.Trainer) -> float:
+    return float(trainer.callback_metrics["val_loss"])
+
+
+def test_an_lbfgs_run_is_tuned_and_trains_as_plain_lightning(tmp_path: Path) -> None:
+    """The trials stepped the copy's optimizer without a closure, and its copy had lost the
+    parameters LBFGS keeps outside its state ("'LBFGS' object has no attribute '_params'", then
+    "missing 1 required positional argument: 'closure'"): `AutoBatchSize` stopped the fit."""
+    torch.manual_seed(0)
+    plain = quiet_trainer(tmp_path / "plain", [])
+    plain.fit(LBFGSMLP(), datamodule=Classes())
+    torch.manual_seed(0)
+    tuner = AutoBatchSize()
+    boosted = quiet_trainer(tmp_path / "boosted", [*boost_callbacks(), tuner], strategy=preset("auto"))
+    boosted.fit(LBFGSMLP(), datamodule=Classes())
+    assert tuner.decision is not None and tuner.decision.source == "measured" and tuner.decision.trials
+    warned = [
+        f.title
+        for f in report_of(boosted).findings
+        if f.severity is not Severity.INFO and f.severity.value != "ok"
+    ]
+    assert warned == []
+    assert val_loss(boosted) <= val_loss(plain) * 1.05
+
+
+def test_a_trial_steps_lbfgs_as_lightning_does_evaluating_the_step_again() -> None:
+    """The copy's LBFGS, stepped with the trials' closure, takes the steps a real closure gives
+    (its line search evaluates the step again at each trial point): the same losses step by step;
+    a closure that gave back the first loss each time would not."""
+    model = BoringModel()
+    data = RandomDataset(length=8)
+    batch = (data.inputs, data.targets)
+    reference = copy.deepcopy(model)
+    lbfgs = torch.optim.LBFGS(reference.parameters(), max_iter=4, line_search_fn="strong_wolfe")
+
+    def closure() -> Tensor:
+        lbfgs.zero_grad()
+        loss = reference._loss(batch)
+        loss.backward()
+        return loss.detach()
+
+    losses = [float(lbfgs.step(closure)) for _ in range(4)]  # a warm-up step, then three timed
+    optimizer = torch.optim.LBFGS(model.parameters(), max_iter=4, line_search_fn="strong_wolfe")
+    torch.optim.lr_scheduler.StepLR(optimizer, 1)  # sets a `step` on the optimizer that steps it
+    probe = StepProbe(model, [optimizer], 3, contextlib.nullcontext, contextlib.nullcontext)
+    trial = probe.train(batch, 8)
+    assert trial.losses == pytest.approx(losses[1:], rel=1e-5)
+    assert losses[3] < losses[1] / 2  # LBFGS moved: the check can tell a step from none
+    assert not optimizer.state and not getattr(optimizer, "_opt_called", False)  # the model's own: untouched
+
+
+@pytest.mark.parametrize(("optimizer", "factor"), [("LBFGS", 1.0), ("Adam", 2.0)])
+def test_the_rate_of_a_quasi_newton_step_is_kept_when_the_batch_grows(
+    tmp_path: Path, optimizer: str, factor: float
+) -> None:
+    """At 4x the batch, "auto" raised every rate by the square root, LBFGS's too: its ``lr``
+    multiplies a step the curvature already sizes."""
+    model = LBFGSMLP()
+    if optimizer == "Adam":
+        model.configure_optimizers = lambda: torch.optim.Adam(model.parameters(), lr=1e-3)  # type: ignore[method-assign]
+    tuner = AutoBatchSize(target_global_batch_size=128)
+    trainer = quiet_trainer(tmp_path, [tuner], max_steps=2)
+    trainer.fit(model, datamodule=Classes())
+    assert tuner.decision is not None and tuner.decision.effective_batch_size == 128
+    assert tuner.decision.lr_factor == pytest.approx(factor)
