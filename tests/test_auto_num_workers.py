@@ -119,6 +119,18 @@ class _Stream(IterableDataset[tuple[Tensor, Tensor]]):
         return iter(IndexDataset(64))
 
 
+class _Batches(IndexDataset):
+    """Each item a whole batch of 8 (loaded with ``batch_size=None``), as tabular programs read slices."""
+
+    @override
+    def __len__(self) -> int:
+        return len(self.inputs) // 8
+
+    @override
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        return self.inputs[index * 8 : index * 8 + 8], torch.arange(index * 8, index * 8 + 8)
+
+
 class _Rollouts(IterableDataset[tuple[Tensor, Tensor]]):
     """A reinforcement-learning stream, as Lightning's PPO and DQN examples build theirs: its
     `__iter__` runs the live policy (the LightningModule it holds) to make each sample."""
@@ -147,6 +159,11 @@ class _Policy(SeenIndices):
             "BoostedDataModule",
         ),
         (DataLoader(_Stream(), batch_size=8), "_Stream is an IterableDataset", "get_worker_info()"),
+        (
+            DataLoader(_Batches(), batch_size=None),
+            "loads whole batches from its dataset",
+            "BoostedDataModule",
+        ),
     ],
 )
 def test_what_cannot_be_rebuilt_is_left_alone_and_explained(

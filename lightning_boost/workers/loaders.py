@@ -105,6 +105,11 @@ def cannot_rebuild(loader: DataLoader[Any]) -> str | None:
     if type(loader) is not DataLoader:
         return f"{type(loader).__name__} is a DataLoader subclass whose own arguments are unknown"
     why_not = cannot_measure(loader.dataset)
+    if why_not is None and loader.batch_sampler is None:  # no batching: each item is a batch
+        why_not = (
+            "it loads whole batches from its dataset (`batch_size=None`), and the worker search"
+            " times batches it makes of samples"
+        )
     if why_not is None and loader_batch_size(loader) is None:
         why_not = f"its batch sampler {type(loader.batch_sampler).__name__} has no `batch_size`"
     return why_not
