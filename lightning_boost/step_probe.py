@@ -16,6 +16,7 @@ import gc
 import itertools
 import math
 import statistics
+import sys
 import time
 import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence, Sized
@@ -644,17 +645,33 @@ class StepProbe:
 def _copied_optimizer(optimizer: Optimizer, memo: dict[int, Any]) -> Optimizer:
     """A deep copy of `optimizer` over the parameters `memo` maps it to, with the data its
     ``__getstate__`` leaves out (LBFGS keeps its parameters in ``_params``, set in ``__init__``);
-    not the functions set on it (a scheduler wraps ``step`` to step this optimizer).
+    not the functions set on it (a scheduler wraps ``step`` to step this optimizer). A
+    `ZeroRedundancyOptimizer`, whose process group cannot be copied, is copied as the optimizer
+    it shards, over every parameter: a copy steps on this process alone.
 
         >>> p, q = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
         >>> _copied_optimizer(torch.optim.LBFGS([p]), {id(p): q})._params[0] is q
         True
     """
+    if _is_zero(optimizer):
+        groups = [
+            {**group, "params": [memo[id(p)] for p in group["params"]]} for group in optimizer.param_groups
+        ]
+        local: Optimizer = type(optimizer.optim)(groups, **optimizer._optim_defaults)  # type: ignore[attr-defined]
+        memo[id(optimizer)] = local  # a scheduler over it is copied over this one
+        return local
     copied = copy.deepcopy(optimizer, memo)
     for name, value in vars(optimizer).items():
         if name not in vars(copied) and not callable(value):
             setattr(copied, name, copy.deepcopy(value, memo))
     return copied
+
+
+def _is_zero(optimizer: Optimizer) -> bool:
+    """Whether `optimizer` is a ``torch.distributed.optim.ZeroRedundancyOptimizer`` (its module is
+    imported where one was made: not here, where torch 2.5 warns at the import)."""
+    zero = getattr(sys.modules.get("torch.distributed.optim"), "ZeroRedundancyOptimizer", None)
+    return zero is not None and isinstance(optimizer, zero)
 
 
 def _added(loss: Tensor | None, other: Tensor | None) -> Tensor | None:

@@ -1,12 +1,14 @@
-"""Optimizers whose ``step`` takes the closure Lightning hands it (LBFGS evaluates the step again
-along its line search), under the pack in real CPU fits: the trials step them as Lightning does,
-and the learning-rate rule leaves a quasi-Newton step's rate alone.
+"""Optimizers the trials must copy and step as Lightning does, under the pack in real CPU fits:
+LBFGS, whose ``step`` takes the closure Lightning hands it and evaluates it again along its line
+search (and whose rate the learning-rate rule leaves alone), and `ZeroRedundancyOptimizer`, whose
+process group cannot be copied (2 processes over gloo).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import json
 from pathlib import Path
 
 import lightning as L
@@ -14,12 +16,13 @@ import pytest
 import torch
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor
+from torch.distributed.optim import ZeroRedundancyOptimizer  # torch 2.5 warns here, whatever the filters
 from typing_extensions import override
 
 from lightning_boost import AutoBatchSize, boost_callbacks, preset
 from lightning_boost.report import Severity
 from lightning_boost.step_probe import StepProbe
-from lightning_boost.testing import BoringModel, RandomDataset
+from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
 from tests.test_autocast import report_of
 from tests.test_goodput import MLP, Classes, quiet_trainer
 
@@ -111,3 +114,29 @@ def test_the_rate_of_a_quasi_newton_step_is_kept_when_the_batch_grows(
     trainer.fit(model, datamodule=Classes())
     assert tuner.decision is not None and tuner.decision.effective_batch_size == 128
     assert tuner.decision.lr_factor == pytest.approx(factor)
+
+
+class ZeroModel(BoringModel):
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        return ZeroRedundancyOptimizer(self.parameters(), optimizer_class=torch.optim.SGD, lr=0.1)
+
+
+@pytest.mark.ddp
+def test_a_zero_redundancy_optimizer_is_tuned_over_ddp(tmp_path: Path) -> None:
+    """Copying the sharded optimizer for the trials raised ("cannot pickle ... ProcessGroup") and
+    the fit stopped on every rank, where plain Lightning trains. The copy is now the optimizer it
+    shards (SGD), over every parameter of the model's copy."""
+    trainer = tiny_trainer(  # spawned ranks miss `long_planned_run`: a run that repays a search
+        tmp_path,
+        devices=2,
+        strategy="ddp_spawn",
+        callbacks=[AutoBatchSize(steps=1, min_efficiency=0.01)],
+        enable_checkpointing=False,
+        limit_train_batches=0.1,
+        max_epochs=8,
+    )
+    trainer.fit(ZeroModel(), datamodule=BoringDataModule(length=20480))
+    (report,) = tmp_path.rglob("boost_report.json")
+    (finding,) = [f for f in json.loads(report.read_text())["findings"] if f["source"] == "AutoBatchSize"]
+    assert finding["data"]["trials"] and finding["data"]["world_size"] == 2
