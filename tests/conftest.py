@@ -99,6 +99,22 @@ def fixed_cost_steps(monkeypatch: pytest.MonkeyPatch) -> None:
     script_trials(monkeypatch, lambda size: {"samples_per_s": size / (0.01 + 1e-6 * size), "spread": 0.0})
 
 
+def spawned_ddp_trainer(root: Path, callbacks: list[L.Callback]) -> L.Trainer:
+    """A 2-process ``ddp_spawn`` fit long enough to repay a batch size search (spawned ranks miss
+    `long_planned_run`): 8 epochs of a tenth of the loader."""
+    from lightning_boost.testing import tiny_trainer
+
+    return tiny_trainer(
+        root,
+        devices=2,
+        strategy="ddp_spawn",
+        callbacks=callbacks,
+        enable_checkpointing=False,
+        limit_train_batches=0.1,
+        max_epochs=8,
+    )
+
+
 def script_trials(monkeypatch: pytest.MonkeyPatch, scripted: Callable[[int], dict[str, Any]]) -> None:
     """`StepProbe.train` runs its real steps (memory, OOMs, gradients, the autocast pairs), then
     the fields `scripted` gives for the trial's size replace the measured ones (not an OOM's)."""

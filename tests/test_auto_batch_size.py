@@ -42,7 +42,7 @@ from lightning_boost.batch_size.goodput import cross_noise
 from lightning_boost.step_probe import RememberedSamples, StepProbe, is_oom, remembered
 from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
 from lightning_boost.trainer_reads import TrainerReads
-from tests.conftest import script_trials
+from tests.conftest import script_trials, spawned_ddp_trainer
 
 FAST = {"steps": 1, "tolerance": 0.0}
 pytestmark = pytest.mark.usefixtures("long_planned_run")
@@ -862,15 +862,7 @@ class RankOOMModel(BoringModel):
 @pytest.mark.ddp
 def test_ddp_takes_the_smallest_fit_over_ranks_without_hanging(tmp_path: Path) -> None:
     callback = AutoBatchSize(**FAST, min_efficiency=0.01)  # the search is about memory, not noise
-    trainer = tiny_trainer(  # spawned ranks miss `long_planned_run`: a run that repays a search
-        tmp_path,
-        devices=2,
-        strategy="ddp_spawn",
-        callbacks=[callback],
-        enable_checkpointing=False,
-        limit_train_batches=0.1,
-        max_epochs=8,
-    )
+    trainer = spawned_ddp_trainer(tmp_path, [callback])
     trainer.fit(RankOOMModel(str(tmp_path)), datamodule=BoringDataModule(length=20480))
     chosen = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     assert chosen[0] == chosen[1] <= 12

@@ -22,7 +22,8 @@ from typing_extensions import override
 from lightning_boost import AutoBatchSize, boost_callbacks, preset
 from lightning_boost.report import Severity
 from lightning_boost.step_probe import StepProbe
-from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
+from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset
+from tests.conftest import spawned_ddp_trainer
 from tests.test_autocast import report_of
 from tests.test_goodput import MLP, Classes, quiet_trainer
 
@@ -127,15 +128,7 @@ def test_a_zero_redundancy_optimizer_is_tuned_over_ddp(tmp_path: Path) -> None:
     """Copying the sharded optimizer for the trials raised ("cannot pickle ... ProcessGroup") and
     the fit stopped on every rank, where plain Lightning trains. The copy is now the optimizer it
     shards (SGD), over every parameter of the model's copy."""
-    trainer = tiny_trainer(  # spawned ranks miss `long_planned_run`: a run that repays a search
-        tmp_path,
-        devices=2,
-        strategy="ddp_spawn",
-        callbacks=[AutoBatchSize(steps=1, min_efficiency=0.01)],
-        enable_checkpointing=False,
-        limit_train_batches=0.1,
-        max_epochs=8,
-    )
+    trainer = spawned_ddp_trainer(tmp_path, [AutoBatchSize(steps=1, min_efficiency=0.01)])
     trainer.fit(ZeroModel(), datamodule=BoringDataModule(length=20480))
     (report,) = tmp_path.rglob("boost_report.json")
     (finding,) = [f for f in json.loads(report.read_text())["findings"] if f["source"] == "AutoBatchSize"]

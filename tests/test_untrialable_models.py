@@ -23,7 +23,8 @@ from typing_extensions import override
 from lightning_boost import AutoBatchSize, boost_callbacks, preset
 from lightning_boost.fingerprints import describe_model
 from lightning_boost.presets.plans import model_parameter_count
-from lightning_boost.testing import BoringDataModule, BoringModel, tiny_trainer
+from lightning_boost.testing import BoringDataModule, BoringModel
+from tests.conftest import spawned_ddp_trainer
 from tests.test_goodput import MLP, Classes, classes, quiet_trainer
 
 pytestmark = pytest.mark.usefixtures("long_planned_run", "fixed_cost_steps")
@@ -147,15 +148,7 @@ def test_a_skip_on_one_rank_ends_every_ranks_trials_and_lightning_says_why(tmp_p
     """The ranks' trials end together (rank 0's step ran, rank 1's skipped: both keep the size,
     neither waits at a trial the other left), and the run meets Lightning's own error, as it
     would without the pack: DDP cannot skip a step. Before, rank 1's skip was a failed step."""
-    trainer = tiny_trainer(  # spawned ranks miss `long_planned_run`: a run that repays a search
-        tmp_path,
-        devices=2,
-        strategy="ddp_spawn",
-        callbacks=[AutoBatchSize(steps=1, min_efficiency=0.01)],
-        enable_checkpointing=False,
-        limit_train_batches=0.1,
-        max_epochs=8,
-    )
+    trainer = spawned_ddp_trainer(tmp_path, [AutoBatchSize(steps=1, min_efficiency=0.01)])
     with pytest.raises(
         ProcessRaisedException, match="returning None in distributed training is not supported"
     ):
