@@ -645,13 +645,20 @@ class StepProbe:
 def _copied_optimizer(optimizer: Optimizer, memo: dict[int, Any]) -> Optimizer:
     """A deep copy of `optimizer` over the parameters `memo` maps it to, with the data its
     ``__getstate__`` leaves out (LBFGS keeps its parameters in ``_params``, set in ``__init__``);
-    not the functions set on it (a scheduler wraps ``step`` to step this optimizer). A
-    `ZeroRedundancyOptimizer`, whose process group cannot be copied, is copied as the optimizer
-    it shards, over every parameter: a copy steps on this process alone.
+    not the functions set on it (a scheduler wraps ``step`` to step this optimizer), nor what
+    cannot be copied. A `ZeroRedundancyOptimizer`, whose process group cannot be copied, is
+    copied as the optimizer it shards, over every parameter: a copy steps on this process alone.
 
         >>> p, q = torch.zeros(2, requires_grad=True), torch.zeros(2, requires_grad=True)
         >>> _copied_optimizer(torch.optim.LBFGS([p]), {id(p): q})._params[0] is q
         True
+        >>> import threading
+        >>> class Locked(torch.optim.SGD):
+        ...     def __init__(self, params):
+        ...         super().__init__(params, lr=0.1)
+        ...         self.lock = threading.Lock()
+        >>> hasattr(_copied_optimizer(Locked([p]), {id(p): q}), "lock")
+        False
     """
     if _is_zero(optimizer):
         groups = [
@@ -663,7 +670,10 @@ def _copied_optimizer(optimizer: Optimizer, memo: dict[int, Any]) -> Optimizer:
     copied = copy.deepcopy(optimizer, memo)
     for name, value in vars(optimizer).items():
         if name not in vars(copied) and not callable(value):
-            setattr(copied, name, copy.deepcopy(value, memo))
+            try:
+                setattr(copied, name, copy.deepcopy(value, memo))
+            except (TypeError, RuntimeError):  # a lock, a process group: left out, as its state leaves it
+                continue
     return copied
 
 
