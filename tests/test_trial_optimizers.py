@@ -1,7 +1,8 @@
 """Optimizers the trials must copy and step as Lightning does, under the pack in real CPU fits:
 LBFGS, whose ``step`` takes the closure Lightning hands it and evaluates it again along its line
 search (and whose rate the learning-rate rule leaves alone), and `ZeroRedundancyOptimizer`, whose
-process group cannot be copied (2 processes over gloo).
+process group cannot be copied (2 processes over gloo). And what the DDP preset says at set-up of
+LBFGS with a line search, which can hang DDP.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from torch.distributed.optim import ZeroRedundancyOptimizer  # torch 2.5 warns h
 from typing_extensions import override
 
 from lightning_boost import AutoBatchSize, boost_callbacks, preset
+from lightning_boost.hardware import EXAMPLES
 from lightning_boost.report import Severity
 from lightning_boost.step_probe import StepProbe
-from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset
+from lightning_boost.testing import BoringDataModule, BoringModel, RandomDataset, tiny_trainer
 from tests.conftest import spawned_ddp_trainer
 from tests.test_autocast import report_of
 from tests.test_goodput import MLP, Classes, quiet_trainer
@@ -133,3 +135,41 @@ def test_a_zero_redundancy_optimizer_is_tuned_over_ddp(tmp_path: Path) -> None:
     (report,) = tmp_path.rglob("boost_report.json")
     (finding,) = [f for f in json.loads(report.read_text())["findings"] if f["source"] == "AutoBatchSize"]
     assert finding["data"]["trials"] and finding["data"]["world_size"] == 2
+
+
+class LineSearchRegression(BoringModel):
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        return torch.optim.LBFGS(self.parameters(), max_iter=5, line_search_fn="strong_wolfe")
+
+
+class WritesPresetFindings(L.Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        titles = [finding.title for finding in getattr(trainer.strategy, "findings", [])]
+        (self.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(titles))
+
+
+@pytest.mark.ddp
+def test_the_ddp_preset_warns_at_set_up_of_an_lbfgs_line_search(tmp_path: Path) -> None:
+    """The ranks' line searches evaluate the step as often as their own losses ask, each backward
+    waiting for the others': 2 gloo processes hung past 90 s, with or without the pack, and no
+    report comes from a hung fit. The preset says so before the first step, on every rank's
+    findings (no step is trained here: it could hang)."""
+    strategy = preset("fast-ddp", hardware=EXAMPLES["cpu"], start_method="spawn")
+    trainer = tiny_trainer(
+        tmp_path,
+        devices=2,
+        strategy=strategy,
+        callbacks=[WritesPresetFindings(tmp_path)],
+        limit_train_batches=0,
+        limit_val_batches=0,
+        enable_checkpointing=False,
+    )
+    trainer.fit(LineSearchRegression(), datamodule=BoringDataModule(length=64))
+    for rank in (0, 1):
+        titles = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert any(title.startswith("LBFGS with a line search over 2 processes can hang") for title in titles)

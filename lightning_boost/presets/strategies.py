@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy, Strategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -33,6 +34,7 @@ from lightning_boost.presets.data_parallel import (
     data_parallel_wrappers,
 )
 from lightning_boost.presets.late_params import LateParams
+from lightning_boost.presets.line_search import line_search_finding, line_searches
 from lightning_boost.presets.memory_format import (
     MemoryFormatChoice,
     choose_memory_format,
@@ -40,7 +42,7 @@ from lightning_boost.presets.memory_format import (
 )
 from lightning_boost.presets.plans import PresetPlan
 from lightning_boost.presets.saves import BackgroundSaves, copies_saved_files, file_readers, saves_finding
-from lightning_boost.report import Finding, Severity
+from lightning_boost.report import BoostWarning, Finding, Severity
 
 
 def check_precision(user_flag: str, plan: PresetPlan) -> None:
@@ -286,6 +288,17 @@ class PresetDDP(PresetStrategy):
         if self.plan.channels_last is not None:
             self._lay_out(self.plan.channels_last)
         super().model_to_device()  # type: ignore[safe-super]
+
+    @override
+    def setup_optimizers(self, trainer: Any) -> None:
+        """Lightning's, then a warning at set-up for an LBFGS line search over several processes,
+        which can hang the fit with no error (`presets.line_search`)."""
+        super().setup_optimizers(trainer)
+        self.findings = [f for f in self.findings if "line_search" not in f.data]
+        finding = line_search_finding(line_searches(self.optimizers), trainer.world_size)
+        if finding is not None:
+            self.findings.append(finding)
+            rank_zero_warn(f"{finding.title}. {finding.detail} Fix: {finding.fix}", category=BoostWarning)
 
     def _setup_model(self, model: Module) -> Any:
         """DDP around `model`, noting which parameters its reducer holds (`LateParams`)."""
