@@ -395,6 +395,19 @@ def forget_train_loader(trainer: L.Trainer) -> None:
     loop._combined_loader = None
 
 
+def rebuild_train_loader(trainer: L.Trainer) -> None:
+    """Build the fit loop's training loader again now, at the batch size set since, for the next
+    epoch (called at an epoch's end): the trainer holds a loader throughout, as in plain Lightning,
+    where a user's ``on_train_epoch_end`` reads it. Left to Lightning where its own reload
+    (``reload_dataloaders_every_n_epochs``) builds it before the next epoch anyway."""
+    loop = trainer.fit_loop
+    every = reload_every_n_epochs(trainer)
+    if every and trainer.current_epoch + 1 - loop._last_train_dl_reload_epoch >= every:
+        return
+    forget_train_loader(trainer)
+    loop.setup_data()
+
+
 def redo_optimizers(trainer: L.Trainer) -> bool:
     """Run ``configure_optimizers`` again, as ``Strategy.setup`` did, so schedulers sized from the
     step count see the steps the run will now take. Only at ``on_fit_start``: no step taken, no

@@ -16,6 +16,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.types import OptimizerLRScheduler
 from torch import Tensor
+from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from lightning_boost import AutoBatchSize
@@ -148,16 +149,22 @@ def test_the_cap_bounds_the_growth() -> None:
 
 
 class Recorded(MLP):
-    """Records the batch size of every training step, per epoch."""
+    """Records the batch size of every training step, per epoch, and of the trainer's training
+    loader at each epoch's end, where a user's hook reads it (plain Lightning's is never ``None``)."""
 
     def __init__(self, lr: float = 1e-3) -> None:
         super().__init__(lr)
         self.sizes: dict[int, list[int]] = {}
+        self.loader_sizes: list[int | None] = []
 
     @override
     def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
         self.sizes.setdefault(self.current_epoch, []).append(len(batch[0]))
         return super().training_step(batch, batch_idx)
+
+    @override
+    def on_train_epoch_end(self) -> None:
+        self.loader_sizes.append(self.trainer.train_dataloader.batch_size)
 
 
 class StepScheduled(MLP):
@@ -186,6 +193,8 @@ def test_a_real_run_grows_its_batch_between_epochs_with_every_sample_once(tmp_pa
     assert model.sizes[0] == [64] * 112  # the start keeps 64: 128 taught too little at first
     assert set(model.sizes[first["epoch"] + 1][:-1]) == {first["to"]}  # the next epoch at the new size
     assert all(sum(sizes) == 7168 for sizes in model.sizes.values())  # every sample, each epoch
+    # at each epoch's end the trainer holds a loader: from the growth on, the next epoch's
+    assert model.loader_sizes == [64] * first["epoch"] + [first["to"]] * (5 - first["epoch"])
     assert decision.lr_factor == pytest.approx(math.sqrt(decision.batch_size / 64))
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3 * decision.lr_factor)
     titles = [f.title for f in callback.findings]
@@ -197,6 +206,33 @@ def test_a_real_run_grows_its_batch_between_epochs_with_every_sample_once(tmp_pa
     watch = callback._watch
     batches = sum(len(sizes) for sizes in model.sizes.values())
     assert watch is not None and len(watch.means) == batches // WINDOW
+
+
+class Reloaded(Classes):
+    """Records the epoch of each training loader built once training has begun."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.built_at: list[int] = []
+
+    @override
+    def train_dataloader(self) -> DataLoader[Any]:
+        if self.trainer is not None and self.trainer.global_step:
+            self.built_at.append(self.trainer.current_epoch)
+        return super().train_dataloader()
+
+
+@pytest.mark.usefixtures("fixed_cost_steps")
+def test_a_run_that_reloads_its_loader_each_epoch_grows_at_lightning_s_reload(tmp_path: Path) -> None:
+    callback, model, data = grow_callback(tmp_path), Recorded(), Reloaded(batch_size=64)
+    trainer = quiet_trainer(tmp_path, [callback], max_epochs=5, reload_dataloaders_every_n_epochs=1)
+    trainer.fit(model, datamodule=data)
+    decision = callback.decision
+    assert decision is not None and decision.growth, [f.title for f in callback.findings]
+    first = decision.growth[0]
+    assert set(model.sizes[first["epoch"] + 1][:-1]) == {first["to"]}
+    assert data.built_at == [1, 2, 3, 4]  # Lightning's reloads, none added for the growth
+    assert model.loader_sizes[first["epoch"]] == 64  # the epoch's own loader, till Lightning's reload
 
 
 @pytest.mark.usefixtures("fixed_cost_steps")

@@ -28,6 +28,7 @@ from lightning_boost._lightning import (
     moved_as_the_loop_moves,
     overrides,
     preserved_rng,
+    rebuild_train_loader,
     redo_optimizers,
     train_loader_built,
     train_loaders,
@@ -473,7 +474,7 @@ class AutoBatchSize(BoostCallback):
         if after.batch_size == before.batch_size:
             return
         lightning_setattr(pl_module, self.attr_name, after.batch_size)
-        forget_train_loader(trainer)  # built again at the new size before the next epoch
+        rebuild_train_loader(trainer)  # at the new size, for the next epoch
         _scale_learning_rates(trainer, after.lr_factor / before.lr_factor)
         span(self._averages, _samples_growth(after), start=False)  # a start not yet reached stays
         if self._watch is None:  # a divergence was reported: the new size is watched afresh
