@@ -193,8 +193,9 @@ def test_a_real_run_grows_its_batch_between_epochs_with_every_sample_once(tmp_pa
     assert model.sizes[0] == [64] * 112  # the start keeps 64: 128 taught too little at first
     assert set(model.sizes[first["epoch"] + 1][:-1]) == {first["to"]}  # the next epoch at the new size
     assert all(sum(sizes) == 7168 for sizes in model.sizes.values())  # every sample, each epoch
-    # at each epoch's end the trainer holds a loader: from the growth on, the next epoch's
-    assert model.loader_sizes == [64] * first["epoch"] + [first["to"]] * (5 - first["epoch"])
+    # at each epoch's end the trainer holds a loader: the next epoch's (built at a growth)
+    assert model.loader_sizes == [model.sizes[min(epoch + 1, 4)][0] for epoch in range(5)]
+    assert model.loader_sizes[first["epoch"]] == first["to"]
     assert decision.lr_factor == pytest.approx(math.sqrt(decision.batch_size / 64))
     assert trainer.optimizers[0].param_groups[0]["lr"] == pytest.approx(1e-3 * decision.lr_factor)
     titles = [f.title for f in callback.findings]
