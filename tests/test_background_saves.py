@@ -8,10 +8,11 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from lightning.fabric.plugins.io import CheckpointIO, TorchCheckpointIO, torch_io
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from typing_extensions import override
 
@@ -80,6 +81,38 @@ def test_a_failed_save_raises_on_the_training_thread_and_keeps_the_checkpoint_it
     assert [p.name for p in _checkpoints(tmp_path / "ckpt")] == ["epoch=0-step=2.ckpt"]  # not removed
     assert len(writes) == 2  # nothing written after the failure
     assert type(strategy.checkpoint_io) is TorchCheckpointIO  # put back after the failure too
+
+
+class _ReadsLastAtTrainEnd(Callback):
+    """Reads the last checkpoint where users upload or evaluate it: ``on_train_end``, before the
+    fit's teardown (a callback's hook, then the module's)."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        path = trainer.checkpoint_callback.last_model_path  # type: ignore[union-attr]
+        self.steps.append(torch.load(path, map_location="cpu", weights_only=False)["global_step"])
+
+
+def test_on_train_end_reads_the_fits_last_checkpoint_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def slow_write(checkpoint: dict[str, Any], path: Any) -> None:  # a slow disk, simulated
+        time.sleep(0.3)
+        atomic_save(checkpoint, path)
+
+    atomic_save = torch_io._atomic_save
+    monkeypatch.setattr(torch_io, "_atomic_save", slow_write)
+    strategy, reader = _preset(), _ReadsLastAtTrainEnd()
+    checkpoint = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_last=True)
+    trainer = tiny_trainer(tmp_path, strategy=strategy, callbacks=[reader, checkpoint], limit_train_batches=8)
+    given = list(trainer.callbacks)
+    trainer.fit(BoringModel(), datamodule=BoringDataModule())
+    assert strategy.saves_in_background
+    assert reader.steps == [8]  # the last step's file, not the one before it (nor a missing one)
+    assert trainer.callbacks == given  # the wait is not left among the trainer's callbacks
 
 
 class _SlowIO(CheckpointIO):

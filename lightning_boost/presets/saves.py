@@ -16,8 +16,9 @@ thread, which runs them in the order they were asked for:
   and the next save, removal, load or the end of the fit raises the error;
 - at most one save is in flight: a save waits for the one before it, so host memory holds one
   copy of the state;
-- a load (``trainer.test(ckpt_path="best")``, a resume) and the strategy's teardown wait for
-  every write first, so the file is whole when anything reads it.
+- a load (``trainer.test(ckpt_path="best")``, a resume), the ``on_train_end`` hooks (where
+  users upload or evaluate the fit's checkpoints: `SavesLanded`) and the strategy's teardown wait
+  for every write first, so the file is whole when anything reads it.
 
 The file holds the same values, as host tensors: Lightning's loads (a resume, ``ckpt_path=``,
 ``load_from_checkpoint``) put them on the model's device as before, and a bare ``torch.load`` of
@@ -39,6 +40,7 @@ import torch
 from lightning.fabric.plugins.io import CheckpointIO
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import Callback
 from lightning_utilities.core.apply_func import apply_to_collection
 from typing_extensions import override
 
@@ -228,6 +230,10 @@ class BackgroundSaves(CheckpointIO):
         except BaseException as error:  # re-raised on the training thread
             self._error = (what, error)
 
+    def wait(self) -> None:
+        """Block until every save and removal asked for so far is done; raise a failure."""
+        self._wait()
+
     def _wait(self) -> None:
         """Block until everything asked for so far is done; raise a failure."""
         if self._last is not None:
@@ -246,3 +252,16 @@ class BackgroundSaves(CheckpointIO):
             " checkpoints saved before it are kept: the removals queued after it were skipped. Fix the"
             f" cause (disk space, permissions), or save on the training thread with {OFF}."
         ) from error
+
+
+class SavesLanded(Callback):
+    """Waits for `saves` before the ``on_train_end`` hooks after it, where users read the fit's
+    checkpoint files (an upload, an evaluation of ``best_model_path``): placed first among the
+    trainer's callbacks, it lands the last save of the fit, which training no longer overlaps."""
+
+    def __init__(self, saves: BackgroundSaves) -> None:
+        self.saves = saves
+
+    @override
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self.saves.wait()

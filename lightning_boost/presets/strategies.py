@@ -41,7 +41,13 @@ from lightning_boost.presets.memory_format import (
     memory_format_finding,
 )
 from lightning_boost.presets.plans import PresetPlan
-from lightning_boost.presets.saves import BackgroundSaves, copies_saved_files, file_readers, saves_finding
+from lightning_boost.presets.saves import (
+    BackgroundSaves,
+    SavesLanded,
+    copies_saved_files,
+    file_readers,
+    saves_finding,
+)
 from lightning_boost.report import BoostWarning, Finding, Severity
 
 
@@ -210,8 +216,11 @@ class PresetStrategy(_Strategy):
         self.findings = [f for f in self.findings if "background_saves" not in f.data]
         self.findings.append(saves_finding(readers))
         if not readers:
-            self.checkpoint_io = BackgroundSaves(self.checkpoint_io)
+            saves = BackgroundSaves(self.checkpoint_io)
+            self.checkpoint_io = saves
             self.saves_in_background = True
+            if module is not None:  # before every other callback's `on_train_end`
+                callbacks_of(module.trainer).insert(0, SavesLanded(saves))
 
     @override
     def on_train_start(self) -> None:
@@ -263,6 +272,10 @@ class PresetStrategy(_Strategy):
         finally:
             if isinstance(self._checkpoint_io, BackgroundSaves):
                 self._checkpoint_io = self._checkpoint_io.inner  # later saves (ddp_spawn's) wait
+            module = self.lightning_module
+            if module is not None and module._trainer is not None:
+                callbacks = callbacks_of(module.trainer)
+                callbacks[:] = [c for c in callbacks if not isinstance(c, SavesLanded)]
             if self._saved_flags is not None:
                 restore_speed_flags(self._saved_flags)
                 self._saved_flags = None
