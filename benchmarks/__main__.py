@@ -41,6 +41,7 @@ BENCHMARKS = (
     "whole_batches",
     "checkpoint_saves",
     "noise_scale",
+    "growth_moments",
     "batch_quality",
     "monitor_overhead",
     "report_plots",

@@ -190,6 +190,16 @@ def test_noise_scale_benchmark_runs_at_tiny_size() -> None:
     assert 0 <= gpu.ratio <= 1 and "resnet18 at 32 px" in gpu.detail and "x2 limit is 128" in gpu.detail
 
 
+def test_growth_moments_benchmark_rescales_at_each_growth_at_tiny_size() -> None:
+    from benchmarks import growth_moments
+
+    rescaled, kept = growth_moments.run(seeds=1, epochs=3)
+    assert rescaled.ratio > 0 and kept.ratio > 0 and rescaled.command == growth_moments.COMMAND
+    factors = rescaled.detail.split("rescaled at each growth (x")[1].split(")")[0].split(", ")
+    assert len(factors) == 2 and all(0.3 < float(f) < 1 for f in factors)  # mostly noise: about 1/2
+    assert "state left as it was" in kept.detail
+
+
 def test_batch_quality_benchmark_runs_at_tiny_size() -> None:
     from benchmarks import batch_quality
 

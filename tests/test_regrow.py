@@ -236,6 +236,51 @@ def test_a_run_that_reloads_its_loader_each_epoch_grows_at_lightning_s_reload(tm
     assert model.loader_sizes[first["epoch"]] == 64  # the epoch's own loader, till Lightning's reload
 
 
+class SecondMoments(Recorded):
+    """Records Adam's running squared gradients after each epoch's last step, and at its end."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before: list[Tensor] = []
+        self.after: dict[int, list[Tensor]] = {}
+
+    def _squares(self) -> list[Tensor]:
+        optimizer = self.trainer.optimizers[0]
+        return [optimizer.state[p]["exp_avg_sq"].clone() for p in self.parameters()]
+
+    @override
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.before = self._squares()  # the epoch's last is the state before any growth
+
+    @override
+    def on_train_epoch_end(self) -> None:
+        super().on_train_epoch_end()
+        after = self._squares()
+        self.after[self.current_epoch] = [a / b for a, b in zip(after, self.before, strict=True)]
+
+
+@pytest.mark.usefixtures("fixed_cost_steps")
+def test_a_growth_rescales_adams_running_squared_gradients_to_the_larger_batch(tmp_path: Path) -> None:
+    """At a larger batch the gradients are less noisy: Adam's running average of their squares,
+    kept from the smaller batch, would divide its steps by the old, larger squares for about
+    1 / (1 - beta2) = 1,000 steps, undoing the raised learning rate (a 32 -> 64 -> 128 growth
+    ended at val loss 0.31 where the batch of 32 reached 0.29: `second_moment_factor`)."""
+    callback, model = grow_callback(tmp_path), SecondMoments()
+    trainer = quiet_trainer(tmp_path, [callback], max_epochs=5)
+    trainer.fit(model, datamodule=Classes(batch_size=64))
+    decision = callback.decision
+    assert decision is not None and decision.growth, [f.title for f in callback.findings]
+    grew = decision.growth[0]
+    expected = (1 + grew["noise_scale"] / grew["to"]) / (1 + grew["noise_scale"] / grew["from"])
+    assert grew["second_moment"] == pytest.approx(expected) and expected < 0.9
+    for ratio in model.after[grew["epoch"]]:
+        assert torch.allclose(ratio, torch.full_like(ratio, expected))
+    untouched = [e for e in model.after if e not in {g["epoch"] for g in decision.growth}]
+    assert untouched and all(torch.equal(r, torch.ones_like(r)) for e in untouched for r in model.after[e])
+    finding = next(f for f in callback.findings if f.title.startswith("Batch size grown"))
+    assert f"Adam's running squared gradients x{expected:.2f}" in finding.detail
+
+
 @pytest.mark.usefixtures("fixed_cost_steps")
 @pytest.mark.filterwarnings("ignore:Checkpoint directory .* exists and is not empty")  # the resumed run's
 def test_a_run_resumed_after_a_growth_keeps_the_grown_size(tmp_path: Path) -> None:

@@ -94,6 +94,7 @@ from lightning_boost.batch_size.regrow import (
     could_grow,
     growth_limits,
     lr_ramp,
+    rescale_second_moments,
 )
 from lightning_boost.batch_size.search import Limits, lr_capped
 from lightning_boost.batch_size.untrialable import lazy_reason, scripted_reason, skipped_reason
@@ -476,11 +477,13 @@ class AutoBatchSize(BoostCallback):
         lightning_setattr(pl_module, self.attr_name, after.batch_size)
         rebuild_train_loader(trainer)  # at the new size, for the next epoch
         _scale_learning_rates(trainer, after.lr_factor / before.lr_factor)
+        factor = after.growth[-1]["second_moment"]
+        rescaled = [rescale_second_moments(optimizer, factor) for optimizer in trainer.optimizers]
         span(self._averages, _samples_growth(after), start=False)  # a start not yet reached stays
         if self._watch is None:  # a divergence was reported: the new size is watched afresh
             self._watch = LossWatch(batch_size=after.batch_size)
         self._watch.batch_size, self._watch_reports = after.batch_size, True
-        self.findings.append(growth_finding(after))
+        self.findings.append(growth_finding(after, sorted({name for name in rescaled if name})))
 
     @override
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

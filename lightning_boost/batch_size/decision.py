@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -509,8 +509,9 @@ def format_size(nbytes: int | None) -> str:
     return f"{nbytes} B"
 
 
-def growth_finding(decision: BatchSizeDecision) -> Finding:
-    """What the report says about the run's last growth of the batch (`decision.growth[-1]`)."""
+def growth_finding(decision: BatchSizeDecision, rescaled: Sequence[str] = ()) -> Finding:
+    """What the report says about the run's last growth of the batch (`decision.growth[-1]`), whose
+    optimizers' running squared gradients were `rescaled` (their class names)."""
     grew = decision.growth[-1]
     raised = (
         f" Learning rates x{grew['lr_factor'] / grew['lr_before']:.3g} ({decision.lr_scaling} rule),"
@@ -518,6 +519,11 @@ def growth_finding(decision: BatchSizeDecision) -> Finding:
         if grew["lr_factor"] != grew["lr_before"]
         else ""
     )
+    if rescaled:
+        raised += (
+            f" {'/'.join(rescaled)}'s running squared gradients x{grew['second_moment']:.2f}, as"
+            f" expected at {grew['to']} (less noisy gradients)."
+        )
     return Finding(
         "AutoBatchSize",
         "batch size",

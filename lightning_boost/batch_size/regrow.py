@@ -14,6 +14,12 @@ norm reads ``|G|^2 + tr(Σ)/B``, the squared norm of their mean ``|G|^2 + tr(Σ)
 `estimate_noise` fits. The weights move between the two steps, which adds the change of the
 true gradient to the noise: the estimate leans high, so the growth it allows is bounded by the
 sizes the start's trials measured (their throughput and memory) and by `Limits.min_efficiency`.
+
+A growth also rescales an adaptive optimizer's running average of squared gradients
+(`SECOND_MOMENTS`): it holds the smaller batch's noisier squares and would divide the steps by
+them for about ``1 / (1 - beta2)`` steps (1,000 for Adam's default), undoing the raised learning
+rate. On the MLP of `benchmarks.time_to_quality` with Adam, 8 epochs grown 32 -> 64 -> 128 ended
+at val loss 0.3125 without it and 0.2866 with it, against 0.2879 at 32 throughout (3 seeds each).
 """
 
 from __future__ import annotations
@@ -222,6 +228,58 @@ class Growth:
         return after
 
 
+#: Optimizer class -> its state's running averages of squared gradients (torch's names).
+SECOND_MOMENTS: dict[str, tuple[str, ...]] = {
+    "Adam": ("exp_avg_sq", "max_exp_avg_sq"),
+    "AdamW": ("exp_avg_sq", "max_exp_avg_sq"),
+    "NAdam": ("exp_avg_sq",),
+    "RAdam": ("exp_avg_sq",),
+    "SparseAdam": ("exp_avg_sq",),
+    "RMSprop": ("square_avg",),
+}
+
+
+def second_moment_factor(noise: float, before: int, after: int) -> float:
+    """The expected squared gradient at `after` samples per optimizer step over that at `before`,
+    at gradient noise scale `noise`: ``E|g|^2 = |G|^2 (1 + noise / B)`` (McCandlish et al. 2018).
+
+    Example:
+        >>> round(second_moment_factor(400.0, 32, 64), 3)  # mostly noise: about a half
+        0.537
+        >>> round(second_moment_factor(4.0, 32, 64), 3)  # mostly the true gradient: about the same
+        0.944
+    """
+    return (1 + noise / after) / (1 + noise / before)
+
+
+def rescale_second_moments(optimizer: torch.optim.Optimizer, factor: float) -> str | None:
+    """Multiply `optimizer`'s running averages of squared gradients by `factor`, in place; the
+    name of its class (or of the optimizer a ``ZeroRedundancyOptimizer`` shards) when it has
+    them (`SECOND_MOMENTS`, a subclass's too), else ``None``, touching nothing.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> adam = torch.optim.Adam([w])
+        >>> w.grad = torch.full((2,), 2.0); adam.step()
+        >>> rescale_second_moments(adam, 0.5), adam.state[w]["exp_avg_sq"]
+        ('Adam', tensor([0.0020, 0.0020]))
+        >>> rescale_second_moments(torch.optim.SGD([w], lr=0.1), 0.5) is None
+        True
+    """
+    inner = getattr(optimizer, "optim", None)
+    if type(optimizer).__name__ == "ZeroRedundancyOptimizer" and isinstance(inner, torch.optim.Optimizer):
+        optimizer = inner  # its state is this rank's shard of the optimizer it wraps
+    found = next((c.__name__ for c in type(optimizer).__mro__ if c.__name__ in SECOND_MOMENTS), None)
+    if found is None:
+        return None
+    for state in optimizer.state.values():
+        for key in SECOND_MOMENTS[found]:
+            value = state.get(key)
+            if isinstance(value, Tensor):
+                value.mul_(factor)
+    return type(optimizer).__name__
+
+
 def grown_size(trials: Sequence[Trial], limits: Limits, current: int, noise: NoiseScale) -> Trial | None:
     """The measured size above `current` that `choose` takes at the re-estimated `noise` (the
     smallest within the tolerance of the best goodput, at least `limits.min_efficiency`
@@ -288,6 +346,7 @@ def grown(
         "lr_before": decision.lr_factor,
         "lr_factor": factor,
         "warmup_steps": warmup_steps if factor > decision.lr_factor else 0,
+        "second_moment": second_moment_factor(noise.value, limits.effective(decision.batch_size), effective),
     }
     return decision.replace(
         batch_size=trial.size,
