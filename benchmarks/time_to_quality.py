@@ -22,7 +22,7 @@ shared host one pair's ratio moves by 10-20 % from run to run.
 Each boosted fit has a cache directory of its own (``LIGHTNING_BOOST_CACHE_DIR`` too, where the
 precision's measurement is cached), so every one starts cold.
 
-Run: ``python -m benchmarks time_to_quality``.
+Run: ``python -m benchmarks time_to_quality`` (one workload: ``'time_to_quality:only=mlp (12 epochs)'``).
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ from typing_extensions import override
 
 from benchmarks.common import Row
 from lightning_boost import AutoBatchSize, BoostedDataModule, WorkerTuning, boost_callbacks, preset
+from lightning_boost._validation import unknown_choice_error
 from lightning_boost.batch_size.decision import BatchSizeDecision
 from lightning_boost.demo import (
     ClassImages,
@@ -309,9 +310,13 @@ class _Pair:
         return self.plain_s / boosted_s if boosted_s else 0.0
 
 
-def run(pairs: int = 3) -> list[Row]:
-    """One row per workload: the median of `pairs` alternating plain/boosted pairs."""
-    return [_row(workload, pairs) for workload in WORKLOADS]
+def run(pairs: int = 3, only: str = "") -> list[Row]:
+    """One row per workload (the one named `only`, when given): the median of `pairs` alternating
+    plain/boosted pairs."""
+    names = [workload.name for workload in WORKLOADS]
+    if only and only not in names:
+        raise unknown_choice_error("only", only, names)
+    return [_row(workload, pairs) for workload in WORKLOADS if only in ("", workload.name)]
 
 
 def _row(workload: Workload, pairs: int) -> Row:
