@@ -141,7 +141,7 @@ def test_time_to_quality_row_is_the_median_pair_at_tiny_size() -> None:
     assert len(ratios) == 3 and ratios == sorted(ratios, key=float) and f"{row.ratio:.2f}" == ratios[1]
     assert "median of 3 alternating pairs" in row.detail and "the median pair reached" in row.detail
     assert time_to_quality._finals([0.5, 0.25]) == "0.5, 0.25"
-    with pytest.raises(ValueError, match="only.*'mlp'"):  # one workload, named as its rows name it
+    with pytest.raises(ValueError, match=r"only.*'mlp'"):  # one workload, named as its rows name it
         time_to_quality.run(only="mpl")
 
 
