@@ -11,6 +11,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from lightning.pytorch.utilities.combined_loader import _shutdown_workers_and_reset_iterator
 from test_goodput import Classes, OneCycleMLP, quiet_trainer
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
@@ -47,7 +48,8 @@ def test_a_deferred_loader_starts_its_workers_at_its_first_batch_with_a_plain_lo
 
 def test_a_deferred_loader_started_early_loads_as_if_iterated_then() -> None:
     torch.manual_seed(0)
-    plain = iter(shuffled(persistent_workers=True))
+    plain_loader = shuffled(persistent_workers=True)
+    plain = iter(plain_loader)
     after = torch.rand(1)
     loader = shuffled(SameOrderDataLoader, persistent_workers=True)
     loader.defer_start = True
@@ -61,6 +63,12 @@ def test_a_deferred_loader_started_early_loads_as_if_iterated_then() -> None:
     assert [b[0].tolist() for b in iterator] == [b[0].tolist() for b in plain]
     start_deferred_workers(loader)  # started once; nothing more
     assert workers() - before == started  # its persistent worker, and no other
+    # the persistent workers end here, as a fit's end ends them: an iterator with live workers left
+    # to the cyclic garbage collector costs 5 s a worker (its queues close before its `__del__` asks
+    # the workers to stop); in the full suite a later test's batch-size trial paid them and kept 32
+    for ended in (loader, plain_loader):
+        _shutdown_workers_and_reset_iterator(ended)
+    assert not workers() - before
 
 
 class Workers(Classes):
@@ -102,8 +110,8 @@ def test_a_loader_built_early_and_thrown_away_at_the_tuned_size_never_starts_its
 ) -> None:
     callback = AutoBatchSize(retune=True, cache_dir=tmp_path / "cache", min_efficiency=0.5)
     model = OneCycleMLP()  # `estimated_stepping_batches` builds the batch-32 loader before the fit
-    # the run-length rules lifted: twice (at 1 and at 3 epochs) a CI run took 5.1 s over its first
-    # trial, which the planned run could not repay, and kept 32; this test is about the loader
+    # the run-length rules lifted: this test is about the loader (twice a CI run's first trial took
+    # 5.1 s, the garbage workers of the test above, and the 3-epoch run kept 32)
     trainer = quiet_trainer(tmp_path, [callback, Sanity(started)], max_epochs=3)
     trainer.fit(model, datamodule=Workers(samples=16384, batch_size=32))
     decision = callback.decision
