@@ -42,6 +42,7 @@ BENCHMARKS = (
     "checkpoint_saves",
     "noise_scale",
     "growth_moments",
+    "grown_workers",
     "batch_quality",
     "monitor_overhead",
     "report_plots",

@@ -192,6 +192,15 @@ def test_noise_scale_benchmark_runs_at_tiny_size() -> None:
     assert 0 <= gpu.ratio <= 1 and "resnet18 at 32 px" in gpu.detail and "x2 limit is 128" in gpu.detail
 
 
+def test_grown_workers_benchmark_fits_each_way_at_tiny_size() -> None:
+    from benchmarks import grown_workers
+
+    (row,) = grown_workers.run(rounds=1, epochs=2, samples=1024)
+    assert row.ratio > 0 and row.command == grown_workers.COMMAND
+    finals = re.findall(r"\((?:final val acc, workers at 128: )?(0\.\d+), 0\)", row.detail)
+    assert len(finals) == 3 and len(set(finals)) == 1  # 32 batches an epoch: none searched, the same fits
+
+
 def test_growth_moments_benchmark_rescales_at_each_growth_at_tiny_size() -> None:
     from benchmarks import growth_moments
 

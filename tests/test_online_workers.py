@@ -626,6 +626,36 @@ def test_the_evaluation_loader_follows_and_reloading_reuses_the_choice(tmp_path:
     assert trainer.val_dataloaders.num_workers == choice.num_workers  # type: ignore[union-attr]
 
 
+class _Grown(L.Callback):
+    """Grows the datamodule's batch 4x after the first epoch, as a batch-size schedule (or
+    `AutoBatchSize(grow=True)`) does; the loader rebuilt at it has 60 batches an epoch."""
+
+    @override
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        data = trainer.datamodule  # type: ignore[attr-defined]
+        if trainer.current_epoch == 0:
+            data.batch_size *= 4
+
+
+def test_a_grown_batch_too_short_to_search_keeps_the_workers_found_at_the_smaller_one(tmp_path: Path) -> None:
+    """A loader whose samples take 1 ms to load, searched at batch 4 on 240 batches (the workers
+    win), then rebuilt at 16: 60 batches an epoch, too few to search. Before, that loader went back
+    to the CPU's prior, loading in the main process (by hand, 2026-12-02: a grown run found 2
+    workers faster at 32 loaded in the main process at 64 and 128, its fit 1.5x as long)."""
+    data = Data(IndexedData(SAMPLES, load_s=0.001), shuffle=False)
+    model = _fit(tmp_path, data, max_epochs=2, reload_dataloaders_every_n_epochs=1, callbacks=[_Grown()])
+    found, grown = data.worker_tuner.choices.values()
+    assert found.source == "searched" and found.num_workers > 0
+    assert grown.source == "carried" and (grown.num_workers, grown.prefetch_factor) == (
+        found.num_workers,
+        found.prefetch_factor,
+    )
+    assert "as searched at batch 4, not searched: the first epoch has 60 batches" in grown.reason
+    trainer = data.trainer
+    assert trainer is not None and trainer.train_dataloader.num_workers == found.num_workers  # type: ignore[union-attr]
+    assert model.seen[1] == list(range(SAMPLES))  # every sample once, in order
+
+
 def test_a_warm_cache_starts_at_the_cached_setting(tmp_path: Path) -> None:
     first = Data()
     _fit(tmp_path, first, max_epochs=1)

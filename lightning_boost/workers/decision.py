@@ -237,6 +237,8 @@ def choice_findings(source: str, choice: WorkerChoice, loader: str = "") -> list
         " winner's rate.",
         "cache": "Reused the cached measurement (`retune=True` measures again).",
         "checkpoint": "Restored from the checkpoint; not measured again.",
+        "carried": "The setting found for this dataset at another batch size in this process: a loader's"
+        " cost per sample does not depend on its batch size, and the machine's prior has fewer workers.",
         "short run": f"Measured {measured}. Tuning took {choice.seconds:.1f} s; a longer run measures"
         " worker counts."
         if choice.trials

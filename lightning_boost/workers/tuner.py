@@ -40,10 +40,13 @@ from lightning_boost.workers.loaders import cannot_measure, fingerprint_parts, m
 from lightning_boost.workers.model_rates import model_step_rates
 from lightning_boost.workers.online import (
     SegmentPlan,
+    Setting,
     plan_segments,
     prior_setting,
+    queue_depth,
     search_online,
     search_start,
+    timeable,
     untimeable_reason,
 )
 from lightning_boost.workers.search import (
@@ -66,6 +69,8 @@ CACHE_FILE = "workers.json"
 MEASURE_BATCH_CAP = 1024
 #: What follows the prior's worker count in a short run's reason, before why (StepTimeMonitor reads it).
 NOT_SEARCHED = ", not searched: "
+#: The choices a later batch size of the same dataset may keep where its epoch cannot search it.
+CARRIED_SOURCES = ("measured", "searched", "cache")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,6 +123,8 @@ class LoaderTuner:
         self._threads_before: int | None = None
         self._split_threads: dict[str, int] = {}  # a CPU run's model threads beside each split's workers
         self._files_before: tuple[tuple[int, int], str] | None = None
+        self._sizes: dict[str, tuple[str, int]] = {}  # each key's dataset (its key without the batch size)
+        self._found: dict[str, tuple[int, WorkerChoice]] = {}  # each dataset's last measured choice
 
     def decide(
         self,
@@ -173,6 +180,7 @@ class LoaderTuner:
                 model += f", feeding {hook}"
         parts = fingerprint_parts(hardware, dataset, batch_size, settings, tuning, model)
         key = cache.fingerprint(parts)
+        self._sizes[key] = (cache.fingerprint({**parts, "batch_size": None}), batch_size)
         self._begin_run()
         pending = self.searches.get(key)
         if pending is not None and pending.choice is None:
@@ -204,6 +212,7 @@ class LoaderTuner:
                 return pending_choice(search), search
             choice = WorkerChoice.from_dict(result)
             self.choices[key] = choice
+            self._remember(key, choice)
             if choice.source == "short run":
                 self._short_runs[key] = workload_samples
             self.findings += choice_findings(self.source, choice, loader) + bound
@@ -240,6 +249,7 @@ class LoaderTuner:
 
         def settled(choice: WorkerChoice) -> None:
             self.choices[key] = choice
+            self._remember(key, choice)
             self.findings += choice_findings(self.source, choice, loader)
             self._told.add(key)
             self.apply_process_settings(hardware, choice.num_workers, choice.threads, split)
@@ -286,9 +296,14 @@ class LoaderTuner:
                 # the counts a search may try split its segments
                 most = workers_allowed(hardware.cpus_per_process, tuning)
                 plan = plan_segments(epoch_batches, run_batches, most, unit)
+                found = self._found.get(self._sizes[key][0])
+                prior = prior_setting(hardware, tuning)
+                carried = None if found is None else carried_choice(*found, ask.batch_size, prior, plan)
+                if carried is not None:
+                    return carried.to_dict()
                 if not plan.why_not and search_start(hardware, tuning, plan) is not None:
                     return {"online": dataclasses.asdict(plan)}
-                workers, factor, _ = prior_setting(hardware, tuning)
+                workers, factor, _ = prior
                 why = plan.why_not or untimeable_reason(hardware, tuning, plan)
                 reason = f"{workers} workers{NOT_SEARCHED}{why}"
                 return WorkerChoice(workers, factor, reason, source="short run").to_dict()
@@ -299,6 +314,12 @@ class LoaderTuner:
         except Exception as err:  # every rank waits on this one: fall back rather than hang them
             reason = f"tuning failed ({type(err).__name__}: {err})"
             return WorkerChoice(0, None, reason, source="error").to_dict()
+
+    def _remember(self, key: str, choice: WorkerChoice) -> None:
+        """Keep `choice` as its dataset's, for a later batch size of it (`carried_choice`)."""
+        if choice.source in CARRIED_SOURCES:
+            data, size = self._sizes[key]
+            self._found[data] = (size, choice)
 
     def _cached(self, path: Path, key: str) -> WorkerChoice | None:
         entry, problem = cache.load_entry(path, key)
@@ -474,6 +495,42 @@ class LoaderTuner:
         for key, data in state.get("choices", {}).items():
             self.choices[key] = WorkerChoice.from_dict(data)
             self.restored.add(key)
+
+
+def carried_choice(
+    measured_at: int, choice: WorkerChoice, batch_size: int, prior: Setting, plan: SegmentPlan
+) -> WorkerChoice | None:
+    """`choice`, measured or searched for the same dataset at batch `measured_at` in this process,
+    kept at `batch_size` where `plan` cannot time its workers (an epoch at a grown batch too short to
+    search), rather than the `prior`. A loader's cost per sample does not depend on its batch size;
+    on a CPU the prior loads in the main process, and a grown run that found 2 workers faster at 32
+    went back to none at 128. ``None`` where the plan times it (searched again) or where the prior
+    has as many workers (a GPU's: the CPU budget).
+
+    Example:
+        >>> searched = WorkerChoice(2, 2, "fastest on the run's own steps", source="searched")
+        >>> short = SegmentPlan(why_not="the first epoch has 64 batches: ...")
+        >>> carried_choice(32, searched, 128, Setting(0), short).reason
+        '2 workers, as searched at batch 32, not searched: the first epoch has 64 batches: ...'
+        >>> carried_choice(32, searched, 64, Setting(0), SegmentPlan(4, 3)).reason.partition(": ")[2]
+        'segments of 4 batches cannot time them (4 batches in flight)'
+        >>> carried_choice(32, searched, 256, Setting(0), SegmentPlan(16, 3)) is None  # timed: searched
+        True
+        >>> carried_choice(32, searched, 128, Setting(15, 2), SegmentPlan(4, 3)) is None  # a GPU's prior
+        True
+    """
+    workers, factor = choice.num_workers, choice.prefetch_factor
+    if measured_at == batch_size or workers <= prior.num_workers:
+        return None
+    if not plan.why_not and timeable(workers, factor, plan):
+        return None
+    why = plan.why_not or (
+        f"segments of {plan.segment_batches} batches cannot time them ({queue_depth(workers, factor)}"
+        " batches in flight)"
+    )
+    how = "searched" if choice.source == "searched" else "measured"
+    reason = f"{workers} workers, as {how} at batch {measured_at}{NOT_SEARCHED}{why}"
+    return choice.replace(reason=reason, trials=(), skipped=(), seconds=0.0, source="carried")
 
 
 def pending_choice(search: OnlineSearch) -> WorkerChoice:
